@@ -1,0 +1,119 @@
+"""The batch that flows between the stages of a step.
+
+Token layout (verl's): prompts left-padded to P, responses right-padded to T, so that
+``input_ids = cat(prompts, responses)`` has every response starting at column P.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridrl.components import RolloutOutput
+
+
+@dataclass
+class Batch:
+    """Tensors of shape (B, ...) and lists of length B, addressed by name: ``batch["scores"]``.
+
+    Standard entries: ``prompts`` (B, P) and ``prompt_mask``; ``responses`` (B, T) and
+    ``response_mask``; ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``,
+    ``advantages`` (B, T); ``scores`` (B,); ``group_ids`` (B,) the prompt each response
+    answers; lists ``prompt_text``, ``response_text``, ``answer``, ``metadata``,
+    ``finish_reason``.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    lists: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        for t in self.tensors.values():
+            return t.shape[0]
+        for v in self.lists.values():
+            return len(v)
+        return 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.lists
+
+    def __getitem__(self, key: str):
+        if key in self.tensors:
+            return self.tensors[key]
+        if key in self.lists:
+            return self.lists[key]
+        raise KeyError(f"Batch has no entry '{key}'. It has: {', '.join(sorted(self.keys()))}.")
+
+    def __setitem__(self, key: str, value) -> None:
+        n = len(self)
+        size = value.shape[0] if isinstance(value, torch.Tensor) else len(value)
+        if (self.tensors or self.lists) and size != n:
+            raise ValueError(f"Batch entry '{key}' has {size} rows, the batch has {n}.")
+        if isinstance(value, torch.Tensor):
+            self.lists.pop(key, None)
+            self.tensors[key] = value
+        else:
+            self.tensors.pop(key, None)
+            self.lists[key] = list(value)
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.lists]
+
+    def select(self, index: torch.Tensor | list[int]) -> Batch:
+        index = torch.as_tensor(index, dtype=torch.long)
+        idx = index.tolist()
+        return Batch(
+            {k: v[index.to(v.device)] for k, v in self.tensors.items()},
+            {k: [v[i] for i in idx] for k, v in self.lists.items()},
+        )
+
+    def split(self, size: int) -> Iterator[Batch]:
+        for start in range(0, len(self), size):
+            yield self.select(list(range(start, min(start + size, len(self)))))
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.lists))
+
+    # -- the sequence view used by forward passes --------------------------------------
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self["prompts"], self["responses"]], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P + T)
+        return torch.cat([self["prompt_mask"], self["response_mask"]], dim=1)
+
+    @classmethod
+    def from_rollout(cls, prompts: list[list[int]], out: RolloutOutput, n: int, pad_id: int) -> Batch:
+        """Build the padded batch for ``prompts`` and ``n`` responses each."""
+        if len(out.token_ids) != len(prompts) * n:
+            raise ValueError(f"Rollout returned {len(out.token_ids)} responses for {len(prompts)} prompts x n={n}.")
+        rows = [prompts[i // n] for i in range(len(out.token_ids))]
+        P = max(len(p) for p in prompts)
+        T = max(1, max(len(r) for r in out.token_ids))
+        B = len(rows)
+        prompt_ids = torch.full((B, P), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros(B, P, dtype=torch.long)
+        resp_ids = torch.full((B, T), pad_id, dtype=torch.long)
+        resp_mask = torch.zeros(B, T, dtype=torch.long)
+        logprobs = torch.zeros(B, T)
+        for b, (p, r, lp) in enumerate(zip(rows, out.token_ids, out.logprobs)):
+            if p:
+                prompt_ids[b, P - len(p) :] = torch.tensor(p)
+                prompt_mask[b, P - len(p) :] = 1
+            if r:
+                resp_ids[b, : len(r)] = torch.tensor(r)
+                resp_mask[b, : len(r)] = 1
+                logprobs[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        batch = cls()
+        batch["prompts"], batch["prompt_mask"] = prompt_ids, prompt_mask
+        batch["responses"], batch["response_mask"] = resp_ids, resp_mask
+        batch["rollout_logprobs"] = logprobs
+        batch["group_ids"] = torch.arange(B) // n
+        batch["finish_reason"] = out.finish_reasons
+        return batch

@@ -1,0 +1,192 @@
+"""Base classes of the components that plugins provide, and the types they exchange.
+
+Every component class has an ``Options`` pydantic model (unknown keys rejected) that the
+core validates its YAML section against, and is built as ``cls(options, ctx)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from hybridrl.batch import Batch
+
+
+class Options(BaseModel):
+    """Base of every component's options: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class RunContext:
+    """What every component may need to know about the run it is part of."""
+
+    model_path: str  # a plain Hugging Face model folder (GGUF files are converted first)
+    tokenizer: Any  # the policy's transformers tokenizer
+    device: torch.device  # the device of the policy on this process
+    dtype: torch.dtype  # the policy's parameter dtype
+    seed: int
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+
+
+class Component:
+    Options: ClassVar[type[Options]] = Options
+
+    def __init__(self, options: Options, ctx: RunContext):
+        self.options = options
+        self.ctx = ctx
+
+
+# --- rollout -----------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class RolloutOutput:
+    """Responses for P prompts x n samples, grouped by prompt: prompt i has rows i*n .. i*n+n-1."""
+
+    token_ids: list[list[int]]  # sampled tokens, the stop token included when one was hit
+    logprobs: list[list[float]]  # logprob of each sampled token under the sampling policy
+    finish_reasons: list[str]  # "stop" or "length"
+
+
+class RolloutEngine(Component):
+    """Generates responses and receives new policy weights in place."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) policy tensors, named as in the HF state dict."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free accelerator memory before training; a no-op where the engine cannot."""
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed, before generation."""
+
+    def close(self) -> None:
+        """Release the engine at the end of the run."""
+
+
+# --- reward ------------------------------------------------------------------------------
+
+
+class RewardFunction(Component):
+    """Scores each response of a batch.
+
+    ``batch["prompt_text"]``, ``batch["response_text"]``, ``batch["answer"]`` and
+    ``batch["metadata"]`` are lists with one entry per response.
+    """
+
+    def score(self, batch: Batch) -> torch.Tensor | list[float]:
+        """Return one scalar per response, shape (B,)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# --- algorithm ---------------------------------------------------------------------------
+
+
+class Algorithm(Component):
+    """Turns rewards into advantages and gives the policy loss of a minibatch."""
+
+    #: how the loss reduces tokens (see hybridrl.functional.agg_loss); the trainer uses it to
+    #: weigh micro-batches so that gradient accumulation is exact.
+    loss_agg_mode: str = "token-mean"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer must compute ``batch["ref_logprobs"]`` with a frozen copy."""
+        return False
+
+    def compute_advantages(self, batch: Batch) -> dict[str, float]:
+        """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks.
+
+        Returns metrics to log.
+        """
+        raise NotImplementedError
+
+    def loss(
+        self, batch: Batch, logprobs: torch.Tensor, entropy: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of a minibatch and its metrics.
+
+        :param batch: the minibatch; ``old_logprobs``, ``advantages``, ``response_mask`` and,
+            when :attr:`needs_reference`, ``ref_logprobs``, all (B, T).
+        :param logprobs: (B, T) logprobs of the responses under the current policy, with grad.
+        :param entropy: (B, T) token entropies of the current policy.
+        """
+        raise NotImplementedError
+
+
+# --- sharding ----------------------------------------------------------------------------
+
+
+class ShardingStrategy(Component):
+    """Places models on devices for training and streams their full weights out."""
+
+    def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def full_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def all_reduce_mean(self, value: float) -> float:
+        """Mean of a scalar over ranks (identity on one process)."""
+        return value
+
+
+# --- data and logging --------------------------------------------------------------------
+
+
+class PromptSource(Component):
+    """A sized collection of rows (dicts); the core shuffles, batches and builds prompts."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict:
+        raise NotImplementedError
+
+
+class Logger(Component):
+    """Receives each step's metrics."""
+
+    def open(self, total_steps: int, start_step: int) -> None:
+        """Called once before the first step (``start_step`` > 0 when resuming)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """Rollout samples (prompt, response, rewards, advantage), every few steps."""
+
+    def close(self) -> None:
+        pass

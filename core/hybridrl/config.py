@@ -1,0 +1,285 @@
+"""The run config: one YAML file, validated by pydantic, with dotted command-line overrides.
+
+Each component section names a plugin (``rollout: {engine: vllm, ...}``). Keys the core
+defines for every plugin of that kind (``n``, ``temperature``...) and keys of the chosen
+plugin's own ``Options`` model live side by side in the section; any other key is an error
+that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from hybridrl import plugins
+
+
+class ConfigError(ValueError):
+    """The config is invalid; the message names the key and the valid choices."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Section(BaseModel):
+    """A component section: core keys here, the plugin's keys validated by its Options."""
+
+    model_config = ConfigDict(extra="allow")
+    _options: Any = PrivateAttr(default=None)
+
+    @property
+    def options(self):
+        """The chosen plugin's validated options (set by :func:`resolve`)."""
+        return self._options
+
+
+class ModelConfig(Strict):
+    path: str = Field(
+        description="A Hugging Face model folder, or a folder holding a GGUF file "
+        "(with gguf_file), or 'package:NAME' for a folder inside an installed package."
+    )
+    gguf_file: str | None = Field(
+        None, description="GGUF file name inside path; converted once to a plain HF folder in the cache."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype of the policy (and reference)."
+    )
+    trust_remote_code: bool = False
+
+
+class DataConfig(Section):
+    source: str = Field("hf", description="Prompt source plugin.")
+    prompt_column: str = Field("question", description="Row field holding the question, or a list of chat messages.")
+    answer_column: str | None = Field("answer", description="Row field with the ground truth given to rewards.")
+    template: str = Field(
+        "{prompt}",
+        description="Python format string for the user message; {prompt} is "
+        "the prompt column, other row fields are available by name.",
+    )
+    system_prompt: str | None = Field(None, description="System message put before the user message.")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
+    max_prompt_tokens: int = Field(512, gt=0, description="Longer prompts are an error.")
+    shuffle: bool = True
+
+
+class RolloutConfig(Section):
+    engine: str = Field("hf", description="Rollout engine plugin.")
+    n: int = Field(8, gt=0, description="Samples per prompt.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_tokens: int = Field(64, gt=0, description="Maximum response length.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+
+
+class RewardConfig(Section):
+    function: str = Field(description="Reward function plugin.")
+    weight: float = 1.0
+    name: str | None = Field(None, description="Name in logs; defaults to the function name.")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.function
+
+
+class AlgorithmConfig(Section):
+    name: str = Field("grpo", description="Algorithm plugin.")
+
+
+class ShardingConfig(Section):
+    strategy: str = Field("single", description="Sharding strategy plugin.")
+
+
+class TrainerConfig(Strict):
+    steps: int = Field(10, gt=0, description="RL steps (rollout + update) to run.")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts per step; responses = prompts x rollout.n.")
+    mini_batch_size: int | None = Field(
+        None, gt=0, description="Responses per optimizer step; default: all responses of the step (one update)."
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Responses per forward/backward (gradient accumulation); default: the mini-batch."
+    )
+    epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    seed: int = 0
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
+    run_dir: str | None = Field(
+        None, description="Where metrics, samples and checkpoints go; default runs/<config name>-<time>."
+    )
+    sample_every: int = Field(5, ge=0, description="Save rollout samples every N steps (0: never).")
+
+
+class LoggingConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    loggers: list[str] = Field(
+        default_factory=lambda: ["console", "jsonl"],
+        description="Logger plugins; each one's options go under logging.<name>.",
+    )
+    _options: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+
+class RunConfig(Strict):
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: list[RewardConfig] = Field(min_length=1)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> RunConfig:
+    """Read YAML (or take ``data``), apply ``key.sub=value`` overrides, validate everything."""
+    if data is None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (model, rollout, ...).")
+    data = apply_overrides(data, overrides)
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, RunConfig)) from None
+    resolve(cfg)
+    return cfg
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``rollout.n=8`` sets data["rollout"]["n"] = 8; values are parsed as YAML; list items by index."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override '{item}' must look like key.subkey=value (e.g. trainer.steps=5).")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw else None
+        node: Any = data
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"Override '{key}': '{part}' is not an index of a list of {len(node)}.")
+                part = int(part)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"Override '{key}': '{'.'.join(parts[:i])}' is not a section.")
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+    return data
+
+
+def resolve(cfg: RunConfig) -> None:
+    """Look up every named plugin and validate its options; errors list the choices."""
+    sections = [
+        ("rollout engine", "rollout", cfg.rollout, cfg.rollout.engine),
+        ("algorithm", "algorithm", cfg.algorithm, cfg.algorithm.name),
+        ("sharding strategy", "sharding", cfg.sharding, cfg.sharding.strategy),
+        ("dataset", "data", cfg.data, cfg.data.source),
+    ] + [("reward function", f"rewards[{i}]", r, r.function) for i, r in enumerate(cfg.rewards)]
+    for kind, where, section, name in sections:
+        cls = _lookup(kind, name)
+        section._options = _validate_options(cls, section.model_extra or {}, where, kind, name, type(section))
+    labels = [r.label for r in cfg.rewards]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"rewards: two rewards share a name ({', '.join(labels)}); set 'name' on each.")
+    extra = dict(cfg.logging.model_extra or {})
+    for name in cfg.logging.loggers:
+        cls = _lookup("logger", name)
+        sub = extra.pop(name, None) or {}
+        cfg.logging._options[name] = _validate_options(cls, sub, f"logging.{name}", "logger", name, None)
+    if extra:
+        key = next(iter(extra))
+        raise ConfigError(
+            f"Unknown key '{key}' in logging. Valid keys: loggers, and one section per logger in "
+            f"logging.loggers ({', '.join(cfg.logging.loggers)})."
+        )
+
+
+def _lookup(kind: str, name: str) -> type:
+    try:
+        return plugins.lookup(kind, name)
+    except plugins.PluginError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_options(cls, values: dict, where: str, kind: str, name: str, section_cls) -> Any:
+    try:
+        return cls.Options.model_validate(values)
+    except ValidationError as e:
+        core_keys = sorted(section_cls.model_fields) if section_cls else []
+        plugin_keys = sorted(cls.Options.model_fields)
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            if err["type"] == "extra_forbidden":
+                valid = ", ".join(core_keys) if core_keys else ""
+                mine = ", ".join(plugin_keys) or "(none)"
+                lines.append(
+                    f"Unknown key '{key}' in {where} ({kind} '{name}'). Valid keys: "
+                    + (f"{valid}; and for {kind} '{name}': {mine}." if valid else f"{mine}.")
+                )
+            elif err["type"] == "missing":
+                lines.append(f"Missing required key '{where}.{key}' for {kind} '{name}'.")
+            else:
+                lines.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r}).")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
+    lines = []
+    for err in e.errors():
+        loc = err["loc"]
+        dotted = ".".join(str(x) for x in loc)
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(root, loc[:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            where = ".".join(str(x) for x in loc[:-1]) or "the top level"
+            lines.append(f"Unknown key '{loc[-1]}' in {where}. Valid keys: {valid}.")
+        elif err["type"] == "missing":
+            lines.append(f"Missing required key '{dotted}'.")
+        else:
+            lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r}).")
+    return "\n".join(lines)
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", None)
+        if args:  # list[RewardConfig] or X | None
+            ann = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), ann)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,140 @@
+"""Shared RL math: small pure functions on tensors.
+
+Shapes: B = responses in the batch, T = response length (padded). ``mask`` is a (B, T) float
+or bool tensor, 1 on real response tokens. Conventions follow volcengine/verl's
+``trainer/ppo/core_algos.py`` so that numbers are comparable across frameworks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3")
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is 1; 0 when the mask is empty."""
+    return masked_sum(values, mask, dim) / mask.sum(dim).clamp(min=1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n <= 1:
+            raise ValueError("masked_var: at least two unmasked values are needed for the unbiased variance")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) over the mask, unbiased variance."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a (B, T) loss to a scalar.
+
+    - ``token-mean``: sum over all tokens / number of tokens.
+    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum.
+    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean.
+    - ``seq-mean-token-sum-norm``: sum of token sums / T (Dr. GRPO's constant normaliser).
+    """
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    seq_sums = (loss * mask).sum(-1)  # (B,)
+    if mode == "seq-mean-token-sum":
+        return seq_sums.mean()
+    if mode == "seq-mean-token-mean":
+        return (seq_sums / mask.sum(-1).clamp(min=1e-8)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return seq_sums.sum() / mask.shape[-1]
+    raise ValueError(f"Unknown loss aggregation mode '{mode}'. Available: {', '.join(AGG_MODES)}.")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference, (B, T).
+
+    ``k1``: logp - ref; ``abs``: |logp - ref|; ``k2``: 0.5 (logp - ref)^2;
+    ``k3``: exp(x) - x - 1 with x = clamp(ref - logp, -20, 20), clamped to [-10, 10].
+    """
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp).square()
+    if kind == "k3":
+        x = torch.clamp(ref_logp - logp, -20.0, 20.0)
+        return torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)
+    raise ValueError(f"Unknown KL kind '{kind}'. Available: {', '.join(KL_KINDS)}.")
+
+
+def policy_loss(
+    old_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with dual clip for negative advantages; all tensors (B, T).
+
+    ratio = exp(clamp(logp - old, -20, 20)); per token
+    L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and for A < 0 additionally
+    L = min(L, -A clip_c) (dual clip, Ye et al. 2020). Returns the aggregated loss and the
+    metrics ``clipfrac``, ``clipfrac_lower`` and ``ppo_kl`` (mean of old - logp).
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_c
+    dual = torch.minimum(loss3, clipped)
+    losses = torch.where(advantages < 0, dual, clipped)
+    metrics = {
+        "clipfrac": masked_mean((loss2 > loss1).to(logp.dtype), mask).detach(),
+        "clipfrac_lower": masked_mean(((clipped > loss3) & (advantages < 0)).to(logp.dtype), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return agg_loss(losses, mask, agg_mode), metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dimension: (..., V) -> (...)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[tokens]: (..., V), (...) -> (...), computed in float32."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: str) -> float:
+    """Factor for a micro-batch's loss so that accumulated gradients equal the mini-batch's.
+
+    token-mean weighs by tokens, the seq-mean modes by sequences, and the constant-normaliser
+    mode sums (its normaliser does not depend on the micro-batch).
+    """
+    if mode == "token-mean":
+        return float(micro_mask.sum() / mini_mask.sum().clamp(min=1))
+    if mode == "seq-mean-token-sum-norm":
+        return 1.0
+    if mode in AGG_MODES:
+        return micro_mask.shape[0] / mini_mask.shape[0]
+    raise ValueError(f"Unknown loss aggregation mode '{mode}'. Available: {', '.join(AGG_MODES)}.")

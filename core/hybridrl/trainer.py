@@ -1,0 +1,400 @@
+"""The RL loop: rollout -> reward -> logprobs -> advantages -> update -> weight sync -> log."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from hybridrl import functional as F
+from hybridrl import plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RunContext, SamplingParams
+from hybridrl.config import ConfigError, RunConfig, dump_config
+from hybridrl.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path, response_logprobs
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, name: str = "run"):
+        self.config = config
+        t = config.trainer
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(t.run_dir or f"runs/{name}-{stamp}")
+        self.start_step = 0
+        self.pm = plugins.get_plugin_manager()
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg, t = self.config, self.config.trainer
+        seed_everything(t.seed)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        device = pick_device(t.device)
+        model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
+        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        self.ctx = RunContext(
+            model_path=model_path,
+            tokenizer=self.tokenizer,
+            device=device,
+            dtype=DTYPES[cfg.model.dtype],
+            seed=t.seed,
+            run_dir=self.run_dir,
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+
+        self.data = self._build("dataset", cfg.data.source, cfg.data.options)
+        check_columns(self.data, cfg)
+        self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
+        self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
+        self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
+        self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
+
+        load = lambda: load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)  # noqa: E731
+        self.policy = self.strategy.wrap(load().train(), trainable=True)
+        self.ref = None
+        if self.algorithm.needs_reference:
+            self.ref = self.strategy.wrap(load().eval().requires_grad_(False), trainable=False)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay
+        )
+        warmup = max(1, t.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
+        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in cfg.logging.loggers]
+
+    def _build(self, kind: str, name: str, options):
+        return plugins.lookup(kind, name)(options, self.ctx)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        self.setup()
+        total = self.config.trainer.steps
+        for logger in self.loggers:
+            logger.open(total, self.start_step)
+        self.pm.hook.on_train_start(trainer=self)
+        metrics: dict[str, float] = {}
+        try:
+            for step in range(self.start_step + 1, total + 1):
+                metrics = self.step(step)
+        finally:
+            self.pm.hook.on_train_end(trainer=self, metrics=metrics)
+            for logger in self.loggers:
+                logger.close()
+            self.engine.close()
+        return metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, t, r = self.config, self.config.trainer, self.config.rollout
+        timer = Timer()
+        metrics: dict[str, float] = {}
+
+        with timer("rollout"):
+            rows = [self.data[i] for i in self.prompts.take(t.prompts_per_step)]
+            prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer) for row in rows))
+            sampling = SamplingParams(
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+                max_tokens=r.max_tokens,
+                stop=r.stop,
+                seed=t.seed * 100_003 + step,
+            )
+            self.engine.wake_up()
+            out = self.engine.generate(list(prompt_ids), sampling)
+        batch = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
+        batch["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(batch))]
+        batch["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        col = cfg.data.answer_column
+        batch["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(batch))]
+        batch["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(batch))]
+
+        with timer("reward"):
+            metrics |= self.score(batch)
+        self.engine.sleep()
+        batch = batch.to(self.ctx.device)
+        with timer("logprobs"):
+            metrics |= self.compute_logprobs(batch)
+        with timer("advantages"):
+            metrics |= self.algorithm.compute_advantages(batch)
+        with timer("update"):
+            metrics |= self.update(batch, step)
+        with timer("sync"):
+            self.engine.update_weights(self.strategy.full_tensors(self.policy))
+
+        metrics |= batch_metrics(batch, timer.times["rollout"])
+        metrics |= {f"timing/{k}": v for k, v in timer.times.items()}
+        metrics["timing/step"] = sum(timer.times.values())
+        self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=batch)
+        for logger in self.loggers:
+            logger.log(step, metrics)
+            if t.sample_every and step % t.sample_every == 0:
+                logger.log_samples(step, sample_rows(batch, self.rewards))
+        return metrics
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def score(self, batch: Batch) -> dict[str, float]:
+        total = torch.zeros(len(batch))
+        metrics = {}
+        for rc, fn in self.rewards:
+            try:
+                s = torch.as_tensor(fn.score(batch), dtype=torch.float32).reshape(-1)
+            except Exception as e:
+                raise RuntimeError(f"reward '{rc.label}' (function '{rc.function}') failed: {e}") from e
+            if s.shape[0] != len(batch):
+                raise RuntimeError(f"reward '{rc.label}' returned {s.shape[0]} scores for {len(batch)} responses.")
+            batch[f"reward/{rc.label}"] = s
+            metrics[f"reward/{rc.label}/mean"] = s.mean().item()
+            total += rc.weight * s
+        batch["scores"] = total
+        metrics |= {
+            "reward/mean": total.mean().item(),
+            "reward/std": total.std().item() if len(total) > 1 else 0.0,
+            "reward/min": total.min().item(),
+            "reward/max": total.max().item(),
+        }
+        return metrics
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> dict[str, float]:
+        """Old logprobs when the step makes several updates; reference logprobs when needed."""
+        metrics = {}
+        if not self._on_policy(len(batch)):
+            batch["old_logprobs"] = self._forward(self.policy, batch)
+            metrics |= mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
+        if self.ref is not None:
+            batch["ref_logprobs"] = self._forward(self.ref, batch)
+        return metrics
+
+    def _forward(self, model, batch: Batch) -> torch.Tensor:
+        size = self.config.trainer.micro_batch_size or len(batch)
+        T = batch["responses"].shape[1]
+        parts = [
+            response_logprobs(model, mb.input_ids, mb.attention_mask, T, self.config.rollout.temperature)[0]
+            for mb in batch.split(size)
+        ]
+        return torch.cat(parts)
+
+    def _on_policy(self, batch_size: int) -> bool:
+        t = self.config.trainer
+        return t.epochs == 1 and (t.mini_batch_size or batch_size) >= batch_size
+
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
+        t = self.config.trainer
+        mini = t.mini_batch_size or len(batch)
+        micro = t.micro_batch_size or mini
+        on_policy = self._on_policy(len(batch))
+        T = batch["responses"].shape[1]
+        gen = torch.Generator().manual_seed(t.seed * 7919 + step)
+        stats: dict[str, list[float]] = defaultdict(list)
+        self.policy.train()
+        for _ in range(t.epochs):
+            order = torch.randperm(len(batch), generator=gen) if not on_policy else torch.arange(len(batch))
+            for mb in batch.select(order).split(mini):
+                self.optimizer.zero_grad(set_to_none=True)
+                for part in mb.split(micro):
+                    logprobs, entropy = response_logprobs(
+                        self.policy,
+                        part.input_ids,
+                        part.attention_mask,
+                        T,
+                        self.config.rollout.temperature,
+                        with_entropy=True,
+                    )
+                    if on_policy:  # one update: the policy that sampled is the one being updated
+                        part["old_logprobs"] = logprobs.detach()
+                        for k, v in mismatch_metrics(
+                            part["rollout_logprobs"], logprobs.detach(), part["response_mask"]
+                        ).items():
+                            stats[k].append(v)
+                    loss, m = self.algorithm.loss(part, logprobs, entropy)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"step {step}: the policy loss is {loss.item()} ({m}).")
+                    weight = F.micro_batch_weight(
+                        part["response_mask"], mb["response_mask"], self.algorithm.loss_agg_mode
+                    )
+                    (loss * weight).backward()
+                    stats["actor/entropy"].append(F.masked_mean(entropy, part["response_mask"]).item())
+                    for k, v in m.items():
+                        stats[k].append(float(v))
+                grad_norm = self.strategy.clip_grad_norm(self.policy, t.max_grad_norm)
+                stats["actor/grad_norm"].append(grad_norm)
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    stats["actor/skipped_updates"].append(1.0)
+        stats["actor/lr"].append(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        if "rollout/logprob_diff_max" in stats:
+            out["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"])
+        return out
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+class Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+
+class PromptOrder:
+    """Which row comes next: a seeded permutation per epoch and a position, so it can resume."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True):
+        if size == 0:
+            raise ValueError("data: the prompt source has no rows.")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.size:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()
+
+
+def encode_prompt(row: dict, data_cfg, tokenizer) -> tuple[list[int], str]:
+    """Token ids and text of the prompt for a row: template, system prompt, chat template."""
+    value = row[data_cfg.prompt_column]
+    if isinstance(value, list):  # already chat messages
+        messages = list(value)
+    else:
+        try:
+            content = data_cfg.template.format(prompt=value, **row)
+        except KeyError as e:
+            raise ConfigError(
+                f"data.template uses {{{e.args[0]}}}, which rows do not have. Row fields: {', '.join(row)}."
+            ) from None
+        messages = [{"role": "user", "content": content}]
+    if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": data_cfg.system_prompt}] + messages
+    if data_cfg.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = "\n".join(m["content"] for m in messages)
+        ids = tokenizer(text)["input_ids"]
+    if len(ids) > data_cfg.max_prompt_tokens:
+        raise ConfigError(
+            f"A prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
+            f"{data_cfg.max_prompt_tokens}. Raise it or shorten the template: {text[:80]!r}..."
+        )
+    return ids, text
+
+
+def check_columns(source, cfg: RunConfig) -> None:
+    columns = getattr(source, "columns", None) or list(source[0])
+    for key in ("prompt_column", "answer_column"):
+        col = getattr(cfg.data, key)
+        if col is not None and col not in columns:
+            raise ConfigError(
+                f"data.{key} is '{col}', but the rows have no such field. "
+                f"Fields: {', '.join(columns)}. Set data.{key} to one of them."
+            )
+
+
+def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's for the same weights and tokens."""
+    diff = (rollout_lp.to(train_lp.device) - train_lp).abs() * mask
+    return {
+        "rollout/logprob_diff_mean": F.masked_mean(diff, mask).item(),
+        "rollout/logprob_diff_max": diff.max().item(),
+    }
+
+
+def batch_metrics(batch: Batch, rollout_time: float) -> dict[str, float]:
+    lengths = batch["response_mask"].sum(-1).float()
+    clipped = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
+    adv = batch.get("advantages")
+    out = {
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": clipped,
+        "prompt_length/mean": batch["prompt_mask"].sum(-1).float().mean().item(),
+        "throughput/rollout_tokens_per_s": lengths.sum().item() / max(rollout_time, 1e-9),
+    }
+    if adv is not None:
+        mask = batch["response_mask"]
+        out["advantages/mean"] = F.masked_mean(adv, mask).item()
+        out["advantages/max"] = adv[mask.bool()].max().item() if mask.any() else 0.0
+        out["advantages/min"] = adv[mask.bool()].min().item() if mask.any() else 0.0
+    return out
+
+
+def sample_rows(batch: Batch, rewards) -> list[dict]:
+    rows = []
+    adv = batch.get("advantages")
+    for i in range(len(batch)):
+        row = {
+            "prompt": batch["prompt_text"][i],
+            "response": batch["response_text"][i],
+            "answer": batch["answer"][i],
+            "score": batch["scores"][i].item(),
+            "finish_reason": batch["finish_reason"][i],
+        }
+        row |= {f"reward/{rc.label}": batch[f"reward/{rc.label}"][i].item() for rc, _ in rewards}
+        if adv is not None:
+            row["advantage"] = adv[i, 0].item()
+        rows.append(row)
+    return rows
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.device is '{name}', but torch sees no CUDA device "
+            f"(torch {torch.__version__}). Use trainer.device=cpu."
+        )
+    return device

@@ -1,0 +1,102 @@
+"""Config validation: errors name the key and list the valid choices."""
+
+import pytest
+from hybridrl.config import ConfigError, apply_overrides, load_config
+
+BASE = {
+    "model": {"path": "unused"},
+    "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 10},
+    "rewards": [{"function": "reasoning_gym"}],
+}
+
+
+def load(extra=None, overrides=()):
+    data = {**BASE, **(extra or {})}
+    return load_config(data=data, overrides=list(overrides))
+
+
+def test_valid_config_resolves_plugin_options():
+    cfg = load({"rollout": {"engine": "hf", "n": 4, "batch_size": 2}, "algorithm": {"name": "grpo", "kl_coef": 0.1}})
+    assert cfg.rollout.n == 4
+    assert cfg.rollout.options.batch_size == 2  # the hf engine's own option
+    assert cfg.algorithm.options.kl_coef == 0.1
+    assert cfg.data.options.task == "chain_sum"
+
+
+def test_unknown_top_level_key_lists_sections():
+    with pytest.raises(ConfigError) as e:
+        load({"trainr": {}})
+    assert "Unknown key 'trainr' in the top level" in str(e.value)
+    assert "trainer" in str(e.value) and "rollout" in str(e.value)
+
+
+def test_unknown_core_key_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"Unknown key 'stepz' in trainer\. Valid keys: .*steps"):
+        load({"trainer": {"stepz": 3}})
+
+
+def test_unknown_section_key_lists_core_and_plugin_keys():
+    with pytest.raises(ConfigError) as e:
+        load({"rollout": {"engine": "hf", "temprature": 0.5}})
+    msg = str(e.value)
+    assert "Unknown key 'temprature' in rollout (rollout engine 'hf')" in msg
+    assert "temperature" in msg and "batch_size" in msg
+
+
+def test_unknown_plugin_name_lists_available():
+    with pytest.raises(ConfigError) as e:
+        load({"rollout": {"engine": "vlm"}})
+    assert "Unknown rollout engine 'vlm' (rollout.engine). Available: hf" in str(e.value)
+    assert "hybridrl plugins" in str(e.value)
+
+
+def test_unknown_reward_function_lists_available():
+    with pytest.raises(ConfigError, match="Available: answer_match, format, reasoning_gym"):
+        load({"rewards": [{"function": "exact"}]})
+
+
+def test_bad_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"rollout\.n: Input should be greater than 0"):
+        load({"rollout": {"n": 0}})
+
+
+def test_missing_rewards():
+    with pytest.raises(ConfigError, match="Missing required key 'rewards'"):
+        load_config(data={"model": {"path": "x"}})
+
+
+def test_duplicate_reward_names_are_rejected():
+    with pytest.raises(ConfigError, match="two rewards share a name"):
+        load({"rewards": [{"function": "reasoning_gym"}, {"function": "reasoning_gym"}]})
+
+
+def test_unknown_logger_option_lists_keys():
+    with pytest.raises(ConfigError, match="Unknown key 'colour' in logging.console"):
+        load({"logging": {"loggers": ["console"], "console": {"colour": True}}})
+
+
+def test_overrides_set_nested_values_and_list_items():
+    cfg = load(overrides=["trainer.steps=5", "rollout.n=2", "rewards.0.weight=0.5", 'rollout.stop=["\\n"]'])
+    assert cfg.trainer.steps == 5 and cfg.rollout.n == 2 and cfg.rewards[0].weight == 0.5
+    assert cfg.rollout.stop == ["\n"]
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match="must look like key.subkey=value"):
+        apply_overrides({}, ["trainer.steps"])
+    with pytest.raises(ConfigError, match="not an index"):
+        apply_overrides({"rewards": [{}]}, ["rewards.3.weight=1"])
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_missing_plugin_key_names_section_and_plugin():
+    with pytest.raises(ConfigError, match=r"Missing required key 'data.path' for dataset 'hf'"):
+        load({"data": {"source": "hf"}})

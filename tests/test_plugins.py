@@ -1,0 +1,121 @@
+"""Plugin discovery through real entry points, the allow-list, duplicates, and hook docs."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hybridrl import hookspecs, plugins
+from hybridrl.components import RolloutEngine
+from hybridrl.hookspecs import hookimpl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "hybridrl.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def test_installed_plugin_is_found_through_its_entry_point():
+    out = run_cli("plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    infos = {i["name"]: i for i in json.loads(out.stdout)}
+    assert infos["grpo"]["package"] == "hybridrl-algo-grpo"
+    assert infos["grpo"]["registered"] == {"algorithm": ["grpo"]}
+    assert infos["hybridrl.builtin.rollout_hf"]["registered"] == {"rollout engine": ["hf"]}
+
+
+def test_plugins_text_output_names_versions():
+    out = run_cli("plugins")
+    assert re.search(r"^grpo \(hybridrl-algo-grpo \d+\.\d+\.\d+\) - algorithm: grpo$", out.stdout, re.M), out.stdout
+
+
+def test_allow_list_limits_entry_point_plugins():
+    out = run_cli("plugins", "--json", env={"HYBRIDRL_LOAD_PLUGINS": ""})
+    names = {i["name"] for i in json.loads(out.stdout)}
+    assert "grpo" not in names
+    assert "hybridrl.builtin.rewards" in names  # built-ins always load
+
+
+class OtherHF:
+    class Engine(RolloutEngine):
+        pass
+
+    @hookimpl
+    def register_rollout_engines(self, register):
+        register("hf", self.Engine)
+
+
+def test_duplicate_name_is_an_error_naming_both(register_plugin):
+    register_plugin(OtherHF(), name="my-plugin")
+    with pytest.raises(plugins.PluginError) as e:
+        plugins.registry()
+    msg = str(e.value)
+    assert "Two plugins register the rollout engine 'hf'" in msg
+    assert "'hybridrl.builtin.rollout_hf' (package 'hybridrl')" in msg and "'my-plugin'" in msg
+
+
+def test_registering_a_non_component_is_an_error(register_plugin):
+    class Bad:
+        @hookimpl
+        def register_algorithms(self, register):
+            register("bad", dict)
+
+    register_plugin(Bad(), name="bad-plugin")
+    with pytest.raises(plugins.PluginError, match="not a subclass of hybridrl.components.Algorithm"):
+        plugins.registry()
+
+
+def test_in_code_plugin_is_usable(register_plugin):
+    class Mine:
+        class Engine(RolloutEngine):
+            pass
+
+        @hookimpl
+        def register_rollout_engines(self, register):
+            register("mine", self.Engine)
+
+    register_plugin(Mine(), name="mine")
+    assert plugins.lookup("rollout engine", "mine") is Mine.Engine
+
+
+def test_misspelled_hook_fails_loudly():
+    import pluggy
+
+    pm = pluggy.PluginManager("hybridrl")
+    pm.add_hookspecs(hookspecs)
+
+    class Typo:
+        @hookimpl
+        def register_rollout_engine(self, register):  # missing "s"
+            pass
+
+    pm.register(Typo())
+    with pytest.raises(pluggy.PluginValidationError, match="register_rollout_engine"):
+        pm.check_pending()
+
+
+def test_every_hook_is_documented_with_an_example():
+    doc = (ROOT / "docs" / "plugins.md").read_text()
+    hooks = [n for n in dir(hookspecs) if n.startswith(("register_", "on_"))]
+    assert len(hooks) == 10
+    for name in hooks:
+        section = re.search(rf"^### `{name}\(.*?(?=^### |\Z)", doc, re.M | re.S)
+        assert section, f"docs/plugins.md has no section for hook {name}"
+        assert "```python" in section.group(0), f"the section of {name} has no example"
+
+
+def test_config_reference_is_current():
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "scripts" / "config_docs.py"), run_name="not_main")["main"]()
+    assert gen == (ROOT / "docs" / "config.md").read_text(), "run: python scripts/config_docs.py > docs/config.md"
