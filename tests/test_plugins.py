@@ -107,7 +107,7 @@ def test_misspelled_hook_fails_loudly():
 def test_every_hook_is_documented_with_an_example():
     doc = (ROOT / "docs" / "plugins.md").read_text()
     hooks = [n for n in dir(hookspecs) if n.startswith(("register_", "on_"))]
-    assert len(hooks) == 10
+    assert len(hooks) == 11
     for name in hooks:
         section = re.search(rf"^### `{name}\(.*?(?=^### |\Z)", doc, re.M | re.S)
         assert section, f"docs/plugins.md has no section for hook {name}"
@@ -119,3 +119,18 @@ def test_config_reference_is_current():
 
     gen = runpy.run_path(str(ROOT / "scripts" / "config_docs.py"), run_name="not_main")["main"]()
     assert gen == (ROOT / "docs" / "config.md").read_text(), "run: python scripts/config_docs.py > docs/config.md"
+
+
+def test_plugin_adds_a_cli_command(register_plugin, capsys):
+    from hybridrl.cli import main
+
+    class Hello:
+        @hookimpl
+        def register_commands(self, subparsers):
+            p = subparsers.add_parser("hello", help="Say hello.")
+            p.add_argument("name")
+            p.set_defaults(func=lambda args: print(f"hello {args.name}") or 3)
+
+    register_plugin(Hello(), name="hello")
+    assert main(["hello", "world"]) == 3
+    assert capsys.readouterr().out == "hello world\n"

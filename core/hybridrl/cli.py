@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
     p.set_defaults(func=cmd_plugins)
 
+    plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0

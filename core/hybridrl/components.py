@@ -36,6 +36,7 @@ class RunContext:
     run_dir: Path
     rank: int = 0
     world_size: int = 1
+    strategy: Any = None  # the run's ShardingStrategy, set once it is built (to wrap extra models)
 
 
 class Component:
@@ -121,6 +122,23 @@ class Algorithm(Component):
     def needs_reference(self) -> bool:
         """Whether the trainer must compute ``batch["ref_logprobs"]`` with a frozen copy."""
         return False
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether ``batch["old_logprobs"]`` must exist before :meth:`compute_advantages`.
+
+        Otherwise the trainer computes them only when a step makes several updates (and
+        takes them from the first forward pass when it makes one).
+        """
+        return False
+
+    def filter_batch(self, batch: Batch) -> Batch:
+        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal)."""
+        return batch
+
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
+        """Train the algorithm's own models (a critic) after the policy update; returns metrics."""
+        return {}
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
         """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks.

@@ -90,6 +90,17 @@ def register_datasets(register):
 
 
 @hookspec
+def register_commands(subparsers):
+    """Add subcommands to the ``hybridrl`` command line.
+
+    :param subparsers: the ``argparse`` sub-parsers object of ``hybridrl``. Add a parser
+        with ``subparsers.add_parser(name, help=...)`` and give it
+        ``set_defaults(func=callable)``; the callable receives the parsed arguments and returns
+        an exit code (or None for 0).
+    """
+
+
+@hookspec
 def on_train_start(trainer):
     """Called once after every component is built, before the first step.
 

@@ -54,6 +54,7 @@ class Trainer:
         check_columns(self.data, cfg)
         self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
+        self.ctx.strategy = self.strategy
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
 
@@ -120,6 +121,7 @@ class Trainer:
 
         with timer("reward"):
             metrics |= self.score(batch)
+            batch = self.algorithm.filter_batch(batch)
         self.engine.sleep()
         batch = batch.to(self.ctx.device)
         with timer("logprobs"):
@@ -128,6 +130,7 @@ class Trainer:
             metrics |= self.algorithm.compute_advantages(batch)
         with timer("update"):
             metrics |= self.update(batch, step)
+            metrics |= self.algorithm.update(batch, step)
         with timer("sync"):
             self.engine.update_weights(self.strategy.full_tensors(self.policy))
 
@@ -169,7 +172,7 @@ class Trainer:
     def compute_logprobs(self, batch: Batch) -> dict[str, float]:
         """Old logprobs when the step makes several updates; reference logprobs when needed."""
         metrics = {}
-        if not self._on_policy(len(batch)):
+        if not self._on_policy(len(batch)) or self.algorithm.needs_old_logprobs:
             batch["old_logprobs"] = self._forward(self.policy, batch)
             metrics |= mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
         if self.ref is not None:
@@ -211,7 +214,7 @@ class Trainer:
                         self.config.rollout.temperature,
                         with_entropy=True,
                     )
-                    if on_policy:  # one update: the policy that sampled is the one being updated
+                    if "old_logprobs" not in part:  # one update: the sampling policy is being updated
                         part["old_logprobs"] = logprobs.detach()
                         for k, v in mismatch_metrics(
                             part["rollout_logprobs"], logprobs.detach(), part["response_mask"]
