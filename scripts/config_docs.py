@@ -5,8 +5,9 @@ python scripts/config_docs.py > docs/config.md
 
 from __future__ import annotations
 
-from hybridrl import config, plugins
 from pydantic_core import PydanticUndefined
+
+from hybridrl import config, plugins
 
 SECTIONS = [
     ("model", config.ModelConfig, None),

@@ -1,6 +1,7 @@
 """Config validation: errors name the key and list the valid choices."""
 
 import pytest
+
 from hybridrl.config import ConfigError, apply_overrides, load_config
 
 BASE = {

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hybridrl import plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_tokenizer

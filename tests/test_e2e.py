@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from hybridrl import functional as F
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])

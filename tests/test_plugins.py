@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hybridrl import hookspecs, plugins
 from hybridrl.components import RolloutEngine
 from hybridrl.hookspecs import hookimpl

@@ -1,6 +1,7 @@
 """Rule-based rewards, and reasoning-gym's verifier on real generated problems."""
 
 import pytest
+
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.builtin.rewards import extract_answer, to_number

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams

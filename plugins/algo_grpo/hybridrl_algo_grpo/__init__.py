@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from hybridrl import functional as F
 from hybridrl.components import Algorithm, Options
 from hybridrl.hookspecs import hookimpl
-from pydantic import Field
-
 from hybridrl_algo_grpo.functional import group_advantages
 
 

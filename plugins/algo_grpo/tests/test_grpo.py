@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from hybridrl.batch import Batch
 from hybridrl_algo_grpo.functional import group_advantages
+
+from hybridrl.batch import Batch
 
 
 def test_group_advantages_hand_computed():
