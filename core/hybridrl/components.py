@@ -132,6 +132,11 @@ class Algorithm(Component):
         """
         return False
 
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """Whether ``entropy`` passed to :meth:`loss` must carry gradients (an entropy bonus)."""
+        return False
+
     def filter_batch(self, batch: Batch) -> Batch:
         """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal)."""
         return batch

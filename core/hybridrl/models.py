@@ -123,6 +123,7 @@ def response_logprobs(
     response_len: int,  # T
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (B, T) of the response tokens (the last T columns) and optionally entropies.
 
@@ -142,6 +143,6 @@ def response_logprobs(
     logprobs = F.logprobs_from_logits(logits, tokens)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = F.entropy_from_logits(logits)
     return logprobs, entropy
