@@ -213,6 +213,7 @@ class Trainer:
                         T,
                         self.config.rollout.temperature,
                         with_entropy=True,
+                        entropy_grad=self.algorithm.needs_entropy_grad,
                     )
                     if "old_logprobs" not in part:  # one update: the sampling policy is being updated
                         part["old_logprobs"] = logprobs.detach()
