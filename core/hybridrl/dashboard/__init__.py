@@ -1,0 +1,78 @@
+"""``hybridrl dashboard RUN_DIR``: a local web page with a run's curves, reward distributions
+and rollout samples, following the run while it goes (it reads metrics.jsonl and samples.jsonl).
+
+A built-in plugin: it adds the command through ``register_commands``. The server and chart
+libraries are imported only when the command runs (``pip install 'hybridrl[dashboard]'``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from hybridrl.hookspecs import hookimpl
+
+DEFAULT_PORT = 8265
+
+
+@hookimpl
+def register_commands(subparsers):
+    p = subparsers.add_parser(
+        "dashboard",
+        help="Serve a web page with a run's curves and samples (updates live).",
+        description="Serve a local web page with the reward, KL and length curves, the reward "
+        "distribution per step and a browser of rollout samples of RUN_DIR. The page follows the "
+        "run while it is going.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="A run directory (holding metrics.jsonl).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0 picks a free port)."
+    )
+    p.add_argument("--poll", type=float, default=2.0, help="Seconds between the page's refreshes (default 2).")
+    p.set_defaults(func=cmd_dashboard)
+
+
+def cmd_dashboard(args) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(
+            f"RUN_DIR '{run_dir}' is not a directory. Give a run directory such as runs/<config>-<time> "
+            "(trainer.run_dir of the run)."
+        )
+    if not (run_dir / "metrics.jsonl").exists():
+        print(f"note: {run_dir} has no metrics.jsonl yet; the page will show it once the run writes it.")
+    if not _is_loopback(args.host):
+        print(
+            f"warning: binding {args.host}: anyone who can reach this address can read the run's samples "
+            "(there is no authentication).",
+            file=sys.stderr,
+        )
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from hybridrl.dashboard.server import serve
+    except ImportError as e:
+        raise ImportError(
+            f"hybridrl dashboard needs starlette, uvicorn and plotly ({e}). Install them with: "
+            "pip install 'hybridrl[dashboard]'"
+        ) from None
+    try:
+        serve(run_dir, args.host, args.port, poll_ms=int(args.poll * 1000))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
