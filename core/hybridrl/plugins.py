@@ -22,6 +22,8 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.sharding_single",
     "hybridrl.builtin.datasets",
     "hybridrl.builtin.loggers",
+    "hybridrl.builtin.trackers",
+    "hybridrl.dashboard",
 )
 
 # kind -> (registration hook, base class, YAML key that names it)

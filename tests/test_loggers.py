@@ -1,0 +1,395 @@
+"""Loggers: the JSONL schema, wandb's offline run directory, TensorBoard event files, the console.
+
+One short real run (tiny random Llama, 2 steps, GRPO) writes through jsonl, wandb (offline, no
+account) and tensorboard at once; the tests read each tracker's files back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.builtin.loggers import ConsoleLogger, JSONLLogger, clean_metrics, summary_line
+from hybridrl.components import RunContext
+from hybridrl.config import ConfigError, load_config
+
+STEPS, PROMPTS, N = 2, 2, 4
+REWARDS = [{"function": "format", "pattern": "7"}, {"function": "answer_match", "weight": 0.5}]
+# what the trainer logs every step (names as in verl/TRL), checked against metrics.jsonl
+STEP_METRICS = [
+    "reward/mean",
+    "reward/std",
+    "reward/min",
+    "reward/max",
+    "reward/format/mean",
+    "reward/answer_match/mean",
+    "actor/kl",
+    "actor/entropy",
+    "actor/clipfrac",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/lr",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "response_length/clip_ratio",
+    "throughput/rollout_tokens_per_s",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
+    "advantages/mean",
+    "advantages/max",
+    "advantages/min",
+    "timing/rollout",
+    "timing/reward",
+    "timing/logprobs",
+    "timing/advantages",
+    "timing/update",
+    "timing/sync",
+    "timing/step",
+]
+
+
+def need(module: str, install: str):
+    """Import a tracker library; skip when it is absent, except in CI where it must be installed."""
+    try:
+        return __import__(module)
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{module} is not installed in CI; install it with: pip install {install}")
+        pytest.skip(f"{module} is not installed (pip install {install})")
+
+
+def ctx(run_dir: Path) -> RunContext:
+    return RunContext(
+        model_path="", tokenizer=None, device=torch.device("cpu"), dtype=torch.float32, seed=0, run_dir=run_dir
+    )
+
+
+def strict_json(line: str):
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+@pytest.fixture(scope="module")
+def real_run(tiny_model, tmp_path_factory):
+    """A 2-step GRPO run logging to jsonl, wandb (offline: no API key anywhere) and tensorboard."""
+    need("wandb", "'hybridrl[wandb]'")
+    need("tensorboard", "'hybridrl[tensorboard]'")
+    from hybridrl.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("loggers")
+    run_dir = tmp / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+            mp.delenv(var, raising=False)
+        mp.setenv("NETRC", str(tmp / "no-netrc"))  # no `wandb login` credentials either
+        for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+            mp.setenv(var, str(tmp / var.lower()))
+        mp.setenv("WANDB_SILENT", "true")
+        mp.setenv("WANDB_CONSOLE", "off")
+        cfg = load_config(
+            data={
+                "model": {"path": tiny_model},
+                "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+                "rollout": {"engine": "hf", "n": N, "max_tokens": 8},
+                "rewards": REWARDS,
+                "algorithm": {"name": "grpo", "kl_coef": 0.001},
+                "trainer": {
+                    "steps": STEPS,
+                    "prompts_per_step": PROMPTS,
+                    "lr": 1e-2,
+                    "run_dir": str(run_dir),
+                    "sample_every": 1,
+                },
+                "logging": {
+                    "loggers": ["jsonl", "wandb", "tensorboard"],
+                    "wandb": {"project": "hybridrl-test", "tags": ["ci", "tiny"]},
+                },
+            }
+        )
+        Trainer(cfg, name="loggers").train()
+    metrics = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [strict_json(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return run_dir, metrics, samples
+
+
+# --- JSONL ---------------------------------------------------------------------------------
+
+
+def test_metrics_jsonl_has_one_row_per_step_with_the_known_names(real_run):
+    _, metrics, _ = real_run
+    assert [row["step"] for row in metrics] == list(range(1, STEPS + 1))
+    for row in metrics:
+        missing = [k for k in STEP_METRICS if k not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+        assert isinstance(row["time"], float) and row["time"] > 1.6e9
+        for key, value in row.items():
+            assert value is None or isinstance(value, (int, float)), (key, value)
+    assert metrics[0]["time"] <= metrics[1]["time"]
+
+
+def test_samples_jsonl_rows_match_the_step_metrics(real_run):
+    _, metrics, samples = real_run
+    assert [s["step"] for s in samples] == [s for s in range(1, STEPS + 1) for _ in range(PROMPTS * N)]
+    for s in samples:
+        assert isinstance(s["prompt"], str) and s["prompt"].endswith("assistant\n")
+        assert isinstance(s["response"], str)
+        for key in ("score", "reward/format", "reward/answer_match", "advantage"):
+            assert isinstance(s[key], float), (key, s)
+        # the combined score is the weighted sum of the rewards (weights 1 and 0.5)
+        assert s["score"] == pytest.approx(s["reward/format"] + 0.5 * s["reward/answer_match"])
+        assert s["reward/format"] == float("7" in s["response"])
+    for row in metrics:
+        scores = [s["score"] for s in samples if s["step"] == row["step"]]
+        assert [s["index"] for s in samples if s["step"] == row["step"]] == list(range(PROMPTS * N))
+        assert row["reward/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
+        assert row["reward/max"] == pytest.approx(max(scores)) and row["reward/min"] == pytest.approx(min(scores))
+        # GRPO: advantages are centred within each prompt's group of N responses
+        group = [s for s in samples if s["step"] == row["step"]]
+        for g in range(PROMPTS):
+            assert len({s["prompt"] for s in group[g * N : (g + 1) * N]}) == 1
+            assert sum(s["advantage"] for s in group[g * N : (g + 1) * N]) == pytest.approx(0.0, abs=1e-4)
+
+
+def test_bad_metric_values_never_stop_the_jsonl_logger(tmp_path, caplog):
+    import numpy as np
+
+    logger = JSONLLogger(JSONLLogger.Options(), ctx(tmp_path))
+    logger.open(total_steps=2, start_step=0)
+    with caplog.at_level(logging.WARNING):
+        logger.log(
+            1,
+            {
+                "a": 1,
+                "nan": float("nan"),
+                "inf": -math.inf,
+                "t": torch.tensor(2.5),
+                "np": np.float32(0.25),
+                "text": "oops",
+                "vec": torch.ones(3),
+                "none": None,
+            },
+        )
+    logger.log_samples(1, [{"prompt": "p", "response": "r", "score": float("nan"), "ids": torch.tensor([1, 2])}])
+    logger.close()
+    row = strict_json((tmp_path / "metrics.jsonl").read_text())
+    assert {k: v for k, v in row.items() if k != "time"} == {
+        "step": 1,
+        "a": 1.0,
+        "nan": None,
+        "inf": None,
+        "t": 2.5,
+        "np": 0.25,
+        "none": None,
+    }
+    assert "'text'" in caplog.text and "'vec'" in caplog.text  # dropped, with a warning naming the key
+    sample = strict_json((tmp_path / "samples.jsonl").read_text())
+    assert sample == {"step": 1, "index": 0, "prompt": "p", "response": "r", "score": None, "ids": [1, 2]}
+
+
+def test_jsonl_starts_afresh_and_appends_when_resuming(tmp_path):
+    logger = JSONLLogger(JSONLLogger.Options(), ctx(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 0.0}\n{"step": 2, "x": 0.0}\n')
+    logger.open(total_steps=3, start_step=0)  # a new run owns the files
+    logger.log(1, {"x": 1.0})
+    logger.close()
+    logger.open(total_steps=3, start_step=1)  # resumed after step 1
+    logger.log(2, {"x": 2.0})
+    logger.close()
+    rows = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0)]
+
+
+def test_clean_metrics_keeps_numbers_only():
+    assert clean_metrics({"a": True, "b": 3, "c": float("inf"), "d": [1]}) == {"a": 1.0, "b": 3.0, "c": None}
+
+
+# --- console -------------------------------------------------------------------------------
+
+
+def test_summary_line_is_the_one_line_per_step():
+    m = {
+        "reward/mean": 0.21875,
+        "reward/std": 0.42,
+        "actor/kl": 0.00123,
+        "response_length/mean": 13.44,
+        "actor/pg_loss": 0.0614,
+        "timing/rollout": 4.51,
+        "timing/update": 9.1,
+        "timing/step": 16.24,
+    }
+    assert summary_line(1, 30, m) == (
+        "step 1/30 | reward 0.219 ± 0.420 | kl 0.0012 | len 13.4 | loss +0.0614 | "
+        "rollout 4.5s | update 9.1s | step 16.2s"
+    )
+    # a missing std, a NaN KL or a non-number never raise
+    assert summary_line(2, 30, {"reward/mean": 0.5, "actor/kl": float("nan"), "timing/step": "x"}) == (
+        "step 2/30 | reward 0.500 ± - | kl nan | step ?s"
+    )
+
+
+def test_console_prints_every_n_steps_and_the_last(capsys, tmp_path):
+    logger = ConsoleLogger(ConsoleLogger.Options(every=2), ctx(tmp_path))
+    logger.open(total_steps=3, start_step=0)  # not a terminal under pytest: plain lines, no bar
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": step / 10})
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["step 2/3 | reward 0.200 ± -", "step 3/3 | reward 0.300 ± -"]
+
+
+# --- wandb ---------------------------------------------------------------------------------
+
+
+def wandb_records(path: Path):
+    """Records of a ``.wandb`` transaction log: wandb's LevelDB-style log of protobuf ``Record``s.
+
+    Contract test of wandb's documented on-disk format (header ``:W&B``, magic 0xBEE1, version 0;
+    then 32 KiB blocks of chunks with a 7-byte header: crc32c, length, type full/first/middle/last).
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0), data[:7]
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the block's tail is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending + payload)
+            pending = b""
+            yield record
+        elif kind in (2, 3):
+            pending += payload
+
+
+def test_wandb_offline_run_directory_holds_the_run(real_run):
+    run_dir, metrics, samples = real_run
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((run_dir / "wandb").iterdir())
+    wrun = runs[0]
+    run_id = (run_dir / "wandb-run-id").read_text()
+    assert wrun.name.endswith(f"-{run_id}")
+    log_file = wrun / f"run-{run_id}.wandb"
+    assert log_file.stat().st_size > 0 and (wrun / "files").is_dir() and (wrun / "logs" / "debug.log").is_file()
+
+    history, run_records, configs = {}, [], []
+    for record in wandb_records(log_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items["_step"], {}).update(items)
+        elif kind == "run":  # the run record carries the initial config
+            run_records.append(record.run)
+            configs += [(item.key, json.loads(item.value_json)) for item in record.run.config.update]
+        elif kind == "config":
+            configs += [(item.key, json.loads(item.value_json)) for item in record.config.update]
+    assert sorted(history) == [1, 2]
+    for row in metrics:
+        logged = history[row["step"]]
+        assert logged["reward/mean"] == pytest.approx(row["reward/mean"])
+        assert logged["actor/kl"] == pytest.approx(row["actor/kl"])
+    run = run_records[0]
+    assert (run.project, run.display_name, list(run.tags)) == ("hybridrl-test", "run", ["ci", "tiny"])
+    config = dict(configs)
+    assert config["trainer"]["steps"] == STEPS and config["rollout"]["n"] == N
+
+    # the samples table of each step, as wandb writes a Table: columns + rows, in files/media/table
+    tables = sorted((wrun / "files" / "media" / "table").glob("samples_*.table.json"))
+    assert len(tables) == STEPS
+    last = json.loads(next(t for t in tables if t.name.startswith("samples_2_")).read_text())
+    cols = last["columns"]
+    assert cols[:4] == ["step", "prompt", "response", "answer"] and "advantage" in cols and "reward/format" in cols
+    step2 = [s for s in samples if s["step"] == 2]
+    assert len(last["data"]) == len(step2)
+    assert [row[cols.index("response")] for row in last["data"]] == [s["response"] for s in step2]
+    assert (history[2]["samples._type"], history[2]["samples.nrows"]) == ("table-file", PROMPTS * N)
+
+
+def test_wandb_mode_is_offline_without_an_api_key(tmp_path, monkeypatch):
+    need("wandb", "'hybridrl[wandb]'")
+    from hybridrl.builtin.trackers import WandbLogger
+
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    logger = lambda **o: WandbLogger(WandbLogger.Options(**o), ctx(tmp_path))  # noqa: E731
+    assert logger().resolved_mode() == "offline"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    netrc.chmod(0o600)
+    assert logger().resolved_mode() == "online"  # `wandb login` wrote a key
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert logger().resolved_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert logger().resolved_mode() == "disabled"
+    assert logger(mode="offline").resolved_mode() == "offline"  # the YAML option wins
+
+
+def test_missing_tracker_packages_name_the_extra(tmp_path, monkeypatch):
+    from hybridrl.builtin.trackers import TensorBoardLogger, WandbLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match=r"logger 'wandb'.*pip install 'hybridrl\[wandb\]'"):
+        WandbLogger(WandbLogger.Options(), ctx(tmp_path))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"logger 'tensorboard'.*pip install 'hybridrl\[tensorboard\]'"):
+        TensorBoardLogger(TensorBoardLogger.Options(), ctx(tmp_path))
+
+
+def test_tracker_options_are_checked(tiny_model):
+    base = {
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum"},
+        "rewards": [{"function": "format", "pattern": "7"}],
+    }
+    with pytest.raises(ConfigError, match=r"Unknown key 'projct' in logging.wandb .*Valid keys: dir, entity"):
+        load_config(data={**base, "logging": {"loggers": ["wandb"], "wandb": {"projct": "x"}}})
+    with pytest.raises(ConfigError, match=r"logging.wandb.mode"):
+        load_config(data={**base, "logging": {"loggers": ["wandb"], "wandb": {"mode": "cloud"}}})
+    with pytest.raises(ConfigError, match=r"Unknown logger 'tensorbord'.*tensorboard"):
+        load_config(data={**base, "logging": {"loggers": ["tensorbord"]}})
+
+
+# --- TensorBoard ---------------------------------------------------------------------------
+
+
+def test_tensorboard_event_files_hold_the_scalars_and_samples(real_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, metrics, samples = real_run
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    for key in ("reward/mean", "actor/kl", "response_length/mean", "timing/step"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2]
+        assert [e.value for e in events] == pytest.approx([row[key] for row in metrics], rel=1e-6)
+    text = acc.Tensors("samples/text_summary")
+    assert [t.step for t in text] == [1, 2]
+    table = text[-1].tensor_proto.string_val[0].decode()
+    assert table.splitlines()[0].startswith("| prompt | response | answer | score |")
+    assert len(table.splitlines()) == 2 + PROMPTS * N
+
+
+def test_tensorboard_samples_markdown_escapes_cells():
+    from hybridrl.builtin.trackers import samples_markdown
+
+    md = samples_markdown([{"prompt": "a|b\nc", "response": "x" * 10, "score": 0.123456}], max_chars=4)
+    assert md.splitlines() == ["| prompt | response | score |", "|---|---|---|", "| …\\|b<br>c | …xxxx | 0.1235 |"]
