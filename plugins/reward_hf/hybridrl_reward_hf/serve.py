@@ -1,0 +1,236 @@
+"""``hybridrl serve-reward CONFIG``: the rewards of a run config as an HTTP service.
+
+POST /score  {"prompts": [...], "responses": [...], "answers"?, "metadata"?, "messages"?,
+              "response_lengths"?}  ->  {"scores": [...], "rewards": {name: [...]}}
+GET  /health ->  {"status": "ok", "rewards": [{"name", "function", "weight"}, ...]}
+
+Standard library HTTP server, one scoring at a time (models are not re-entrant); bound to
+127.0.0.1 unless told otherwise, and never beyond localhost without a token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from hybridrl import plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RunContext
+from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
+from hybridrl.shaping import shape_scores
+
+TOKEN_ENV = "HYBRIDRL_REWARD_TOKEN"
+DEFAULT_PORT = 8700
+MAX_BODY = 64 * 1024 * 1024
+
+
+class BadRequest(ValueError):
+    """The request does not follow the contract; answered with HTTP 400."""
+
+
+class RewardSet:
+    """The rewards of a run config, built once, combined with their weights as the trainer does."""
+
+    def __init__(self, cfg: RunConfig, ctx: RunContext):
+        self.ctx = ctx
+        self.rewards = [(rc, plugins.lookup("reward function", rc.function)(rc.options, ctx)) for rc in cfg.rewards]
+        self.stats: dict = {}  # label -> RunningStats of normalize=running, for the life of the server
+        self.lock = threading.Lock()
+
+    def describe(self) -> list[dict]:
+        return [{"name": rc.label, "function": rc.function, "weight": rc.weight} for rc, _ in self.rewards]
+
+    def score(self, request: dict) -> dict:
+        batch = request_batch(request)
+        with self.lock:
+            total = torch.zeros(len(batch))
+            out = {}
+            for rc, fn in self.rewards:
+                try:
+                    s = torch.as_tensor(fn.score(batch), dtype=torch.float32).reshape(-1)
+                except ValueError as e:
+                    raise ValueError(f"reward '{rc.label}' (function '{rc.function}'): {e}") from e
+                except Exception as e:
+                    raise RuntimeError(f"reward '{rc.label}' (function '{rc.function}') failed: {e!r}") from e
+                if s.shape[0] != len(batch):
+                    raise RuntimeError(f"reward '{rc.label}' returned {s.shape[0]} scores for {len(batch)} responses.")
+                out[rc.label] = s.tolist()
+                shaping = getattr(rc, "shaping", None)  # RewardConfig.shaping, where the core defines it
+                if shaping is not None and shaping.active:
+                    lengths = self._lengths(request, batch) if shaping.length_penalty > 0 else None
+                    s, self.stats[rc.label] = shape_scores(s, lengths, shaping, self.stats.get(rc.label))
+                total += rc.weight * s
+        return {"scores": total.tolist(), "rewards": out}
+
+    def _lengths(self, request: dict, batch: Batch) -> torch.Tensor:
+        if request.get("response_lengths") is not None:
+            return torch.tensor(request["response_lengths"], dtype=torch.float32)
+        if self.ctx.tokenizer is None:
+            raise BadRequest("a length penalty is configured: send response_lengths (tokens of each response).")
+        ids = self.ctx.tokenizer(batch["response_text"], add_special_tokens=False)["input_ids"]
+        return torch.tensor([len(x) for x in ids], dtype=torch.float32)
+
+    def close(self) -> None:
+        for _, fn in self.rewards:
+            fn.close()
+
+
+def request_batch(request) -> Batch:
+    """The batch a reward scores, from a /score request; BadRequest names what is wrong."""
+    if not isinstance(request, dict):
+        raise BadRequest("the body must be a JSON object with 'prompts' and 'responses'.")
+    responses = request.get("responses")
+    if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
+        raise BadRequest("'responses' must be a list of strings.")
+    n = len(responses)
+    batch = Batch()
+    batch["response_text"] = responses
+    fields = {"prompts": "prompt_text", "answers": "answer", "metadata": "metadata", "messages": "messages"}
+    for key, name in fields.items():
+        value = request.get(key)
+        if value is None:
+            if key == "prompts":
+                raise BadRequest("'prompts' is missing: one prompt per response.")
+            if key != "messages":
+                batch[name] = [None] * n
+            continue
+        if not isinstance(value, list) or len(value) != n:
+            raise BadRequest(f"'{key}' must be a list of {n} entries, one per response.")
+        batch[name] = value
+    lengths = request.get("response_lengths")
+    if lengths is not None and (not isinstance(lengths, list) or len(lengths) != n):
+        raise BadRequest(f"'response_lengths' must be a list of {n} integers.")
+    return batch
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond this machine
+
+
+def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None):
+    """A ThreadingHTTPServer serving ``rewards`` (not started: call serve_forever)."""
+    if not is_loopback(host) and not token:
+        raise ConfigError(
+            f"serve-reward: --host {host} accepts connections from other machines, and no token is set. "
+            f"Pass --token (or set {TOKEN_ENV}), or keep the default --host 127.0.0.1."
+        )
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path.rstrip("/") != "/health":
+                return self._send(404, {"error": f"no such endpoint {self.path}: use GET /health or POST /score"})
+            self._send(200, {"status": "ok", "rewards": rewards.describe()})
+
+        def do_POST(self):
+            if self.path.rstrip("/") != "/score":
+                return self._send(404, {"error": f"no such endpoint {self.path}: use POST /score"})
+            size = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(size) if 0 < size <= MAX_BODY else b""
+            if token:
+                sent = self.headers.get("Authorization", "")
+                if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                    return self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"})
+            if size > MAX_BODY:
+                return self._send(413, {"error": f"body of {size} bytes is over {MAX_BODY}: send smaller batches"})
+            try:
+                request = json.loads(body)
+            except json.JSONDecodeError as e:
+                return self._send(400, {"error": f"the body is not JSON: {e}"})
+            try:
+                self._send(200, rewards.score(request))
+            except BadRequest as e:
+                self._send(400, {"error": str(e)})
+            except ValueError as e:  # the reward rejects this input: retrying will not help
+                self._send(422, {"error": str(e)})
+            except Exception as e:
+                self._send(500, {"error": str(e)})
+
+    try:
+        return ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise ConfigError(
+            f"serve-reward: cannot listen on {host}:{port} ({e.strerror or e}). Pick another --port (0: any free one)."
+        ) from None
+
+
+def build_context(cfg: RunConfig) -> RunContext:
+    """The context rewards are built with, as the trainer would build it (no policy weights)."""
+    from hybridrl.trainer import pick_device
+
+    model_path, tokenizer = cfg.model.path, None
+    try:
+        model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    except FileNotFoundError as e:
+        print(f"warning: serve-reward: {e} Rewards get no policy tokenizer (ctx.tokenizer is None).", file=sys.stderr)
+    return RunContext(
+        model_path=model_path,
+        tokenizer=tokenizer,
+        device=pick_device(cfg.trainer.device),
+        dtype=DTYPES[cfg.model.dtype],
+        seed=cfg.trainer.seed,
+        run_dir=Path(cfg.trainer.run_dir or "runs/serve-reward"),
+    )
+
+
+def add_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve-reward", help="Serve the rewards of a run config over HTTP (POST /score, GET /health)."
+    )
+    p.add_argument("config", help="YAML run config; its 'rewards' section is served.")
+    p.add_argument("overrides", nargs="*", help="Dotted overrides: rewards.0.batch_size=32")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0: any free one).")
+    p.add_argument("--token", default=None, help=f"Require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}).")
+    p.set_defaults(func=cmd_serve_reward)
+
+
+def cmd_serve_reward(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not is_loopback(args.host) and not token:  # refuse before loading any model
+        make_server(None, args.host, args.port, token)
+    rewards = RewardSet(cfg, build_context(cfg))
+    server = make_server(rewards, args.host, args.port, token)
+    host, port = server.server_address[:2]
+    names = ", ".join(f"{r['name']} (x{r['weight']:g})" for r in rewards.describe())
+    print(
+        f"serving rewards {names} on http://{host}:{port} (POST /score, GET /health)"
+        + ("; token required" if token else ""),
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("serve-reward: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+        rewards.close()
+    return 0
