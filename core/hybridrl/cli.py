@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="Run a training job.")
     p.add_argument("config", help="YAML run config.")
     p.add_argument("overrides", nargs="*", help="Dotted overrides: trainer.steps=5 rollout.n=8")
+    p.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in trainer.run_dir.")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("validate", help="Check a config and its plugins without training.")
@@ -26,26 +27,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_validate)
 
+    p = sub.add_parser("export", help="Write a checkpoint's policy as a plain Hugging Face model folder.")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step-N")
+    p.add_argument("out", help="New output directory.")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("plugins", help="List installed plugins and what they register.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
     p.set_defaults(func=cmd_plugins)
 
     plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
     args = parser.parse_args(argv)
+    from hybridrl.trainer import Interrupted, NonFiniteError, StageError
+
     try:
         return args.func(args) or 0
-    except (ConfigError, plugins.PluginError, FileNotFoundError, ImportError) as e:
+    except (ConfigError, plugins.PluginError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (StageError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted; nothing was saved after the last checkpoint", file=sys.stderr)
         return 130
 
 
 def cmd_train(args) -> int:
     from hybridrl.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, "trainer.resume=true"] if args.resume else args.overrides
+    cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg, name=Path(args.config).stem)
     print(f"hybridrl {__version__}: run directory {trainer.run_dir}", flush=True)
     metrics = trainer.train()
@@ -57,11 +72,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from hybridrl.checkpoint import export
+
+    out = export(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {out}: load it with transformers' from_pretrained or serve it with vLLM")
+    return 0
+
+
 def cmd_validate(args) -> int:
-    from hybridrl.models import locate
+    from hybridrl.models import check_model_path
 
     cfg = load_config(args.config, args.overrides)
-    locate(cfg.model.path)
+    check_model_path(cfg.model.path, cfg.model.gguf_file)
     print(
         f"{args.config}: OK (rollout '{cfg.rollout.engine}', algorithm '{cfg.algorithm.name}', "
         f"rewards {[r.label for r in cfg.rewards]}, sharding '{cfg.sharding.strategy}', "

@@ -178,6 +178,27 @@ class ShardingStrategy(Component):
         """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time."""
         raise NotImplementedError
 
+    def save_model(self, model: torch.nn.Module, path: Path) -> None:
+        """Write the full model as a plain HF folder (config + safetensors) at ``path``."""
+        model.save_pretrained(path)
+
+    def load_model(self, model: torch.nn.Module, path: Path) -> None:
+        """Load weights written by :meth:`save_model` into ``model`` in place."""
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f))
+        own = model.state_dict()
+        loaded = {own[k].data_ptr() for k in state if k in own}
+        missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded]  # tied weights are fine
+        unexpected = [k for k in state if k not in own]
+        if missing or unexpected:
+            raise ValueError(
+                f"Weights in {path} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        model.load_state_dict(state, strict=False)
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
 
@@ -115,6 +115,21 @@ class TrainerConfig(Strict):
         None, description="Where metrics, samples and checkpoints go; default runs/<config name>-<time>."
     )
     sample_every: int = Field(5, ge=0, description="Save rollout samples every N steps (0: never).")
+    save_every: int = Field(
+        0, ge=0, description="Checkpoint every N steps (0: only at the end and when interrupted by Ctrl-C or SIGTERM)."
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a save.")
+    resume: bool = Field(
+        False,
+        description="Continue from the newest checkpoint in run_dir (same as --resume); "
+        "starts fresh when there is none.",
+    )
+    on_nonfinite: Literal["abort", "skip"] = Field(
+        "abort",
+        description="A NaN/Inf in rewards, advantages, "
+        "loss or grad norm: abort the run (the last checkpoint stays), "
+        "or skip that update and go on.",
+    )
 
 
 class LoggingConfig(BaseModel):
@@ -135,6 +150,25 @@ class RunConfig(Strict):
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self):
+        t = self.trainer
+        total = t.prompts_per_step * self.rollout.n
+        mini = t.mini_batch_size or total
+        if total % mini:
+            raise ValueError(
+                f"trainer.mini_batch_size={mini} does not divide the {total} responses of a step "
+                f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.n={self.rollout.n}); "
+                f"use a divisor of {total}."
+            )
+        micro = t.micro_batch_size or mini
+        if mini % micro:
+            raise ValueError(
+                f"trainer.micro_batch_size={micro} does not divide trainer.mini_batch_size={mini}; "
+                f"use a divisor of {mini}."
+            )
+        return self
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -259,6 +293,8 @@ def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
             lines.append(f"Unknown key '{loc[-1]}' in {where}. Valid keys: {valid}.")
         elif err["type"] == "missing":
             lines.append(f"Missing required key '{dotted}'.")
+        elif err["type"] == "value_error" and not loc:
+            lines.append(err["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r}).")
     return "\n".join(lines)

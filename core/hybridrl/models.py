@@ -46,20 +46,24 @@ def locate(path: str) -> Path:
     return p
 
 
+def check_model_path(path: str, gguf_file: str | None = None) -> None:
+    """Fail with a message naming the key and the fix when the model is not there; loads nothing."""
+    folder = locate(path)
+    if gguf_file is not None:
+        if not (folder / gguf_file).is_file():
+            have = ", ".join(sorted(f.name for f in folder.glob("*.gguf"))) or "none"
+            raise ModelNotFoundError(f"model.gguf_file '{gguf_file}' is not in {folder} (GGUF files there: {have}).")
+    elif not (folder / "config.json").is_file():
+        ggufs = sorted(f.name for f in folder.glob("*.gguf"))
+        hint = f" It holds {', '.join(ggufs)}: set model.gguf_file." if ggufs else ""
+        raise ModelNotFoundError(f"model.path '{path}' has no config.json.{hint}")
+
+
 def resolve_model_path(path: str, gguf_file: str | None = None) -> str:
     """A plain HF model folder for ``path``: GGUF files are converted once and cached."""
+    check_model_path(path, gguf_file)
     folder = locate(path)
-    if gguf_file is None:
-        if not (folder / "config.json").is_file():
-            ggufs = sorted(f.name for f in folder.glob("*.gguf"))
-            hint = f" It holds {', '.join(ggufs)}: set model.gguf_file." if ggufs else ""
-            raise ModelNotFoundError(f"model.path '{path}' has no config.json.{hint}")
-        return str(folder)
-    gguf = folder / gguf_file
-    if not gguf.is_file():
-        have = ", ".join(sorted(f.name for f in folder.glob("*.gguf"))) or "none"
-        raise ModelNotFoundError(f"model.gguf_file '{gguf_file}' is not in {folder} (GGUF files there: {have}).")
-    return str(convert_gguf(gguf))
+    return str(folder) if gguf_file is None else str(convert_gguf(folder / gguf_file))
 
 
 def convert_gguf(gguf: Path) -> Path:

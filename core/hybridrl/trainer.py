@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
+import sys
+import threading
 import time
 from collections import defaultdict
 from datetime import datetime
@@ -12,47 +15,81 @@ from pathlib import Path
 
 import torch
 
+from hybridrl import checkpoint as ckpt
 from hybridrl import functional as F
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, RunConfig, dump_config
-from hybridrl.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path, response_logprobs
+from hybridrl.models import (
+    DTYPES,
+    check_model_path,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+    response_logprobs,
+)
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf reached rewards, advantages, the loss or the gradient."""
+
+
+class Interrupted(Exception):
+    """The run stopped on Ctrl-C or SIGTERM after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Trainer:
     def __init__(self, config: RunConfig, name: str = "run"):
         self.config = config
         t = config.trainer
+        if t.resume and not t.run_dir:
+            raise ConfigError("trainer.resume (--resume) needs trainer.run_dir: the directory of the run to continue.")
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(t.run_dir or f"runs/{name}-{stamp}")
         self.start_step = 0
+        self.stop_signal: str | None = None
         self.pm = plugins.get_plugin_manager()
 
     # -- setup ------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Build every component. Checks that need no model run first, so bad input fails fast."""
         cfg, t = self.config, self.config.trainer
         seed_everything(t.seed)
         if t.threads:
             torch.set_num_threads(t.threads)
         device = pick_device(t.device)
-        model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
-        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        check_model_path(cfg.model.path, cfg.model.gguf_file)
+        if not t.resume and ckpt.list_checkpoints(self.run_dir):
+            raise ConfigError(
+                f"{self.run_dir} already holds checkpoints. Continue that run with --resume "
+                "(trainer.resume=true), or choose a new trainer.run_dir."
+            )
         self.ctx = RunContext(
-            model_path=model_path,
-            tokenizer=self.tokenizer,
+            model_path="",
+            tokenizer=None,
             device=device,
             dtype=DTYPES[cfg.model.dtype],
             seed=t.seed,
             run_dir=self.run_dir,
         )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-
         self.data = self._build("dataset", cfg.data.source, cfg.data.options)
         check_columns(self.data, cfg)
         self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
+
+        model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
+        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        self.ctx.model_path, self.ctx.tokenizer = model_path, self.tokenizer
+        for i in range(min(len(self.data), 256)):  # prompt lengths, before any model is loaded
+            encode_prompt(self.data[i], cfg.data, self.tokenizer)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
@@ -72,20 +109,39 @@ class Trainer:
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in cfg.logging.loggers]
 
     def _build(self, kind: str, name: str, options):
-        return plugins.lookup(kind, name)(options, self.ctx)
+        cls = plugins.lookup(kind, name)
+        with stage_errors(f"{kind} '{name}'", "setup"):
+            return cls(options, self.ctx)
+
+    def stateful_components(self) -> dict:
+        """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
+        found = {"algorithm": self.algorithm, **{f"reward/{rc.label}": fn for rc, fn in self.rewards}}
+        return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
+        t = self.config.trainer
         self.setup()
-        total = self.config.trainer.steps
+        if t.resume:
+            self.resume()
         for logger in self.loggers:
-            logger.open(total, self.start_step)
+            logger.open(t.steps, self.start_step)
         self.pm.hook.on_train_start(trainer=self)
         metrics: dict[str, float] = {}
         try:
-            for step in range(self.start_step + 1, total + 1):
-                metrics = self.step(step)
+            with self.catch_signals():
+                for step in range(self.start_step + 1, t.steps + 1):
+                    metrics = self.step(step)
+                    if self.stop_signal or step == t.steps or (t.save_every and step % t.save_every == 0):
+                        path = self.save(step)
+                    if self.stop_signal:
+                        code = 143 if self.stop_signal == "SIGTERM" else 130
+                        raise Interrupted(
+                            f"stopped by {self.stop_signal} after step {step}; checkpoint {path}. "
+                            f"Continue with: hybridrl train CONFIG --resume trainer.run_dir={self.run_dir}",
+                            code,
+                        )
         finally:
             self.pm.hook.on_train_end(trainer=self, metrics=metrics)
             for logger in self.loggers:
@@ -93,10 +149,68 @@ class Trainer:
             self.engine.close()
         return metrics
 
+    def save(self, step: int) -> Path:
+        path = ckpt.save_checkpoint(self, step)
+        ckpt.rotate(self.run_dir, self.config.trainer.keep_last)
+        self.pm.hook.on_checkpoint(trainer=self, step=step, path=path)
+        return path
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint of run_dir and continue after its step."""
+        ckpt.clean_partial(self.run_dir)
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            print(f"no checkpoint in {self.run_dir}: starting at step 1", flush=True)
+            return
+        self.start_step = ckpt.load_checkpoint(self, path)
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what the interrupted run logged after it
+            ckpt.truncate_jsonl(self.run_dir / name, self.start_step)
+        with stage_errors(f"rollout engine '{self.config.rollout.engine}'", "update_weights"):
+            self.engine.update_weights(self.strategy.full_tensors(self.policy))
+        print(f"resumed from {path} (step {self.start_step})", flush=True)
+
+    @contextlib.contextmanager
+    def catch_signals(self):
+        """First Ctrl-C/SIGTERM: finish the step, checkpoint, stop. A second Ctrl-C stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self.stop_signal and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = name
+            print(
+                f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once "
+                "without saving).",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def nonfinite(self, step: int, what: str) -> None:
+        """Abort with a clear message, or (trainer.on_nonfinite=skip) warn and let the caller skip."""
+        if self.config.trainer.on_nonfinite == "abort":
+            last = ckpt.latest_checkpoint(self.run_dir)
+            kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written yet"
+            raise NonFiniteError(
+                f"step {step}: {what}. The run stops; {kept}. Set trainer.on_nonfinite=skip to skip such "
+                "updates instead."
+            )
+        print(f"warning: step {step}: {what}; skipping the update.", file=sys.stderr, flush=True)
+
     def step(self, step: int) -> dict[str, float]:
         cfg, t, r = self.config, self.config.trainer, self.config.rollout
         timer = Timer()
         metrics: dict[str, float] = {}
+        engine = f"rollout engine '{r.engine}'"
 
         with timer("rollout"):
             rows = [self.data[i] for i in self.prompts.take(t.prompts_per_step)]
@@ -110,38 +224,49 @@ class Trainer:
                 stop=r.stop,
                 seed=t.seed * 100_003 + step,
             )
-            self.engine.wake_up()
-            out = self.engine.generate(list(prompt_ids), sampling)
-        batch = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
-        batch["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(batch))]
-        batch["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+            with stage_errors(engine, "generate"):
+                self.engine.wake_up()
+                out = self.engine.generate(list(prompt_ids), sampling)
+        rollout = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
+        rollout["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(rollout))]
+        rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         col = cfg.data.answer_column
-        batch["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(batch))]
-        batch["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(batch))]
+        rollout["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(rollout))]
+        rollout["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(rollout))]
 
         with timer("reward"):
-            metrics |= self.score(batch)
-            batch = self.algorithm.filter_batch(batch)
-        self.engine.sleep()
-        batch = batch.to(self.ctx.device)
-        with timer("logprobs"):
-            metrics |= self.compute_logprobs(batch)
-        with timer("advantages"):
-            metrics |= self.algorithm.compute_advantages(batch)
-        with timer("update"):
-            metrics |= self.update(batch, step)
-            metrics |= self.algorithm.update(batch, step)
-        with timer("sync"):
-            self.engine.update_weights(self.strategy.full_tensors(self.policy))
+            metrics |= self.score(rollout)
+            batch = self.algorithm.filter_batch(rollout)
+        with stage_errors(engine, "sleep"):
+            self.engine.sleep()
+        skip = len(batch) == 0 or not torch.isfinite(batch["scores"]).all()
+        if len(batch) and skip:
+            self.nonfinite(step, "the combined reward is NaN/Inf")
+        if not skip:
+            batch = batch.to(self.ctx.device)
+            with timer("logprobs"):
+                metrics |= self.compute_logprobs(batch)
+            with timer("advantages"):
+                metrics |= self.algorithm.compute_advantages(batch)
+            if not torch.isfinite(batch["advantages"]).all():
+                self.nonfinite(step, f"the advantages of algorithm '{cfg.algorithm.name}' are NaN/Inf")
+                skip = True
+        if not skip:
+            with timer("update"):
+                metrics |= self.update(batch, step)
+                metrics |= self.algorithm.update(batch, step)
+            with timer("sync"), stage_errors(engine, "update_weights"):
+                self.engine.update_weights(self.strategy.full_tensors(self.policy))
+        metrics["batch/trained_fraction"] = len(batch) / len(rollout) if not skip else 0.0
 
-        metrics |= batch_metrics(batch, timer.times["rollout"])
+        metrics |= batch_metrics(rollout if skip else batch, timer.times["rollout"], rollout)
         metrics |= {f"timing/{k}": v for k, v in timer.times.items()}
         metrics["timing/step"] = sum(timer.times.values())
-        self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=batch)
+        self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=rollout if skip else batch)
         for logger in self.loggers:
             logger.log(step, metrics)
             if t.sample_every and step % t.sample_every == 0:
-                logger.log_samples(step, sample_rows(batch, self.rewards))
+                logger.log_samples(step, sample_rows(rollout, self.rewards))
         return metrics
 
     # -- stages -----------------------------------------------------------------------------
@@ -150,12 +275,13 @@ class Trainer:
         total = torch.zeros(len(batch))
         metrics = {}
         for rc, fn in self.rewards:
-            try:
+            with stage_errors(f"reward '{rc.label}' (function '{rc.function}')", "score"):
                 s = torch.as_tensor(fn.score(batch), dtype=torch.float32).reshape(-1)
-            except Exception as e:
-                raise RuntimeError(f"reward '{rc.label}' (function '{rc.function}') failed: {e}") from e
             if s.shape[0] != len(batch):
                 raise RuntimeError(f"reward '{rc.label}' returned {s.shape[0]} scores for {len(batch)} responses.")
+            if not torch.isfinite(s).all():  # the step then aborts or skips, naming this reward first
+                bad = int((~torch.isfinite(s)).sum())
+                print(f"warning: reward '{rc.label}' returned NaN/Inf for {bad} responses", file=sys.stderr)
             batch[f"reward/{rc.label}"] = s
             metrics[f"reward/{rc.label}/mean"] = s.mean().item()
             total += rc.weight * s
@@ -205,6 +331,7 @@ class Trainer:
             order = torch.randperm(len(batch), generator=gen) if not on_policy else torch.arange(len(batch))
             for mb in batch.select(order).split(mini):
                 self.optimizer.zero_grad(set_to_none=True)
+                finite = True
                 for part in mb.split(micro):
                     logprobs, entropy = response_logprobs(
                         self.policy,
@@ -223,7 +350,9 @@ class Trainer:
                             stats[k].append(v)
                     loss, m = self.algorithm.loss(part, logprobs, entropy)
                     if not torch.isfinite(loss):
-                        raise FloatingPointError(f"step {step}: the policy loss is {loss.item()} ({m}).")
+                        self.nonfinite(step, f"the loss of algorithm '{self.config.algorithm.name}' is {loss.item()}")
+                        finite = False
+                        break
                     weight = F.micro_batch_weight(
                         part["response_mask"], mb["response_mask"], self.algorithm.loss_agg_mode
                     )
@@ -231,11 +360,16 @@ class Trainer:
                     stats["actor/entropy"].append(F.masked_mean(entropy, part["response_mask"]).item())
                     for k, v in m.items():
                         stats[k].append(float(v))
-                grad_norm = self.strategy.clip_grad_norm(self.policy, t.max_grad_norm)
-                stats["actor/grad_norm"].append(grad_norm)
-                if math.isfinite(grad_norm):
+                if finite:
+                    grad_norm = self.strategy.clip_grad_norm(self.policy, t.max_grad_norm)
+                    stats["actor/grad_norm"].append(grad_norm)
+                    if not math.isfinite(grad_norm):
+                        self.nonfinite(step, f"the policy's gradient norm is {grad_norm}")
+                        finite = False
+                if finite:
                     self.optimizer.step()
                 else:
+                    self.optimizer.zero_grad(set_to_none=True)
                     stats["actor/skipped_updates"].append(1.0)
         stats["actor/lr"].append(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
@@ -246,6 +380,21 @@ class Trainer:
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+class StageError(RuntimeError):
+    """A component failed; the message says which one, in which call, and why."""
+
+
+@contextlib.contextmanager
+def stage_errors(component: str, call: str):
+    """Re-raise any failure inside as a StageError naming the component and the call."""
+    try:
+        yield
+    except (StageError, KeyboardInterrupt, NonFiniteError, ConfigError):
+        raise
+    except Exception as e:
+        raise StageError(f"{component} failed in {call}: {type(e).__name__}: {e}") from e
 
 
 class Timer:
@@ -343,16 +492,18 @@ def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: tor
     }
 
 
-def batch_metrics(batch: Batch, rollout_time: float) -> dict[str, float]:
-    lengths = batch["response_mask"].sum(-1).float()
-    clipped = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
+def batch_metrics(batch: Batch, rollout_time: float, rollout: Batch | None = None) -> dict[str, float]:
+    """Length and throughput metrics of all rollouts; advantage statistics of the trained batch."""
+    rollout = rollout if rollout is not None else batch
+    lengths = rollout["response_mask"].sum(-1).float()
+    clipped = sum(r == "length" for r in rollout["finish_reason"]) / len(rollout)
     adv = batch.get("advantages")
     out = {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/min": lengths.min().item(),
         "response_length/clip_ratio": clipped,
-        "prompt_length/mean": batch["prompt_mask"].sum(-1).float().mean().item(),
+        "prompt_length/mean": rollout["prompt_mask"].sum(-1).float().mean().item(),
         "throughput/rollout_tokens_per_s": lengths.sum().item() / max(rollout_time, 1e-9),
     }
     if adv is not None:

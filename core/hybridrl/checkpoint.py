@@ -1,0 +1,198 @@
+"""Checkpoints that are never half-written, and exact resume.
+
+A checkpoint is a directory ``RUN_DIR/checkpoints/step-000010/`` holding:
+
+- ``policy/``: the policy as a plain Hugging Face folder (config, safetensors, tokenizer),
+  loadable by transformers and vLLM as it is;
+- ``optimizer.pt``: optimizer and LR-scheduler state;
+- ``state.pt``: step, RNG states, the prompt order position, and the state of every
+  component that has ``state_dict()`` (the algorithm's KL controller or critic, rewards'
+  running statistics);
+- ``meta.json``: step and hybridrl version, for people.
+
+It is written into a temporary sibling directory and renamed into place, so a crash or a
+kill during the save leaves the previous checkpoints as they were. Everything is loaded with
+``torch.load(weights_only=True)``: a checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def step_of(path: Path) -> int:
+    m = STEP_DIR.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{path} is not a checkpoint directory (expected a name like step-000010).")
+    return int(m.group(1))
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(trainer, step: int) -> Path:
+    """Write the trainer's state for ``step`` atomically; returns the checkpoint directory."""
+    from hybridrl import __version__
+
+    root = checkpoint_dir(trainer.run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        trainer.strategy.save_model(trainer.policy, tmp / "policy")
+        trainer.tokenizer.save_pretrained(tmp / "policy")
+        torch.save(
+            {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
+            tmp / "optimizer.pt",
+        )
+        torch.save(
+            {
+                "step": step,
+                "rng": rng_state(),
+                "prompts": trainer.prompts.state_dict(),
+                "components": {name: c.state_dict() for name, c in trainer.stateful_components().items()},
+            },
+            tmp / "state.pt",
+        )
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "hybridrl": __version__}) + "\n")
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step (resumed run): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(trainer, path: Path) -> int:
+    """Restore the trainer from ``path``; returns the step it holds."""
+    path = Path(path)
+    for name in ("policy", "optimizer.pt", "state.pt"):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"Checkpoint {path} is incomplete: {name} is missing.")
+    trainer.strategy.load_model(trainer.policy, path / "policy")
+    opt = torch.load(path / "optimizer.pt", weights_only=True)
+    trainer.optimizer.load_state_dict(opt["optimizer"])
+    trainer.scheduler.load_state_dict(opt["scheduler"])
+    state = torch.load(path / "state.pt", weights_only=True)
+    trainer.prompts.load_state_dict(state["prompts"])
+    components = trainer.stateful_components()
+    for name, sub in state["components"].items():
+        if name not in components:
+            raise ValueError(f"Checkpoint {path} holds state for '{name}', which this run does not have.")
+        components[name].load_state_dict(sub)
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def rotate(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (and stale temporary dirs)."""
+    removed = []
+    found = list_checkpoints(run_dir)
+    for old in found[: max(0, len(found) - keep_last)] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove temporary directories left by a save that was killed."""
+    root = checkpoint_dir(run_dir)
+    if root.is_dir():
+        for p in root.glob(".step-*.tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep only rows with ``step <= max_step`` (what an interrupted run logged past its checkpoint goes)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def export(path: Path, out: Path) -> Path:
+    """Copy a checkpoint's policy to ``out`` as a plain HF model folder."""
+    path, out = Path(path), Path(out)
+    policy = path / "policy"
+    if not (policy / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds no policy/config.json: is it a checkpoint directory (step-N)?")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new directory.")
+    shutil.copytree(policy, out, dirs_exist_ok=True)
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in [path, *path.rglob("*")]:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
