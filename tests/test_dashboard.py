@@ -1,0 +1,293 @@
+"""``hybridrl dashboard``: the JSONL tail reader, the real server's endpoints, and the page itself
+in headless Chromium (Debian's package, driven by Playwright) on the directory of a real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import load_config
+from hybridrl.dashboard.server import JsonlTail
+
+STEPS, PROMPTS, N = 3, 2, 4
+
+
+def write_jsonl(path: Path, rows, mode="a"):
+    with open(path, mode) as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+# --- reading files that a run appends to -----------------------------------------------------
+
+
+def test_tail_reads_appended_rows_once_complete_and_restarts_on_rewrite(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = JsonlTail(path)
+    assert tail.refresh() is False and tail.rows == []  # no file yet
+    write_jsonl(path, [{"step": 1, "x": 1.0}])
+    with open(path, "a") as f:
+        f.write('{"step": 2, "x"')  # the run is writing this line right now
+    tail.refresh()
+    assert [r["step"] for r in tail.rows] == [1]
+    with open(path, "a") as f:
+        f.write(': 2.0}\nnot json\n{"no_step": 1}\n')
+    tail.refresh()
+    assert [r["step"] for r in tail.rows] == [1, 2] and tail.bad_lines == 2
+    version = tail.version
+    write_jsonl(path, [{"step": 1, "x": 9.0}], mode="w")  # rewritten (a resumed run trims it)
+    assert tail.refresh() is True
+    assert tail.rows == [{"step": 1, "x": 9.0}] and tail.version == version + 1
+
+
+# --- the server ------------------------------------------------------------------------------
+
+
+def start_dashboard(run_dir: Path, *args: str):
+    """``hybridrl dashboard RUN_DIR --port 0``: the process and the URL it prints."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridrl.cli", "dashboard", str(run_dir), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=60)
+            match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+            if match:
+                return proc, match.group(0)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError(f"the dashboard printed no URL: {proc.stderr.read() if proc.poll() else ''}") from None
+
+
+@pytest.fixture
+def dashboard():
+    procs = []
+
+    def start(run_dir, *args):
+        proc, url = start_dashboard(run_dir, *args)
+        procs.append(proc)
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read()
+        return json.loads(body) if r.headers.get_content_type() == "application/json" else body
+
+
+def test_endpoints_follow_the_files(tmp_path, dashboard):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer:\n  steps: 7\n")
+    write_jsonl(run / "metrics.jsonl", [{"step": s, "time": 1.0, "reward/mean": s / 10} for s in (1, 2)])
+    samples = [
+        {"step": 2, "index": i, "prompt": "p", "response": f"r{i}", "score": float(i), "reward/f": None, "advantage": 0}
+        for i in range(3)
+    ]
+    write_jsonl(run / "samples.jsonl", samples)
+    url = dashboard(run)
+
+    info = get(url + "api/run")
+    assert (info["name"], info["total_steps"]) == ("run", 7) and "steps: 7" in info["config"]
+    first = get(url + "api/metrics")
+    assert first["reset"] is True and [r["reward/mean"] for r in first["rows"]] == [0.1, 0.2]
+    v = first["version"]
+    assert get(url + f"api/metrics?version={v}&after=2")["rows"] == []
+    write_jsonl(run / "metrics.jsonl", [{"step": 3, "time": 2.0, "reward/mean": None}])
+    assert get(url + f"api/metrics?version={v}&after=2")["rows"] == [{"step": 3, "time": 2.0, "reward/mean": None}]
+    write_jsonl(run / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}], mode="w")  # a rewritten file
+    again = get(url + f"api/metrics?version={v}&after=3")
+    assert again["reset"] is True and again["version"] != v and again["rows"] == [{"step": 1, "reward/mean": 0.5}]
+
+    dist = get(url + "api/distribution")
+    assert dist["steps"] == [
+        {"step": 2, "n": 3, "values": {"score": [0.0, 1.0, 2.0], "reward/f": [None] * 3, "advantage": [0] * 3}}
+    ]
+    assert get(url + "api/samples?step=2")["rows"] == samples
+    assert get(url + "api/samples?step=5")["rows"] == []
+    with pytest.raises(urllib.error.HTTPError, match="400"):
+        get(url + "api/samples")
+
+
+def test_the_page_loads_nothing_from_the_internet(tmp_path, dashboard):
+    url = dashboard(tmp_path)
+    html = get(url).decode()
+    js = get(url + "static/app.js").decode()
+    srcs = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert "/vendor/plotly.min.js" in srcs and all(s.startswith(("/", "data:")) for s in srcs), srcs
+    assert not re.search(r"https?://", js)
+    plotly = get(url + "vendor/plotly.min.js")
+    assert len(plotly) > 1_000_000 and b"plotly.js" in plotly[:500]
+
+
+def test_cli_errors_name_the_problem(tmp_path):
+    cmd = [sys.executable, "-m", "hybridrl.cli", "dashboard"]
+    out = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "RUN_DIR" in out.stderr and "is not a directory" in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        out = subprocess.run([*cmd, str(tmp_path), "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port 0" in out.stderr
+
+
+# --- the page in a browser, on a real run ----------------------------------------------------
+
+
+def browser_or_skip() -> str:
+    """Debian's chromium and the playwright package; absent: a skip here, a failure in CI."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    missing = []
+    if chromium is None:
+        missing.append("chromium (run scripts/install_browser.sh)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("the playwright package (pip install playwright; no 'playwright install' needed)")
+    if missing:
+        reason = "browser test needs " + " and ".join(missing)
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + ": CI must install it")
+        pytest.skip(reason)
+    return chromium
+
+
+@pytest.fixture(scope="module")
+def real_run_dir(tiny_model, tmp_path_factory):
+    from hybridrl.trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("dash") / "run"
+    cfg = load_config(
+        data={
+            "model": {"path": tiny_model},
+            "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+            "rollout": {"engine": "hf", "n": N, "max_tokens": 8},
+            "rewards": [{"function": "format", "pattern": "7"}, {"function": "answer_match", "weight": 0.5}],
+            "algorithm": {"name": "grpo", "kl_coef": 0.01},
+            "trainer": {
+                "steps": STEPS,
+                "prompts_per_step": PROMPTS,
+                "lr": 1e-2,
+                "run_dir": str(run_dir),
+                "sample_every": 1,
+            },
+            "logging": {"loggers": ["jsonl"]},
+        }
+    )
+    Trainer(cfg).train()
+    return run_dir
+
+
+def chart(page, chart_id: str, trace_name: str, axis: str = "x"):
+    return page.evaluate(
+        "([id, name, axis]) => { const t = document.getElementById(id).data.find(t => t.name === name);"
+        " return t ? Array.from(t[axis]) : null; }",
+        [chart_id, trace_name, axis],
+    )
+
+
+def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(real_run_dir, dashboard, tmp_path):
+    chromium = browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    metrics = [json.loads(line) for line in (real_run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (real_run_dir / "samples.jsonl").read_text().splitlines()]
+    url = dashboard(real_run_dir, "--poll", "0.5")
+    requested = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=chromium,
+            headless=True,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("request", lambda r: requested.append(r.url))
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            page.wait_for_function(
+                f"document.querySelectorAll('#samples tbody tr').length === {PROMPTS * N}", timeout=30_000
+            )
+
+            # the curves hold one point per step, with the logged values
+            assert chart(page, "chart-reward", "mean") == [1, 2, 3]
+            assert chart(page, "chart-reward", "mean", "y") == pytest.approx([m["reward/mean"] for m in metrics])
+            assert chart(page, "chart-kl", "actor/kl", "y") == pytest.approx([m["actor/kl"] for m in metrics])
+            assert chart(page, "chart-length", "mean", "y") == pytest.approx(
+                [m["response_length/mean"] for m in metrics]
+            )
+            # the distribution: every sample's score, at its step
+            assert sorted(zip(chart(page, "chart-dist", "score"), chart(page, "chart-dist", "score", "y"))) == sorted(
+                (s["step"], s["score"]) for s in samples
+            )
+            # the sample browser follows the latest step and shows its responses
+            assert page.input_value("#sample-step") == "3"
+            cells = page.eval_on_selector_all(
+                "#samples tbody tr",
+                "rows => rows.map(r => r.children[[...r.parentNode.parentNode.tHead.rows[0].children]"
+                ".findIndex(th => th.textContent.startsWith('response'))].textContent)",
+            )
+            assert cells == [s["response"] for s in samples if s["step"] == 3]
+            assert "step 3/3" in page.text_content("#status")
+
+            # the run goes on: a new step appears without reloading the page
+            new = dict(metrics[-1], step=4, **{"reward/mean": 0.875})
+            write_jsonl(real_run_dir / "metrics.jsonl", [new])
+            write_jsonl(
+                real_run_dir / "samples.jsonl",
+                [dict(s, step=4, response=f"appended {i}") for i, s in enumerate(x for x in samples if x["step"] == 3)],
+            )
+            page.wait_for_function(
+                "document.getElementById('chart-reward').data.find(t => t.name === 'mean').x.length === 4",
+                timeout=30_000,
+            )
+            assert chart(page, "chart-reward", "mean", "y")[-1] == pytest.approx(0.875)
+            page.wait_for_function("document.querySelector('#sample-step').value === '4'", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('#samples tbody').textContent.includes('appended 0')", timeout=30_000
+            )
+            assert errors == []
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("HYBRIDRL_ARTIFACTS"):
+        artifacts = Path(os.environ["HYBRIDRL_ARTIFACTS"])
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, artifacts / "dashboard.png")
+    assert requested and all(u.startswith((url, "data:")) for u in requested), requested
