@@ -1,0 +1,183 @@
+"""serve-reward and the remote reward: real HTTP servers on 127.0.0.1, real models."""
+
+import contextlib
+import math
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import yaml
+from hybridrl_reward_hf.serve import RewardSet, build_context, make_server
+
+from hybridrl.cli import main
+from hybridrl.config import load_config
+from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.shaping import ShapingOptions
+
+PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hi.", "Count to three."]
+RESPONSES = ["Paris is the capital.", "Blue.", "It is 4", "hi 7", "one two three"]
+ANSWERS = ["Paris", "blue", "4", "hello", "1 2 3"]
+
+
+def run_config(model, rewards):
+    return {
+        "model": {"path": model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rewards": rewards,
+        "trainer": {"device": "cpu"},
+    }
+
+
+def model_rewards(xlmr, minilm):
+    return [
+        {"function": "reranker", "model": xlmr, "name": "relevance", "weight": 0.5, "activation": "none"},
+        {"function": "embedding_similarity", "model": minilm, "name": "similarity", "weight": 2.0},
+        {"function": "format", "pattern": "\\d", "weight": 1.0},
+    ]
+
+
+def batch_of(make_batch):
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    return make_batch(PROMPTS, RESPONSES, answers=ANSWERS, messages=messages)
+
+
+@contextlib.contextmanager
+def serving(cfg_data, token=None, shaping=None):
+    """A RewardSet served by make_server on 127.0.0.1 in a thread; yields (url, reward set)."""
+    cfg = load_config(data=cfg_data)
+    if shaping is not None:  # RewardConfig.shaping, as the core sets it
+        cfg.rewards[0].shaping = ShapingOptions(**shaping)
+    rewards = RewardSet(cfg, build_context(cfg))
+    server = make_server(rewards, "127.0.0.1", 0, token)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", rewards
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def start_cli_server(cfg_path, *args):
+    """``hybridrl serve-reward`` in a subprocess; returns (process, url) once it listens."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridrl.cli", "serve-reward", str(cfg_path), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        line = lines.get(timeout=240)
+    except queue.Empty:
+        line = ""
+    found = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
+    if not found:
+        proc.kill()
+        raise AssertionError(f"serve-reward did not start: {line!r} {proc.stderr.read()[-2000:]}")
+    return proc, found.group(1)
+
+
+def test_remote_round_trip_through_serve_reward_equals_local(
+    tiny_model, xlmr_reranker, minilm, tmp_path, make_reward, make_batch
+):
+    rewards = model_rewards(xlmr_reranker, minilm)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(run_config(tiny_model, rewards)))
+    batch = batch_of(make_batch)
+    local = {
+        "relevance": make_reward("reranker", model=xlmr_reranker, activation="none").score(batch),
+        "similarity": make_reward("embedding_similarity", model=minilm).score(batch),
+        "format": torch.tensor(make_reward("format", pattern="\\d").score(batch)),
+    }
+    combined = 0.5 * local["relevance"] + 2.0 * local["similarity"] + 1.0 * local["format"]
+    proc, url = start_cli_server(path, "--token", "s3cret")
+    try:
+        remote = make_reward("remote", url=url, token="s3cret", batch_size=2)
+        torch.testing.assert_close(torch.tensor(remote.score(batch)), combined, atol=1e-5, rtol=1e-5)
+        for name, expected in local.items():
+            one = make_reward("remote", url=url, token="s3cret", reward=name).score(batch)
+            torch.testing.assert_close(torch.tensor(one), expected.float(), atol=1e-5, rtol=1e-5)
+        health = get_json(f"{url}/health", component="test")
+        assert [r["name"] for r in health["rewards"]] == ["relevance", "similarity", "format"]
+        # the token is enforced
+        with pytest.raises(ServiceError, match="HTTP 401: .*missing or wrong token"):
+            make_reward("remote", url=url).score(batch)
+        with pytest.raises(ServiceError, match="HTTP 401"):
+            make_reward("remote", url=url, token="wrong").score(batch)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_binding_beyond_localhost_needs_a_token(tiny_model, tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(run_config(tiny_model, [{"function": "format", "pattern": "7"}])))
+    assert main(["serve-reward", str(path), "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 accepts connections from other machines, and no token is set" in err
+    assert "Pass --token" in err
+
+
+def test_batches_are_sent_in_chunks_concurrently(tiny_model, make_reward, make_batch):
+    with serving(run_config(tiny_model, [{"function": "format", "pattern": "\\d"}])) as (url, rewards):
+        sizes = []
+        score = rewards.score
+        rewards.score = lambda request: sizes.append(len(request["responses"])) or score(request)
+        batch = batch_of(make_batch)
+        out = make_reward("remote", url=url, batch_size=2, concurrency=2).score(batch)
+        assert out == [0.0, 0.0, 1.0, 1.0, 0.0] and sorted(sizes) == [1, 2, 2]
+
+
+def test_contract_errors_are_answered_with_the_reason(tiny_model, minilm, make_reward, make_batch):
+    rewards = [{"function": "embedding_similarity", "model": minilm}]
+    with serving(run_config(tiny_model, rewards)) as (url, _):
+        with pytest.raises(ServiceError, match="HTTP 400: .*'prompts' must be a list of 2 entries"):
+            post_json(f"{url}/score", {"prompts": ["a"], "responses": ["x", "y"]}, component="test")
+        with pytest.raises(ServiceError, match="HTTP 400: .*'responses' must be a list of strings"):
+            post_json(f"{url}/score", {"prompts": ["a"]}, component="test")
+        with pytest.raises(ServiceError, match="HTTP 404: .*use POST /score"):
+            post_json(f"{url}/scores", {}, component="test")
+        # the reward rejects the input (no answers): 422, not retried, with the reward's own message
+        with pytest.raises(ServiceError, match="HTTP 422: .*reward 'embedding_similarity'.*set data.answer_column"):
+            make_reward("remote", url=url, retries=3, backoff=5).score(make_batch(["q"], ["r"]))
+
+
+def test_shaping_is_applied_to_the_served_combination(tiny_model, make_batch):
+    rewards = [{"function": "format", "pattern": "7", "weight": 2.0}]
+    with serving(run_config(tiny_model, rewards), shaping={"normalize": "batch"}) as (url, _):
+        out = post_json(f"{url}/score", {"prompts": ["q"] * 4, "responses": ["7", "x", "7", "y"]}, component="t")
+    # raw [1, 0, 1, 0]: mean 0.5, unbiased var 1/3 -> +-0.5 / sqrt(1/3) = +-0.866025, weight 2
+    assert out["rewards"] == {"format": [1.0, 0.0, 1.0, 0.0]}
+    z = 0.5 / math.sqrt(1 / 3 + 1e-8)
+    assert out["scores"] == pytest.approx([2 * z, -2 * z, 2 * z, -2 * z], abs=1e-5)
+
+
+def test_length_penalty_uses_sent_lengths_or_the_policy_tokenizer(tiny_model):
+    rewards = [{"function": "format", "pattern": "7"}]
+    with serving(run_config(tiny_model, rewards), shaping={"length_penalty": 0.1}) as (url, _):
+        body = {"prompts": ["q", "q"], "responses": ["7", "777"]}
+        # the tiny policy's tokenizer has one token per character: lengths 1 and 3
+        assert post_json(f"{url}/score", body, component="t")["scores"] == pytest.approx([0.9, 0.7])
+        sent = post_json(f"{url}/score", body | {"response_lengths": [10, 0]}, component="t")["scores"]
+        assert sent == pytest.approx([0.0, 1.0], abs=1e-6)
+
+
+def test_remote_fails_early_and_clearly(tiny_model, make_reward, monkeypatch):
+    with pytest.raises(ServiceError, match=r"failed after 1 attempts.*Start the service first"):
+        make_reward("remote", url="http://127.0.0.1:9", retries=0, timeout=2)
+    monkeypatch.delenv("MY_REWARD_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="token_env is 'MY_REWARD_TOKEN', but it is not set"):
+        make_reward("remote", url="http://127.0.0.1:9", token_env="MY_REWARD_TOKEN")
+    with serving(run_config(tiny_model, [{"function": "format", "pattern": "7"}])) as (url, _):
+        with pytest.raises(ValueError, match="reward is 'nope', but the service serves format"):
+            make_reward("remote", url=url, reward="nope")
