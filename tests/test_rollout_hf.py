@@ -77,3 +77,10 @@ def test_update_weights_changes_generation(engine, tiny_model):
 def test_update_weights_rejects_unknown_names(engine):
     with pytest.raises(KeyError, match="'nope'"):
         engine.update_weights([("nope", torch.zeros(1))])
+
+
+def test_ignore_eos_generates_exactly_max_tokens(engine):
+    out = engine.generate(
+        prompts(engine.tokenizer, ["x"]), SamplingParams(n=16, max_tokens=40, seed=0, ignore_eos=True)
+    )
+    assert [len(t) for t in out.token_ids] == [40] * 16 and set(out.finish_reasons) == {"length"}

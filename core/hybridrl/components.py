@@ -59,6 +59,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # always generate max_tokens (benchmarks)
 
 
 @dataclass

@@ -74,6 +74,7 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_tokens: int = Field(64, gt=0, description="Maximum response length.")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
 
 
 class RewardConfig(Section):

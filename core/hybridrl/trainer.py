@@ -223,6 +223,7 @@ class Trainer:
                 max_tokens=r.max_tokens,
                 stop=r.stop,
                 seed=t.seed * 100_003 + step,
+                ignore_eos=r.ignore_eos,
             )
             with stage_errors(engine, "generate"):
                 self.engine.wake_up()

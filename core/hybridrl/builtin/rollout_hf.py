@@ -72,6 +72,7 @@ class HFEngine(RolloutEngine):
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_new_tokens=sampling.max_tokens,
+            min_new_tokens=sampling.max_tokens if sampling.ignore_eos else None,
             num_return_sequences=sampling.n,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
@@ -92,7 +93,7 @@ class HFEngine(RolloutEngine):
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(len(new), 0)
         out = RolloutOutput([], [], [])
         for row, lp in zip(new.tolist(), logprobs.tolist()):
-            end = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
+            end = None if sampling.ignore_eos else next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
             if end is None and sampling.stop:
                 text_end = self._stop_end(row, sampling.stop)
                 end = text_end
