@@ -49,6 +49,11 @@ def test_tail_reads_appended_rows_once_complete_and_restarts_on_rewrite(tmp_path
     write_jsonl(path, [{"step": 1, "x": 9.0}], mode="w")  # rewritten (a resumed run trims it)
     assert tail.refresh() is True
     assert tail.rows == [{"step": 1, "x": 9.0}] and tail.version == version + 1
+    # a new run in the same directory rewrites the file in place, longer than before
+    write_jsonl(path, [{"step": s, "x": -1.0} for s in (1, 2, 3)], mode="w")
+    assert tail.refresh() is True
+    assert [r["x"] for r in tail.rows] == [-1.0] * 3 and tail.version == version + 2
+    assert tail.refresh() is False and len(tail.rows) == 3
 
 
 # --- the server ------------------------------------------------------------------------------

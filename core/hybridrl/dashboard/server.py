@@ -31,7 +31,8 @@ class JsonlTail:
     """Rows of a JSONL file that another process appends to, read incrementally.
 
     A line counts once it ends with a newline (a half-written last line waits). When the file
-    shrinks or is replaced, it is read again from the start and :attr:`version` increases.
+    is replaced, shrinks or starts with other bytes than before (a new run rewrote it), it is
+    read again from the start and :attr:`version` increases.
     """
 
     def __init__(self, path: Path):
@@ -41,6 +42,7 @@ class JsonlTail:
         self.bad_lines = 0
         self._offset = 0
         self._inode = None
+        self._head = b""  # the file's first bytes: a file rewritten in place starts differently
         self._lock = threading.Lock()
 
     def refresh(self) -> bool:
@@ -53,17 +55,19 @@ class JsonlTail:
                 if reset:
                     self._reset()
                 return reset
-            reset = False
-            if st.st_ino != self._inode or st.st_size < self._offset:
-                if self._inode is not None:
-                    self._reset()
-                    reset = True
-                self._inode = st.st_ino
-            if st.st_size == self._offset:
-                return reset
             with open(self.path, "rb") as f:
+                reset = False
+                if st.st_ino != self._inode or st.st_size < self._offset or f.read(len(self._head)) != self._head:
+                    if self._inode is not None:  # replaced, truncated or rewritten: read it again
+                        self._reset()
+                        reset = True
+                    self._inode = st.st_ino
+                if st.st_size == self._offset:
+                    return reset
                 f.seek(self._offset)
                 chunk = f.read(st.st_size - self._offset)
+                if self._offset == 0:
+                    self._head = chunk[:256]
             end = chunk.rfind(b"\n")
             if end < 0:
                 return reset
@@ -83,7 +87,7 @@ class JsonlTail:
             return reset
 
     def _reset(self) -> None:
-        self.rows, self._offset, self._inode = [], 0, None
+        self.rows, self._offset, self._inode, self._head = [], 0, None, b""
         self.version += 1
 
 
