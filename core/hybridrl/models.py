@@ -14,6 +14,7 @@ import torch
 from hybridrl import functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONVERSION = 2  # bump when convert_gguf writes something different, so cached folders are rebuilt
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -73,7 +74,7 @@ def convert_gguf(gguf: Path) -> Path:
     conversion never leaves a half-written model behind.
     """
     st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{CONVERSION}:{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -85,7 +86,10 @@ def convert_gguf(gguf: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # a model loaded from GGUF cannot be saved directly; rebuild it from its config
-        model = AutoModelForCausalLM.from_config(quant.config, dtype=torch.float32)
+        config = quant.config
+        if hasattr(config, "quantization_config"):  # the weights are dequantised: say so to every loader
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quant.state_dict())
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
