@@ -165,8 +165,11 @@ def test_cli_errors_name_the_problem(tmp_path):
 # --- the page in a browser, on a real run ----------------------------------------------------
 
 
-def browser_or_skip() -> str:
-    """Debian's chromium and the playwright package; absent: a skip here, a failure in CI."""
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium and the playwright package; absent: a skip here, a failure in CI.
+
+    Module-scoped and named first, so that it is checked before the run is made."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     missing = []
     if chromium is None:
@@ -217,8 +220,7 @@ def chart(page, chart_id: str, trace_name: str, axis: str = "x"):
     )
 
 
-def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(real_run_dir, dashboard, tmp_path):
-    chromium = browser_or_skip()
+def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(chromium, real_run_dir, dashboard, tmp_path):
     from playwright.sync_api import sync_playwright
 
     metrics = [json.loads(line) for line in (real_run_dir / "metrics.jsonl").read_text().splitlines()]
