@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from hybridrl.shaping import RunningStats, ShapingOptions, shape_scores, update_stats
+from hybridrl.shaping import RunningStats, ShapingOptions, ShapingState, shape_scores, update_stats
 
 EPS = 1e-8
 
@@ -120,3 +120,25 @@ def test_length_penalty_needs_lengths():
 def test_invalid_options_are_rejected(options, message):
     with pytest.raises(ValidationError, match=message):
         ShapingOptions(**options)
+
+
+def test_shaping_state_keeps_each_rewards_statistics_and_round_trips():
+    state, running = ShapingState(), ShapingOptions(normalize="running")
+    state.apply("a", torch.tensor([1.0, 3.0]), None, running)
+    state.apply("b", torch.tensor([10.0, 10.0, 40.0]), None, running)
+    state.apply("c", torch.tensor([5.0]), None, ShapingOptions(clip=(0, 1)))  # nothing to keep
+    out = state.apply("a", torch.tensor([5.0, 7.0]), None, running)
+    assert out.tolist() == pytest.approx([1 / math.sqrt(20 / 3), 3 / math.sqrt(20 / 3)], abs=1e-6)  # as above
+    assert set(state.stats) == {"a", "b"} and state.stats["b"] == RunningStats(3, 20.0, 300.0)
+    restored = ShapingState()
+    restored.load_state_dict(torch.load(_saved(state.state_dict()), weights_only=True))
+    assert restored.stats == state.stats
+
+
+def _saved(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

@@ -155,3 +155,29 @@ def shape_scores(
     if options.clip is not None:
         out = out.clamp(options.clip[0], options.clip[1])
     return out.float(), stats
+
+
+class ShapingState:
+    """The running statistics of every reward of a run, by reward name.
+
+    The trainer holds one and checkpoints it (``state_dict`` is plain numbers, loadable with
+    ``torch.load(weights_only=True)``).
+    """
+
+    def __init__(self):
+        self.stats: dict[str, RunningStats] = {}
+
+    def apply(
+        self, name: str, scores: torch.Tensor, lengths: torch.Tensor | None, options: ShapingOptions
+    ) -> torch.Tensor:
+        """:func:`shape_scores` for reward ``name``, keeping its running statistics."""
+        shaped, stats = shape_scores(scores, lengths, options, self.stats.get(name))
+        if stats is not None:
+            self.stats[name] = stats
+        return shaped
+
+    def state_dict(self) -> dict:
+        return {name: s.state_dict() for name, s in self.stats.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = {name: RunningStats.from_state_dict(s) for name, s in state.items()}

@@ -26,7 +26,7 @@ from hybridrl.batch import Batch
 from hybridrl.components import RunContext
 from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
-from hybridrl.shaping import shape_scores
+from hybridrl.shaping import ShapingState
 
 TOKEN_ENV = "HYBRIDRL_REWARD_TOKEN"
 DEFAULT_PORT = 8700
@@ -43,7 +43,7 @@ class RewardSet:
     def __init__(self, cfg: RunConfig, ctx: RunContext):
         self.ctx = ctx
         self.rewards = [(rc, plugins.lookup("reward function", rc.function)(rc.options, ctx)) for rc in cfg.rewards]
-        self.stats: dict = {}  # label -> RunningStats of normalize=running, for the life of the server
+        self.shaping = ShapingState()  # running statistics of normalize=running, for the life of the server
         self.lock = threading.Lock()
 
     def describe(self) -> list[dict]:
@@ -67,7 +67,7 @@ class RewardSet:
                 shaping = getattr(rc, "shaping", None)  # RewardConfig.shaping, where the core defines it
                 if shaping is not None and shaping.active:
                     lengths = self._lengths(request, batch) if shaping.length_penalty > 0 else None
-                    s, self.stats[rc.label] = shape_scores(s, lengths, shaping, self.stats.get(rc.label))
+                    s = self.shaping.apply(rc.label, s, lengths, shaping)
                 total += rc.weight * s
         return {"scores": total.tolist(), "rewards": out}
 
@@ -158,6 +158,7 @@ def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT
                 if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
                     return self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"})
             if size > MAX_BODY:
+                self.close_connection = True  # the body was not read
                 return self._send(413, {"error": f"body of {size} bytes is over {MAX_BODY}: send smaller batches"})
             try:
                 request = json.loads(body)
