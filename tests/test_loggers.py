@@ -161,6 +161,21 @@ def test_samples_jsonl_rows_match_the_step_metrics(real_run):
             assert sum(s["advantage"] for s in group[g * N : (g + 1) * N]) == pytest.approx(0.0, abs=1e-4)
 
 
+def test_per_reward_statistics_and_training_throughput(real_run):
+    _, metrics, samples = real_run
+    for row in metrics:
+        for name in ("format", "answer_match"):
+            values = torch.tensor([s[f"reward/{name}"] for s in samples if s["step"] == row["step"]])
+            assert row[f"reward/{name}/mean"] == pytest.approx(values.mean().item(), abs=1e-6)
+            assert row[f"reward/{name}/std"] == pytest.approx(values.std().item(), abs=1e-6)
+            assert (row[f"reward/{name}/min"], row[f"reward/{name}/max"]) == (values.min().item(), values.max().item())
+        # prompt + response tokens of the step's batch through the update, per second of update time
+        assert row["throughput/train_tokens_per_s"] > 0
+        tokens = row["throughput/train_tokens_per_s"] * row["timing/update"]
+        expected = PROMPTS * N * (row["prompt_length/mean"] + row["response_length/mean"])
+        assert tokens == pytest.approx(expected, rel=1e-4)
+
+
 def test_bad_metric_values_never_stop_the_jsonl_logger(tmp_path, caplog):
     import numpy as np
 
