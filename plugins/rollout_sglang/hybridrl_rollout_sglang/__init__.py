@@ -1,0 +1,182 @@
+"""Rollout engine ``sglang``: SGLang in this process (``sglang.Engine``) or a running SGLang server.
+
+``rollout.engine: sglang`` starts ``sglang.Engine`` on this process's GPU; with
+``rollout.base_url`` it talks to a server through SGLang's native API instead. Either way it
+returns token ids with the logprob of each sampled token, takes the trainer's weights in
+place after every step, and frees its GPU memory while the policy trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
+from hybridrl.hookspecs import hookimpl
+from hybridrl_rollout_sglang import protocol
+from hybridrl_rollout_sglang.backends import InProcess, Server, original_logprob_env
+
+__version__ = "0.1.0"
+
+IN_PROCESS_ONLY = (
+    "mem_fraction_static",
+    "tp_size",
+    "context_length",
+    "attention_backend",
+    "dtype",
+    "enable_memory_saver",
+    "skip_tokenizer_init",
+    "log_level",
+    "engine_kwargs",
+)
+SERVER_ONLY = (
+    "api_key",
+    "timeout",
+    "retries",
+    "concurrency",
+    "weights_dir",
+    "server_weights_dir",
+    "release_memory_on_sleep",
+)
+
+
+class SGLangEngine(RolloutEngine):
+    class Options(Options):
+        # -- mode
+        base_url: str | None = Field(
+            None,
+            description="URL of a running SGLang server (http://host:30000); unset: start sglang.Engine "
+            "in this process, on the policy's GPU.",
+        )
+        # -- both modes
+        batch_size: int = Field(
+            0, ge=0, description="Requests (prompt x sample) per generate call; 0: all of a step's in one call."
+        )
+        weight_bucket_mb: float = Field(
+            512,
+            gt=0,
+            description="Weight sync sends tensors in buckets of about this many MiB (in-process: one "
+            "update_weights_from_tensor call each; server: one safetensors shard each).",
+        )
+        per_request_seed: bool = Field(
+            False,
+            description="Give each request SGLang's sampling_seed (the step's seed + row). SGLang honours it "
+            "with enable_deterministic_inference (set it in engine_kwargs or on the server).",
+        )
+        stop_in_engine: bool = Field(
+            False,
+            description="Send rollout.stop to SGLang, which stops at them (needs SGLang's tokenizer: "
+            "skip_tokenizer_init false, or a server started without --skip-tokenizer-init). Otherwise "
+            "responses run to EOS or max_tokens and are cut after the stop string here: same responses, "
+            "more tokens generated.",
+        )
+        # -- in-process engine
+        mem_fraction_static: float = Field(
+            0.5, gt=0, lt=1, description="Fraction of GPU memory SGLang takes for weights and KV cache."
+        )
+        tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs of the engine.")
+        context_length: int | None = Field(
+            None, gt=0, description="Longest prompt + response; default: the model config's."
+        )
+        attention_backend: str | None = Field(
+            None, description="SGLang attention backend (fa3, flashinfer, triton...); default: SGLang's choice."
+        )
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+            "auto", description="Engine weight dtype; 'auto' follows the model config. Weights are cast to it."
+        )
+        enable_memory_saver: bool = Field(
+            True,
+            description="Release the weights, KV cache and CUDA graphs while the policy trains "
+            "(release/resume_memory_occupation); false: sleep() keeps them.",
+        )
+        skip_tokenizer_init: bool = Field(
+            True, description="Run SGLang on token ids only, without loading the tokenizer."
+        )
+        log_level: str = Field("warning", description="SGLang's log level (debug, info, warning, error).")
+        engine_kwargs: dict[str, Any] = Field(
+            default_factory=dict,
+            description="Extra keyword arguments of sglang.Engine (its server arguments), e.g. "
+            "{cuda_graph_max_bs: 256, enable_deterministic_inference: true}.",
+        )
+        # -- server mode
+        api_key: str | None = Field(None, description="The server's --api-key, sent as a bearer token.")
+        timeout: float = Field(600.0, gt=0, description="Seconds each HTTP call may take before it is retried.")
+        retries: int = Field(3, ge=0, description="Retries of a failed call (connection errors, 5xx, 429).")
+        concurrency: int = Field(1, ge=1, description="Generate calls in flight at once (with batch_size).")
+        weights_dir: str | None = Field(
+            None,
+            description="Where each weight update is saved as a Hugging Face folder for the server's "
+            "update_weights_from_disk; default: <run dir>/sglang_weights. Only the latest is kept.",
+        )
+        server_weights_dir: str | None = Field(
+            None, description="weights_dir as the server sees it, when it mounts the folder at another path."
+        )
+        release_memory_on_sleep: bool = Field(
+            False,
+            description="Ask the server to release its GPU memory while the policy trains (a server on the "
+            "training GPUs, started with --enable-memory-saver).",
+        )
+
+        @field_validator(*IN_PROCESS_ONLY, *SERVER_ONLY)
+        @classmethod
+        def _mode_option(cls, value, info):
+            server = bool(info.data.get("base_url"))  # base_url is declared first, so validated first
+            if server and info.field_name in IN_PROCESS_ONLY:
+                raise ValueError(
+                    "applies to the in-process engine only; with base_url the server's launch flags decide it"
+                )
+            if not server and info.field_name in SERVER_ONLY:
+                raise ValueError("applies to server mode only; set base_url to a running SGLang server")
+            return value
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.stop_ids, tied = protocol.model_facts(ctx.model_path, ctx.tokenizer)
+        self.skip = {"lm_head.weight"} if tied else set()
+        if options.stop_in_engine and not options.base_url and options.skip_tokenizer_init:
+            raise ValueError(
+                f"{protocol.COMPONENT}: stop_in_engine needs SGLang's tokenizer; set skip_tokenizer_init: false."
+            )
+        self.backend = Server(options, ctx) if options.base_url else InProcess(options, ctx)
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        o = self.options
+        if not o.base_url and original_logprob_env() and sampling.temperature != 1.0:
+            raise ValueError(
+                f"{protocol.COMPONENT}: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang returns logprobs "
+                f"before the temperature, but rollout.temperature is {sampling.temperature}; the trainer "
+                "needs temperature-scaled logprobs. Unset the variable."
+            )
+        request = protocol.generate_request(
+            prompts, sampling, self.stop_ids, stop_in_engine=o.stop_in_engine, per_request_seed=o.per_request_seed
+        )
+        parts = protocol.split_request(request, o.batch_size)
+        if isinstance(self.backend, Server):
+            items = self.backend.generate_many(parts)
+        else:
+            items = [item for part in parts for item in self.backend.generate(part)]
+        decode = lambda ids: self.ctx.tokenizer.decode(ids)  # noqa: E731
+        return protocol.to_rollout_output(
+            items, len(request["input_ids"]), sampling.stop, decode if sampling.stop else None
+        )
+
+    def update_weights(self, named_tensors) -> None:
+        self.version += 1
+        bucket_bytes = int(self.options.weight_bucket_mb * 2**20)
+        self.backend.update_weights(protocol.buckets(named_tensors, bucket_bytes, self.skip), self.version)
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        self.backend.shutdown()
+
+
+@hookimpl
+def register_rollout_engines(register):
+    register("sglang", SGLangEngine)

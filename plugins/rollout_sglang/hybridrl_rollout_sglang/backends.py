@@ -1,0 +1,289 @@
+"""The two ways to reach SGLang: ``sglang.Engine`` in this process, or a running server over HTTP.
+
+Both share the memory cycle of a colocated engine (:class:`Backend`). The trainer calls, per
+step: ``wake_up`` -> ``generate`` -> ``sleep`` -> (training) -> ``update_weights``. SGLang's
+``release_memory_occupation`` frees the weights, KV cache and CUDA graphs without a CPU
+copy of the weights, so the weights come back through the update: ``update_weights``
+first resumes the ``weights`` memory and loads the new tensors into it, and ``wake_up``
+then resumes ``kv_cache`` and ``cuda_graph`` (verl's order; it gave identical outputs
+to a never-released engine with SGLang 0.5.17).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl_rollout_sglang.protocol import COMPONENT
+
+ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class SGLangUnavailableError(RuntimeError):
+    """SGLang cannot run here; the message names what failed and what to use instead."""
+
+
+class Backend:
+    """Release/resume bookkeeping shared by both modes; subclasses provide the SGLang calls."""
+
+    can_release = False
+
+    def __init__(self):
+        self.released: set[str] = set()
+        self.weights_lost = False  # released without a CPU copy and not reloaded since
+
+    # primitives
+    def _generate(self, request: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def _load(self, buckets, version: int) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _resume(self, tags: list[str] | None) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+    # the cycle
+    def generate(self, request: dict) -> list[dict]:
+        if self.weights_lost:
+            raise RuntimeError(
+                f"{COMPONENT}: the weights were released by sleep() and not reloaded, so generating "
+                "now would use garbage. Call update_weights() between sleep() and wake_up() (the "
+                "trainer does), or set enable_memory_saver: false."
+            )
+        return self._generate(request)
+
+    def sleep(self) -> None:
+        if self.can_release and not self.released:
+            self._release()
+            self.released = set(ALL_TAGS)
+            self.weights_lost = True
+
+    def update_weights(self, buckets, version: int) -> None:
+        if "weights" in self.released:
+            self._resume(["weights"])
+            self.released.discard("weights")
+        self._load(buckets, version)
+        self.weights_lost = False
+
+    def wake_up(self) -> None:
+        if not self.released:
+            return
+        if self.released == ALL_TAGS:
+            self._resume(None)  # everything; the weights stay lost until the next update
+        else:
+            self._resume(sorted(self.released, key=["kv_cache", "cuda_graph", "weights"].index))
+        self.released = set()
+
+
+# -- in-process ---------------------------------------------------------------------------------
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def import_sglang():
+    """``sglang``, or an error that says why it cannot run here and what to use instead."""
+    if not cuda_available():
+        raise SGLangUnavailableError(
+            f"{COMPONENT}: the in-process engine needs a CUDA GPU, and torch {torch.__version__} sees "
+            "none. SGLang has no CPU build on PyPI. Use rollout.engine: vllm or hf on this machine, or set "
+            "rollout.base_url to a running SGLang server."
+        )
+    try:
+        import sglang
+    except Exception as e:  # ImportError, or a broken kernel package failing at import
+        raise SGLangUnavailableError(
+            f"{COMPONENT}: 'import sglang' failed ({type(e).__name__}: {e}). Install it on the GPU "
+            "machine with: pip install 'hybridrl-rollout-sglang[gpu]' (sglang>=0.5, which pins its own "
+            "torch); or set rollout.base_url to a running SGLang server; or use rollout.engine: vllm or hf."
+        ) from e
+    return sglang
+
+
+def engine_kwargs(options, ctx) -> dict:
+    """Keyword arguments of ``sglang.Engine`` from the plugin's options and the run."""
+    kwargs = {
+        "model_path": ctx.model_path,
+        "skip_tokenizer_init": options.skip_tokenizer_init,
+        "mem_fraction_static": options.mem_fraction_static,
+        "tp_size": options.tp_size,
+        "dtype": options.dtype,
+        "random_seed": ctx.seed,
+        "enable_memory_saver": options.enable_memory_saver,
+        "log_level": options.log_level,
+    }
+    if options.context_length is not None:
+        kwargs["context_length"] = options.context_length
+    if options.attention_backend is not None:
+        kwargs["attention_backend"] = options.attention_backend
+    if ctx.device.type == "cuda" and ctx.device.index:
+        kwargs["base_gpu_id"] = ctx.device.index  # colocate with the policy
+    clash = sorted(set(options.engine_kwargs) & (set(kwargs) | {"model_path", "random_seed"}))
+    if clash:
+        raise ValueError(
+            f"{COMPONENT}: engine_kwargs sets {', '.join(clash)}, which the plugin sets itself. Use the "
+            "plugin options (rollout.mem_fraction_static, rollout.tp_size, ...), model.path and trainer.seed."
+        )
+    return {**kwargs, **options.engine_kwargs}
+
+
+class InProcess(Backend):
+    """``sglang.Engine`` started in this process (its scheduler runs in child processes)."""
+
+    def __init__(self, options, ctx):
+        super().__init__()
+        self.options = options
+        self.can_release = options.enable_memory_saver
+        sglang = import_sglang()
+        kwargs = engine_kwargs(options, ctx)
+        try:
+            self.engine = sglang.Engine(**kwargs)
+        except Exception as e:
+            raise RuntimeError(
+                f"{COMPONENT}: sglang.Engine failed to start ({type(e).__name__}: {e}). Engine arguments: "
+                f"{kwargs}. Out of memory: lower mem_fraction_static or context_length. A kernel or "
+                "backend error: try attention_backend: triton. Check the log lines above for the child "
+                "process that failed."
+            ) from e
+        self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(options.dtype)
+
+    def _generate(self, request):
+        out = self.engine.generate(**request)
+        return out if isinstance(out, list) else [out]
+
+    def _load(self, buckets, version):
+        pending = None
+        for bucket in buckets:
+            if pending is not None:
+                self._send(pending, flush_cache=False)
+            pending = bucket
+        if pending is not None:
+            self._send(pending, flush_cache=True)  # one flush of the prefix cache, after the last bucket
+
+    def _send(self, bucket, flush_cache):
+        tensors = [(n, t.detach() if self.dtype is None else t.detach().to(self.dtype)) for n, t in bucket]
+        ret = self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=flush_cache)
+        if isinstance(ret, (tuple, list)) and ret and ret[0] is False:
+            raise RuntimeError(
+                f"{COMPONENT}: update_weights_from_tensor failed for {len(tensors)} tensors "
+                f"({tensors[0][0]}...): {ret[1] if len(ret) > 1 else ret}. The policy's tensor names must "
+                "be the Hugging Face names of the model SGLang loaded."
+            )
+
+    def _release(self):
+        self.engine.release_memory_occupation()
+
+    def _resume(self, tags):
+        if tags is None:
+            self.engine.resume_memory_occupation()
+        else:
+            self.engine.resume_memory_occupation(tags=tags)
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+
+# -- server ------------------------------------------------------------------------------------
+
+
+class Server(Backend):
+    """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``)."""
+
+    def __init__(self, options, ctx):
+        super().__init__()
+        self.options = options
+        self.url = options.base_url.rstrip("/")
+        self.component = f"{COMPONENT} (server {self.url})"
+        self.can_release = options.release_memory_on_sleep
+        self.model_path = ctx.model_path
+        self.weights_dir = Path(options.weights_dir or ctx.run_dir / "sglang_weights").absolute()
+        self.current: Path | None = None
+        try:
+            info = get_json(f"{self.url}/get_model_info", **self._http())
+        except ServiceError as e:
+            raise ServiceError(
+                f"{e} Start one with: python -m sglang.launch_server --model-path {ctx.model_path} "
+                "--port 30000 (add --enable-memory-saver for release_memory_on_sleep), and set "
+                "rollout.base_url to it."
+            ) from None
+        if isinstance(info, dict) and info.get("is_generation") is False:
+            raise ServiceError(f"{self.component}: the server runs an embedding/reward model, not a generator.")
+
+    def _http(self, timeout=None):
+        o = self.options
+        return dict(component=self.component, timeout=timeout or o.timeout, retries=o.retries, token=o.api_key)
+
+    def _post(self, path, payload, timeout=None):
+        return post_json(f"{self.url}{path}", payload, **self._http(timeout))
+
+    def generate_many(self, requests: list[dict]) -> list[dict]:
+        """Requests in order; up to ``concurrency`` in flight (SGLang batches them continuously)."""
+        if len(requests) == 1 or self.options.concurrency == 1:
+            return [item for r in requests for item in self.generate(r)]
+        with ThreadPoolExecutor(self.options.concurrency) as pool:
+            parts = list(pool.map(self.generate, requests))
+        return [item for part in parts for item in part]
+
+    def _generate(self, request):
+        out = self._post("/generate", request)
+        return out if isinstance(out, list) else [out]
+
+    def _load(self, buckets, version):
+        """Save the tensors as a Hugging Face folder and ask the server to load it from disk."""
+        from safetensors.torch import save_file
+
+        folder = self.weights_dir / f"v{version:06d}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for f in Path(self.model_path).iterdir():  # config, generation config, tokenizer
+            if f.is_file() and not f.name.endswith(WEIGHT_FILES) and not f.name.endswith(".index.json"):
+                shutil.copy2(f, folder / f.name)
+        weight_map, total = {}, 0
+        for k, bucket in enumerate(buckets):
+            name = f"model-{k + 1:05d}.safetensors"
+            tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+            save_file(tensors, str(folder / name), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(tensors, name)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        seen_by_server = folder
+        if self.options.server_weights_dir:
+            seen_by_server = Path(self.options.server_weights_dir) / folder.name
+        try:
+            ret = self._post("/update_weights_from_disk", {"model_path": str(seen_by_server)})
+        except ServiceError as e:
+            raise ServiceError(
+                f"{e} The server must see {seen_by_server} (a shared file system; set "
+                "rollout.server_weights_dir when it mounts rollout.weights_dir elsewhere)."
+            ) from None
+        if isinstance(ret, dict) and ret.get("success") is False:
+            raise ServiceError(f"{self.component}: update_weights_from_disk failed: {ret.get('message')}")
+        if self.current is not None and self.current != folder:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = folder
+
+    def _release(self):
+        self._post("/release_memory_occupation", {})
+
+    def _resume(self, tags):
+        self._post("/resume_memory_occupation", {} if tags is None else {"tags": tags})
+
+
+def original_logprob_env() -> bool:
+    """Whether SGLang was told to return logprobs before the temperature (in this process's env)."""
+    return os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")

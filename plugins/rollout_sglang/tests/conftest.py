@@ -1,0 +1,451 @@
+"""Contract fakes of SGLang for the contract tests: SGLang itself cannot run on CPU machines.
+
+``ContractSGLang`` generates with a REAL transformers model the way SGLang's sampler does
+(``sglang/srt/layers/sampler.py``, 0.5.x: logits / temperature, softmax over the whole
+vocabulary, top-k/top-p applied only to draw the token, logprob = log of the full
+temperature-scaled probability) and answers in SGLang's output format. Two faces:
+
+- ``sglang_server``: an HTTP server on 127.0.0.1 with the subset of SGLang's native API the
+  plugin uses (``/generate``, ``/get_model_info``, ``/health``, ``/update_weights_from_disk``,
+  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``), status codes
+  and bodies as in ``sglang/srt/entrypoints/http_server.py``;
+- ``sglang_module``: a stand-in ``sglang`` module whose ``Engine`` has the signatures of
+  ``sglang.Engine`` (``generate``, ``update_weights_from_tensor``, ``update_weights_from_disk``,
+  ``release_memory_occupation``, ``resume_memory_occupation``, ``shutdown``), including the
+  calls that worked with SGLang 0.5.17 on a GPU.
+
+Released weights are overwritten with noise, as SGLang's memory saver (without a CPU backup)
+gives back memory whose content is lost; loading weights or generating into released memory
+is an error, where the real engine would crash.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import types
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.models import position_ids
+
+# sglang/srt/sampling/sampling_params.py (0.5.x): the keys SamplingParams accepts
+SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+}  # fmt: skip
+# ServerArgs fields the plugin or the recipe passes (sglang/srt/server_args.py)
+ENGINE_KEYS = {
+    "model_path", "skip_tokenizer_init", "mem_fraction_static", "tp_size", "dtype", "random_seed",
+    "enable_memory_saver", "log_level", "context_length", "attention_backend", "base_gpu_id",
+    "cuda_graph_max_bs_decode", "cuda_graph_max_bs", "enable_deterministic_inference", "disable_cuda_graph",
+}  # fmt: skip
+TAGS = {"weights", "kv_cache", "cuda_graph"}
+
+
+class ContractSGLang:
+    """SGLang's generation and weight/memory API over a real transformers model (contract fake)."""
+
+    def __init__(self, model_path: str, seed: int = 0, with_tokenizer: bool = True):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path) if with_tokenizer else None
+        self.generator = torch.Generator().manual_seed(seed)
+        self.lock = threading.Lock()
+        self.released: set[str] = set()
+        self.calls: list[tuple] = []  # (name, detail) of every call, in order
+
+    # -- generation ------------------------------------------------------------------------
+    def generate(self, input_ids, sampling_params=None, return_logprob=False, **extra) -> list[dict] | dict:
+        if input_ids is None:
+            raise ValueError("Either text, input_ids or input_embeds should be provided.")
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        rows = [input_ids] if single else input_ids
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
+        if len(params) != len(rows):
+            raise ValueError(f"{len(params)} sampling_params for {len(rows)} prompts.")
+        for p in params:
+            unknown = set(p) - SAMPLING_KEYS
+            if unknown:
+                raise ValueError(f"Unknown sampling parameters {sorted(unknown)}.")
+            if p.get("stop") and self.tokenizer is None:
+                raise ValueError(f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True.")
+            if p.get("n", 1) != 1 or p.get("min_p", 0) or p.get("repetition_penalty", 1) != 1:
+                raise NotImplementedError("the contract fake implements n=1, min_p=0 and no penalties")
+        with self.lock:
+            if self.released & {"kv_cache", "weights"}:
+                raise RuntimeError(f"generate with released memory {sorted(self.released)}")
+            self.calls.append(("generate", len(rows)))
+            out = self._generate([list(r) for r in rows], params, return_logprob)
+        return out[0] if single else out
+
+    @torch.no_grad()
+    def _generate(self, rows, params, return_logprob):
+        B = len(rows)
+        limit = [p.get("max_new_tokens", 128) for p in params]
+        new: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        finish: list[dict | None] = [None] * B
+        gens = [
+            torch.Generator().manual_seed(p["sampling_seed"]) if p.get("sampling_seed") is not None else None
+            for p in params
+        ]
+        P = max(map(len, rows))
+        ids = torch.zeros(B, P, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):  # left-padded, as the trainer's batch
+            ids[i, P - len(r) :] = torch.tensor(r)
+            mask[i, P - len(r) :] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+        while True:
+            logits, past = out.logits[:, -1].float(), out.past_key_values
+            step = [0] * B  # finished rows are fed a padding token their mask hides
+            for i in range(B):
+                if finish[i] is not None:
+                    continue
+                p = params[i]
+                probs = torch.softmax(logits[i] / p.get("temperature", 1.0), dim=-1)
+                token = self._draw(probs, p.get("top_k", -1), p.get("top_p", 1.0), gens[i] or self.generator)
+                new[i].append(token)
+                lps[i].append(float(torch.log(probs[token])))
+                finish[i] = self._finished(new[i], p, limit[i])
+                step[i] = token
+            if all(f is not None for f in finish):
+                break
+            live = torch.tensor([[int(f is None)] for f in finish])
+            mask = torch.cat([mask, live], dim=1)
+            out = self.model(
+                input_ids=torch.tensor(step)[:, None],
+                attention_mask=mask,
+                position_ids=mask.sum(-1, keepdim=True) - 1,
+                past_key_values=past,
+                use_cache=True,
+            )
+        out = []
+        for i in range(B):
+            p, ids, fr = params[i], new[i], finish[i]
+            output_ids = list(ids)
+            if isinstance(fr.get("matched"), int) and not p.get("no_stop_trim", False):
+                output_ids = output_ids[:-1]  # SGLang trims a matched stop token unless no_stop_trim
+            meta = {
+                "id": uuid.uuid4().hex,
+                "finish_reason": fr,
+                "prompt_tokens": len(rows[i]),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+            }
+            if return_logprob:
+                meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(lps[i], ids)]
+                meta["input_token_logprobs"] = [(None, rows[i][-1], None)]
+            item = {"output_ids": output_ids, "meta_info": meta}
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if isinstance(fr.get("matched"), str) and not p.get("no_stop_trim", False):
+                    text = text[: text.find(fr["matched"])]
+                item = {"text": text, **item}
+            out.append(item)
+        return out
+
+    @staticmethod
+    def _draw(probs, top_k, top_p, generator) -> int:
+        """SGLang's torch fallback: top-k and top-p on a sorted copy; probs stay untouched."""
+        sorted_probs, index = probs.sort(descending=True)
+        cut = sorted_probs.clone()
+        cut[(sorted_probs.cumsum(-1) - sorted_probs) > top_p] = 0.0
+        if 0 < top_k < len(cut):
+            cut[top_k:] = 0.0
+        return int(index[torch.multinomial(cut / cut.sum(), 1, generator=generator)])
+
+    def _finished(self, ids, p, limit) -> dict | None:
+        last = ids[-1]
+        if not p.get("ignore_eos", False) and last in set(p.get("stop_token_ids") or ()):
+            return {"type": "stop", "matched": last}
+        if p.get("stop"):
+            text = self.tokenizer.decode(ids)
+            for s in [p["stop"]] if isinstance(p["stop"], str) else p["stop"]:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(ids) >= limit:
+            return {"type": "length", "length": len(ids)}
+        return None
+
+    # -- weights and memory ------------------------------------------------------------------
+    def load_tensors(self, named_tensors) -> tuple[bool, str]:
+        with self.lock:
+            if "weights" in self.released:
+                raise RuntimeError("weights loaded into released memory")
+            params = self.model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name not in params:
+                        return False, f"Failed to update weights: unknown parameter {name!r}."
+                    params[name].copy_(tensor.to(params[name].dtype))
+        return True, "Success"
+
+    def load_from_disk(self, model_path) -> tuple[bool, str]:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            return False, f"Failed to get weights iterator: {model_path} (repository not found)."
+        named = [item for f in files for item in load_file(str(f)).items()]
+        self.calls.append(("update_weights_from_disk", model_path))
+        ok, message = self.load_tensors(named)
+        return ok, "Succeeded to update model weights." if ok else message
+
+    def release(self, tags=None):
+        with self.lock:
+            tags = set(tags or TAGS)
+            self.calls.append(("release", sorted(tags)))
+            if "weights" in tags:
+                noise = torch.Generator().manual_seed(12345)
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        p.copy_(torch.randn(p.shape, generator=noise))
+            self.released |= tags
+
+    def resume(self, tags=None):
+        with self.lock:
+            tags = set(tags or TAGS)
+            self.calls.append(("resume", sorted(tags)))
+            self.released -= tags
+
+
+# -- the in-process face: a stand-in ``sglang`` module ---------------------------------------------
+
+
+class ContractEngine:
+    """``sglang.Engine``'s methods and signatures (0.5.x) over :class:`ContractSGLang`."""
+
+    last: ContractEngine | None = None
+    fail_start: Exception | None = None
+
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - ENGINE_KEYS
+        if unknown:
+            raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        if ContractEngine.fail_start is not None:
+            raise ContractEngine.fail_start
+        self.kwargs = kwargs
+        self.core = ContractSGLang(
+            kwargs["model_path"], seed=kwargs.get("random_seed", 0), with_tokenizer=not kwargs["skip_tokenizer_init"]
+        )
+        self.tensor_calls: list[tuple[list[str], bool]] = []
+        self.is_shutdown = False
+        ContractEngine.last = self
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, **kwargs):
+        if prompt is not None:
+            raise NotImplementedError("the contract engine takes input_ids")
+        out = self.core.generate(input_ids, sampling_params, return_logprob)
+        # in-process outputs hold tuples, as SGLang's do
+        return out
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        named_tensors = list(named_tensors)
+        self.tensor_calls.append(([n for n, _ in named_tensors], flush_cache))
+        self.core.calls.append(("update_weights_from_tensor", len(named_tensors), flush_cache))
+        return self.core.load_tensors(named_tensors)
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        ok, message = self.core.load_from_disk(model_path)
+        return ok, message, 0
+
+    def release_memory_occupation(self, tags=None):
+        self.core.release(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        self.core.resume(tags)
+
+    def shutdown(self):
+        self.is_shutdown = True
+
+
+@pytest.fixture
+def sglang_module(monkeypatch):
+    """Contract fake of the ``sglang`` package, with a CUDA check that passes (in-process tests)."""
+    from hybridrl_rollout_sglang import backends
+
+    module = types.ModuleType("sglang")
+    module.Engine = ContractEngine
+    module.__version__ = "0.5.17-contract"
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    ContractEngine.last, ContractEngine.fail_start = None, None
+    yield module
+    ContractEngine.last, ContractEngine.fail_start = None, None
+
+
+# -- the server face: SGLang's native HTTP API on 127.0.0.1 --------------------------------------------
+
+
+class ContractServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, core: ContractSGLang):
+        super().__init__(("127.0.0.1", 0), ContractHandler)
+        self.core = core
+        self.fails_left = 0
+        self.api_key: str | None = None  # like --api-key: other bearer tokens get 401
+        self.requests: list[tuple[str, dict | None]] = []  # (path, body) of every call
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def fail_next(self, count: int) -> None:
+        """The next ``count`` calls answer 503, as a server that is overloaded or restarting."""
+        self.fails_left = count
+
+
+class ContractHandler(BaseHTTPRequestHandler):
+    server: ContractServer
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, body):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n)) if n else None
+
+    def _failing(self):
+        key = self.server.api_key
+        if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+            self._send(401, {"error": "Unauthorized"})
+            return True
+        if self.server.fails_left > 0:
+            self.server.fails_left -= 1
+            self._send(503, {"error": {"message": "Service Unavailable"}})
+            return True
+        return False
+
+    def do_GET(self):
+        self.server.requests.append((self.path, None))
+        if self._failing():
+            return
+        core = self.server.core
+        if self.path == "/health":
+            self._send(200, b"")
+        elif self.path == "/get_model_info":
+            self._send(
+                200,
+                {
+                    "model_path": core.model_path,
+                    "tokenizer_path": core.model_path,
+                    "is_generation": True,
+                    "preferred_sampling_params": None,
+                    "weight_version": "default",
+                    "has_image_understanding": False,
+                    "has_audio_understanding": False,
+                },
+            )
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        body = self._body()
+        self.server.requests.append((self.path, body))
+        if self._failing():
+            return
+        core = self.server.core
+        try:
+            if self.path == "/generate":
+                if body.get("stream"):
+                    raise NotImplementedError("the contract server does not stream")
+                out = core.generate(body.get("input_ids"), body.get("sampling_params"), body.get("return_logprob"))
+                self._send(200, out)
+            elif self.path == "/update_weights_from_disk":
+                ok, message = core.load_from_disk(body["model_path"])
+                self._send(200 if ok else 400, {"success": ok, "message": message, "num_paused_requests": 0})
+            elif self.path == "/release_memory_occupation":
+                core.release((body or {}).get("tags"))
+                self._send(200, None)
+            elif self.path == "/resume_memory_occupation":
+                core.resume((body or {}).get("tags"))
+                self._send(200, None)
+            elif self.path == "/flush_cache":
+                self._send(200, b"Cache flushed.\n")
+            else:
+                self._send(404, {"detail": "Not Found"})
+        except (ValueError, KeyError, TypeError, NotImplementedError) as e:
+            self._send(400, {"error": {"message": str(e)}})
+
+
+@pytest.fixture
+def sglang_server(tiny_model):
+    """Contract fake of an SGLang server (native API) on 127.0.0.1, backed by the tiny model."""
+    server = ContractServer(ContractSGLang(tiny_model))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+# -- helpers for the tests -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_engine(tiny_model, tmp_path):
+    """Build the plugin's engine as the trainer does: ``SGLangEngine(Options(...), RunContext)``."""
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    from hybridrl.components import RunContext
+    from hybridrl.models import load_tokenizer
+
+    def make(model_path=None, **options):
+        path = model_path or tiny_model
+        ctx = RunContext(
+            model_path=path,
+            tokenizer=load_tokenizer(path),
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            seed=0,
+            run_dir=tmp_path / "run",
+        )
+        return SGLangEngine(SGLangEngine.Options(**options), ctx)
+
+    return make
+
+
+@pytest.fixture
+def prompts(tiny_model):
+    """Three chat prompts of the tiny model, as token ids."""
+    from hybridrl.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    questions = ["What is 3 + 4?", "Say seven.", "Count to 5"]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in questions]  # fmt: skip
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture
+def logprob_gap():
+    """Max |engine logprob - trainer logprob| over all response tokens, for a model's weights."""
+    from hybridrl.batch import Batch
+    from hybridrl.models import response_logprobs
+
+    def gap(model, prompts, out, n, temperature):
+        batch = Batch.from_rollout(prompts, out, n, pad_id=0)
+        T = batch["responses"].shape[1]
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, T, temperature)
+        mask = batch["response_mask"].bool()
+        return (lp - batch["rollout_logprobs"]).abs()[mask].max().item()
+
+    return gap

@@ -1,0 +1,218 @@
+"""In-process mode (``sglang.Engine``): real errors here, and contract tests against a fake engine.
+
+SGLang cannot run on a CPU machine, so the engine object in the contract tests is the
+``sglang_module`` contract fake (conftest.py): ``sglang.Engine``'s documented methods over a
+real transformers model. What they check is the plugin's side: the engine arguments, the
+requests, bucketed in-place updates, and the release/resume cycle around training.
+"""
+
+import json
+
+import pytest
+import torch
+from hybridrl_rollout_sglang.backends import SGLangUnavailableError, engine_kwargs
+
+from hybridrl.components import SamplingParams
+from hybridrl.config import ConfigError, load_config
+from hybridrl.models import load_causal_lm
+
+
+def test_without_a_gpu_the_error_says_so_and_names_the_alternatives(make_engine):
+    """Real behaviour on this CPU machine: no fake involved."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SGLangUnavailableError) as e:
+        make_engine()
+    msg = str(e.value)
+    assert "sglang rollout engine" in msg and "needs a CUDA GPU" in msg
+    assert "rollout.engine: vllm or hf" in msg and "rollout.base_url" in msg
+
+
+def test_missing_sglang_is_named_with_the_install_command(make_engine, sglang_module, monkeypatch):
+    """Contract test: CUDA present (faked), but ``import sglang`` fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # what an absent package does to import
+    with pytest.raises(SGLangUnavailableError, match=r"'import sglang' failed.*hybridrl-rollout-sglang\[gpu\]"):
+        make_engine()
+
+
+def test_engine_start_failure_names_the_options_to_change(make_engine, sglang_module):
+    """Contract test: ``sglang.Engine(...)`` raises while starting."""
+    sglang_module.Engine.fail_start = RuntimeError("Not enough memory. Please try to increase --mem-fraction-static")
+    with pytest.raises(RuntimeError, match=r"sglang.Engine failed to start.*Not enough memory.*mem_fraction_static"):
+        make_engine()
+
+
+def test_engine_arguments_follow_the_options(make_engine, sglang_module, tiny_model):
+    """Contract test: the keyword arguments reach ``sglang.Engine`` as its server arguments."""
+    make_engine(
+        mem_fraction_static=0.35,
+        tp_size=1,
+        context_length=512,
+        attention_backend="triton",
+        dtype="bfloat16",
+        engine_kwargs={"cuda_graph_max_bs_decode": 256},
+    )
+    kw = sglang_module.Engine.last.kwargs
+    assert kw == {
+        "model_path": tiny_model,
+        "skip_tokenizer_init": True,
+        "mem_fraction_static": 0.35,
+        "tp_size": 1,
+        "dtype": "bfloat16",
+        "random_seed": 0,
+        "enable_memory_saver": True,
+        "log_level": "warning",
+        "context_length": 512,
+        "attention_backend": "triton",
+        "cuda_graph_max_bs_decode": 256,
+    }
+
+
+def test_engine_kwargs_may_not_override_what_the_plugin_sets(make_engine):
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    class Ctx:
+        model_path, seed, device = "/m", 0, torch.device("cuda:1")
+
+    options = SGLangEngine.Options(engine_kwargs={"enable_deterministic_inference": True})
+    assert engine_kwargs(options, Ctx)["base_gpu_id"] == 1  # colocated with the policy's GPU
+    assert engine_kwargs(options, Ctx)["enable_deterministic_inference"] is True
+    with pytest.raises(ValueError, match="engine_kwargs sets mem_fraction_static, model_path"):
+        engine_kwargs(SGLangEngine.Options(engine_kwargs={"mem_fraction_static": 0.9, "model_path": "x"}), Ctx)
+
+
+def test_generation_returns_n_samples_with_the_trainers_logprobs(
+    make_engine, sglang_module, prompts, tiny_model, logprob_gap
+):
+    """Contract test: n samples per prompt, grouped; logprobs equal the trainer's for the same weights."""
+    engine = make_engine()
+    s = SamplingParams(n=4, temperature=0.8, top_p=0.9, top_k=20, max_tokens=10, seed=3)
+    out = engine.generate(prompts, s)
+    assert len(out.token_ids) == 12 and len(out.logprobs) == 12
+    for ids, lps, finish in zip(out.token_ids, out.logprobs, out.finish_reasons):
+        assert len(ids) == len(lps) and 1 <= len(ids) <= 10
+        assert finish == ("stop" if ids[-1] == 1 else "length")  # 1 is the tiny model's EOS
+        assert (finish == "length") == (len(ids) == 10 and 1 not in ids)
+    assert [sglang_module.Engine.last.core.calls[0]] == [("generate", 12)]  # one call, 3 prompts x 4
+    model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    assert logprob_gap(model, prompts, out, 4, 0.8) < 1e-4
+
+
+def test_update_weights_in_buckets_changes_the_outputs(make_engine, sglang_module, prompts, tiny_model, logprob_gap):
+    """Contract test: bucketed update_weights_from_tensor, one cache flush, the tied head not sent."""
+    engine = make_engine(weight_bucket_mb=0.06)  # about 63 kB: the tiny model goes in several buckets
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
+    engine.update_weights(policy.state_dict().items())
+
+    calls = sglang_module.Engine.last.tensor_calls
+    assert len(calls) >= 3
+    assert [flush for _, flush in calls] == [False] * (len(calls) - 1) + [True]
+    sent = [n for names, _ in calls for n in names]
+    assert sorted(sent) == sorted(k for k in policy.state_dict() if k != "lm_head.weight")
+    out = engine.generate(prompts, SamplingParams(n=2, max_tokens=8))
+    original = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    assert logprob_gap(policy, prompts, out, 2, 1.0) < 1e-3  # the engine runs the new weights
+    assert logprob_gap(original, prompts, out, 2, 1.0) > 0.1  # and no longer the old ones
+
+
+def test_sleep_update_wake_cycle_releases_and_reloads(make_engine, sglang_module, prompts, tiny_model, logprob_gap):
+    """Contract test: the trainer's order (sleep, update, wake) maps to SGLang's release/resume calls."""
+    engine = make_engine()
+    core = sglang_module.Engine.last.core
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    s = SamplingParams(n=2, max_tokens=6)
+    for _ in range(2):
+        engine.wake_up()
+        out = engine.generate(prompts, s)
+        assert logprob_gap(policy, prompts, out, 2, 1.0) < 1e-4
+        engine.sleep()
+        engine.update_weights(policy.state_dict().items())
+    engine.wake_up()
+    tensors = len(policy.state_dict()) - 1  # lm_head.weight is tied to the embeddings
+    assert [c for c in core.calls if c[0] in ("release", "resume", "update_weights_from_tensor")] == [
+        ("release", ["cuda_graph", "kv_cache", "weights"]),
+        ("resume", ["weights"]),
+        ("update_weights_from_tensor", tensors, True),
+        ("resume", ["cuda_graph", "kv_cache"]),
+    ] * 2
+    assert logprob_gap(policy, prompts, engine.generate(prompts, s), 2, 1.0) < 1e-4
+    engine.close()
+    assert sglang_module.Engine.last.is_shutdown
+
+
+def test_generating_with_released_weights_is_an_error(make_engine, sglang_module, prompts):
+    """Contract test: sleep then wake without an update leaves garbage weights; the plugin refuses."""
+    engine = make_engine()
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="released by sleep\\(\\) and not reloaded"):
+        engine.generate(prompts, SamplingParams(n=1, max_tokens=4))
+
+
+def test_without_memory_saver_sleep_keeps_everything(make_engine, sglang_module, prompts):
+    engine = make_engine(enable_memory_saver=False)
+    engine.sleep()
+    engine.wake_up()
+    assert len(engine.generate(prompts, SamplingParams(n=1, max_tokens=4)).token_ids) == 3
+    assert not any(c[0] in ("release", "resume") for c in sglang_module.Engine.last.core.calls)
+
+
+def test_stop_strings_are_cut_here_when_sglang_has_no_tokenizer(make_engine, sglang_module, prompts, tiny_model):
+    """Contract test: with skip_tokenizer_init SGLang refuses ``stop``; the plugin cuts responses itself."""
+    from hybridrl.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    engine = make_engine()
+    stops = list("aeiou 0123456789")
+    out = engine.generate(prompts, SamplingParams(n=4, max_tokens=12, stop=stops))
+    sent = sglang_module.Engine.last.core
+    assert sent.calls[0] == ("generate", 12)
+    cut = 0
+    for ids, finish in zip(out.token_ids, out.finish_reasons):
+        text = tok.decode(ids)
+        if finish == "stop" and ids[-1] != 1:
+            cut += 1
+            assert any(s in text for s in stops)  # the last token completes a stop string
+        assert not any(s in tok.decode(ids[:-1]) for s in stops)  # and not later than the first one
+    assert cut > 0
+    with pytest.raises(ValueError, match="stop_in_engine needs SGLang's tokenizer"):
+        make_engine(stop_in_engine=True)
+
+
+def test_original_logprob_mode_with_a_temperature_is_refused(make_engine, sglang_module, prompts, monkeypatch):
+    engine = make_engine()
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB is set.*temperature is 0.7"):
+        engine.generate(prompts, SamplingParams(temperature=0.7))
+    assert len(engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=2)).token_ids) == 3
+
+
+def test_options_reject_unknown_keys_and_the_other_modes_options(tiny_model):
+    base = {
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+        "rewards": [{"function": "format", "pattern": "7"}],
+    }
+    with pytest.raises(ConfigError, match="Unknown key 'mem_fraction' in rollout.*mem_fraction_static"):
+        load_config(data={**base, "rollout": {"engine": "sglang", "mem_fraction": 0.5}})
+    with pytest.raises(ConfigError, match="rollout.mem_fraction_static: .*in-process engine only; with base_url"):
+        load_config(data={**base, "rollout": {"engine": "sglang", "base_url": "http://x", "mem_fraction_static": 0.5}})
+    with pytest.raises(
+        ConfigError, match="rollout.api_key: .*server mode only(.|\\n)*rollout.timeout: .*server mode only"
+    ):
+        load_config(data={**base, "rollout": {"engine": "sglang", "api_key": "k", "timeout": 5}})
+    cfg = load_config(data={**base, "rollout": {"engine": "sglang", "tp_size": 2, "engine_kwargs": {"a": 1}}})
+    assert cfg.rollout.options.tp_size == 2 and cfg.rollout.options.engine_kwargs == {"a": 1}
+
+
+def test_every_option_is_documented():
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    fields = SGLangEngine.Options.model_fields
+    assert all(f.description for f in fields.values()), [k for k, f in fields.items() if not f.description]
+    assert json.dumps(SGLangEngine.Options.model_json_schema())  # the docs generator can render it
