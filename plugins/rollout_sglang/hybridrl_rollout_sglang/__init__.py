@@ -71,6 +71,17 @@ class SGLangEngine(RolloutEngine):
             "responses run to EOS or max_tokens and are cut after the stop string here: same responses, "
             "more tokens generated.",
         )
+        release_weights: bool = Field(
+            True,
+            description="While the policy trains, free the engine's weights too (they come back with the "
+            "trainer's update); false: free only the KV cache and CUDA graphs.",
+        )
+        weights_cpu_backup: bool = Field(
+            False,
+            description="SGLang keeps a CPU copy of released weights (enable_weights_cpu_backup; in server "
+            "mode: the server was started with --enable-weights-cpu-backup). Needed with release_weights "
+            "when the trainer may skip a step's weight sync (a step with nothing to train).",
+        )
         # -- in-process engine
         mem_fraction_static: float = Field(
             0.5, gt=0, lt=1, description="Fraction of GPU memory SGLang takes for weights and KV cache."

@@ -1,12 +1,13 @@
 """The two ways to reach SGLang: ``sglang.Engine`` in this process, or a running server over HTTP.
 
 Both share the memory cycle of a colocated engine (:class:`Backend`). The trainer calls, per
-step: ``wake_up`` -> ``generate`` -> ``sleep`` -> (training) -> ``update_weights``. SGLang's
-``release_memory_occupation`` frees the weights, KV cache and CUDA graphs without a CPU
-copy of the weights, so the weights come back through the update: ``update_weights``
-first resumes the ``weights`` memory and loads the new tensors into it, and ``wake_up``
-then resumes ``kv_cache`` and ``cuda_graph`` (verl's order; it gave identical outputs
-to a never-released engine with SGLang 0.5.17).
+step: ``wake_up`` -> ``generate`` -> ``sleep`` -> (training) -> ``update_weights``. On
+``sleep`` SGLang's ``release_memory_occupation`` frees the KV cache, the CUDA graphs and
+(``release_weights``) the weights. Without SGLang's CPU copy of the weights
+(``weights_cpu_backup``) their memory comes back empty, so they come back through the
+update: ``update_weights`` first resumes the ``weights`` memory and loads the new tensors
+into it, and ``wake_up`` then resumes ``kv_cache`` and ``cuda_graph``. That is verl's order,
+and with SGLang 0.5.17 it gave outputs identical to a never-released engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hybridrl.http import ServiceError, get_json, post_json
 from hybridrl_rollout_sglang.protocol import COMPONENT
 
 ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
+CACHE_TAGS = ("kv_cache", "cuda_graph")  # in the order of the GPU-proven resume call
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -33,9 +35,10 @@ class SGLangUnavailableError(RuntimeError):
 class Backend:
     """Release/resume bookkeeping shared by both modes; subclasses provide the SGLang calls."""
 
-    can_release = False
-
-    def __init__(self):
+    def __init__(self, options):
+        self.can_release = False  # set by the subclass from its options
+        self.release_weights = options.release_weights
+        self.cpu_backup = options.weights_cpu_backup
         self.released: set[str] = set()
         self.weights_lost = False  # released without a CPU copy and not reloaded since
 
@@ -46,10 +49,12 @@ class Backend:
     def _load(self, buckets, version: int) -> None:
         raise NotImplementedError
 
-    def _release(self) -> None:
+    def _release(self, tags: list[str] | None) -> None:
+        """Release ``tags``; None: all of them."""
         raise NotImplementedError
 
     def _resume(self, tags: list[str] | None) -> None:
+        """Resume ``tags``; None: all of them."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -59,17 +64,23 @@ class Backend:
     def generate(self, request: dict) -> list[dict]:
         if self.weights_lost:
             raise RuntimeError(
-                f"{COMPONENT}: the weights were released by sleep() and not reloaded, so generating "
-                "now would use garbage. Call update_weights() between sleep() and wake_up() (the "
-                "trainer does), or set enable_memory_saver: false."
+                f"{COMPONENT}: the engine's weights were released by sleep() and no update_weights() "
+                "reloaded them (the trainer skips the sync of a step with nothing to train), so generating "
+                "now would use garbage. Set rollout.weights_cpu_backup: true (SGLang keeps a CPU copy while "
+                "released) or rollout.release_weights: false (only the KV cache and CUDA graphs are freed)."
             )
         return self._generate(request)
 
     def sleep(self) -> None:
-        if self.can_release and not self.released:
-            self._release()
+        if not self.can_release or self.released:
+            return
+        if self.release_weights:
+            self._release(None)  # everything, as the GPU-proven call does
             self.released = set(ALL_TAGS)
-            self.weights_lost = True
+            self.weights_lost = not self.cpu_backup
+        else:
+            self._release(list(CACHE_TAGS))
+            self.released = set(CACHE_TAGS)
 
     def update_weights(self, buckets, version: int) -> None:
         if "weights" in self.released:
@@ -81,10 +92,7 @@ class Backend:
     def wake_up(self) -> None:
         if not self.released:
             return
-        if self.released == ALL_TAGS:
-            self._resume(None)  # everything; the weights stay lost until the next update
-        else:
-            self._resume(sorted(self.released, key=["kv_cache", "cuda_graph", "weights"].index))
+        self._resume(None if self.released == ALL_TAGS else list(CACHE_TAGS))
         self.released = set()
 
 
@@ -126,6 +134,8 @@ def engine_kwargs(options, ctx) -> dict:
         "enable_memory_saver": options.enable_memory_saver,
         "log_level": options.log_level,
     }
+    if options.weights_cpu_backup:
+        kwargs["enable_weights_cpu_backup"] = True
     if options.context_length is not None:
         kwargs["context_length"] = options.context_length
     if options.attention_backend is not None:
@@ -145,7 +155,7 @@ class InProcess(Backend):
     """``sglang.Engine`` started in this process (its scheduler runs in child processes)."""
 
     def __init__(self, options, ctx):
-        super().__init__()
+        super().__init__(options)
         self.options = options
         self.can_release = options.enable_memory_saver
         sglang = import_sglang()
@@ -184,8 +194,11 @@ class InProcess(Backend):
                 "be the Hugging Face names of the model SGLang loaded."
             )
 
-    def _release(self):
-        self.engine.release_memory_occupation()
+    def _release(self, tags):
+        if tags is None:
+            self.engine.release_memory_occupation()
+        else:
+            self.engine.release_memory_occupation(tags=tags)
 
     def _resume(self, tags):
         if tags is None:
@@ -204,7 +217,7 @@ class Server(Backend):
     """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``)."""
 
     def __init__(self, options, ctx):
-        super().__init__()
+        super().__init__(options)
         self.options = options
         self.url = options.base_url.rstrip("/")
         self.component = f"{COMPONENT} (server {self.url})"
@@ -277,8 +290,8 @@ class Server(Backend):
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = folder
 
-    def _release(self):
-        self._post("/release_memory_occupation", {})
+    def _release(self, tags):
+        self._post("/release_memory_occupation", {} if tags is None else {"tags": tags})
 
     def _resume(self, tags):
         self._post("/resume_memory_occupation", {} if tags is None else {"tags": tags})

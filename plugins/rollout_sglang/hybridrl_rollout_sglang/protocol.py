@@ -52,6 +52,7 @@ def sampling_params(sampling: SamplingParams, stop_token_ids: Iterable[int], *, 
     a ``repetition_penalty`` or ``top_k`` from there would make the returned logprobs differ
     from the trainer's.
     """
+    ignore_eos = bool(getattr(sampling, "ignore_eos", False))  # generate exactly max_tokens
     params = {
         "max_new_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
@@ -61,8 +62,8 @@ def sampling_params(sampling: SamplingParams, stop_token_ids: Iterable[int], *, 
         "repetition_penalty": 1.0,
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
-        "stop_token_ids": sorted(set(stop_token_ids)),
-        "ignore_eos": False,
+        "stop_token_ids": [] if ignore_eos else sorted(set(stop_token_ids)),
+        "ignore_eos": ignore_eos,
         "no_stop_trim": True,  # keep the stop token in output_ids: it is part of the response
     }
     if stop_in_engine and sampling.stop:

@@ -46,6 +46,7 @@ ENGINE_KEYS = {
     "model_path", "skip_tokenizer_init", "mem_fraction_static", "tp_size", "dtype", "random_seed",
     "enable_memory_saver", "log_level", "context_length", "attention_backend", "base_gpu_id",
     "cuda_graph_max_bs_decode", "cuda_graph_max_bs", "enable_deterministic_inference", "disable_cuda_graph",
+    "enable_weights_cpu_backup",
 }  # fmt: skip
 TAGS = {"weights", "kv_cache", "cuda_graph"}
 
@@ -53,7 +54,7 @@ TAGS = {"weights", "kv_cache", "cuda_graph"}
 class ContractSGLang:
     """SGLang's generation and weight/memory API over a real transformers model (contract fake)."""
 
-    def __init__(self, model_path: str, seed: int = 0, with_tokenizer: bool = True):
+    def __init__(self, model_path: str, seed: int = 0, with_tokenizer: bool = True, cpu_backup: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -62,6 +63,8 @@ class ContractSGLang:
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
         self.released: set[str] = set()
+        self.cpu_backup = cpu_backup  # enable_weights_cpu_backup: released weights come back on resume
+        self.backup: dict[str, torch.Tensor] | None = None
         self.calls: list[tuple] = []  # (name, detail) of every call, in order
 
     # -- generation ------------------------------------------------------------------------
@@ -206,7 +209,9 @@ class ContractSGLang:
         with self.lock:
             tags = set(tags or TAGS)
             self.calls.append(("release", sorted(tags)))
-            if "weights" in tags:
+            if "weights" in tags and "weights" not in self.released:
+                if self.cpu_backup:
+                    self.backup = {k: v.clone() for k, v in self.model.state_dict().items()}
                 noise = torch.Generator().manual_seed(12345)
                 with torch.no_grad():
                     for p in self.model.parameters():
@@ -217,6 +222,9 @@ class ContractSGLang:
         with self.lock:
             tags = set(tags or TAGS)
             self.calls.append(("resume", sorted(tags)))
+            if "weights" in tags & self.released and self.backup is not None:
+                self.model.load_state_dict(self.backup)
+                self.backup = None
             self.released -= tags
 
 
@@ -237,7 +245,10 @@ class ContractEngine:
             raise ContractEngine.fail_start
         self.kwargs = kwargs
         self.core = ContractSGLang(
-            kwargs["model_path"], seed=kwargs.get("random_seed", 0), with_tokenizer=not kwargs["skip_tokenizer_init"]
+            kwargs["model_path"],
+            seed=kwargs.get("random_seed", 0),
+            with_tokenizer=not kwargs["skip_tokenizer_init"],
+            cpu_backup=kwargs.get("enable_weights_cpu_backup", False),
         )
         self.tensor_calls: list[tuple[list[str], bool]] = []
         self.is_shutdown = False

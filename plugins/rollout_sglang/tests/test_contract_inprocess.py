@@ -145,13 +145,41 @@ def test_sleep_update_wake_cycle_releases_and_reloads(make_engine, sglang_module
     assert sglang_module.Engine.last.is_shutdown
 
 
-def test_generating_with_released_weights_is_an_error(make_engine, sglang_module, prompts):
-    """Contract test: sleep then wake without an update leaves garbage weights; the plugin refuses."""
+def test_a_skipped_update_after_releasing_the_weights_is_an_error(make_engine, sglang_module, prompts):
+    """Contract test: sleep then wake without an update (the trainer skipped the sync) leaves garbage."""
     engine = make_engine()
     engine.sleep()
     engine.wake_up()
-    with pytest.raises(RuntimeError, match="released by sleep\\(\\) and not reloaded"):
+    with pytest.raises(RuntimeError, match="released by sleep\\(\\) and no update_weights\\(\\).*weights_cpu_backup"):
         engine.generate(prompts, SamplingParams(n=1, max_tokens=4))
+
+
+def test_a_skipped_update_is_fine_with_the_cpu_backup(make_engine, sglang_module, prompts, tiny_model, logprob_gap):
+    """Contract test: with enable_weights_cpu_backup SGLang restores released weights on resume."""
+    engine = make_engine(weights_cpu_backup=True)
+    assert sglang_module.Engine.last.kwargs["enable_weights_cpu_backup"] is True
+    engine.sleep()
+    engine.wake_up()
+    out = engine.generate(prompts, SamplingParams(n=2, max_tokens=6))
+    original = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    assert logprob_gap(original, prompts, out, 2, 1.0) < 1e-4
+
+
+def test_keeping_the_weights_frees_only_the_caches(make_engine, sglang_module, prompts, tiny_model):
+    """Contract test: release_weights false releases and resumes the KV cache and CUDA graphs only."""
+    engine = make_engine(release_weights=False)
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    engine.sleep()
+    engine.wake_up()  # a skipped update is harmless: the weights never left
+    engine.generate(prompts, SamplingParams(n=1, max_tokens=3))
+    engine.sleep()
+    engine.update_weights(policy.state_dict().items())
+    engine.wake_up()
+    core = sglang_module.Engine.last.core
+    assert [c for c in core.calls if c[0] in ("release", "resume")] == [
+        ("release", ["cuda_graph", "kv_cache"]),
+        ("resume", ["cuda_graph", "kv_cache"]),
+    ] * 2
 
 
 def test_without_memory_saver_sleep_keeps_everything(make_engine, sglang_module, prompts):

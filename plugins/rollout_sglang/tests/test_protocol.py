@@ -75,6 +75,8 @@ def test_sampling_params_are_explicit_so_model_defaults_cannot_change_the_distri
         "no_stop_trim": True,
     }
     assert protocol.sampling_params(SamplingParams(top_k=20), [])["top_k"] == 20
+    forced = protocol.sampling_params(SamplingParams(ignore_eos=True), [EOS])
+    assert forced["ignore_eos"] is True and forced["stop_token_ids"] == []
     assert protocol.sampling_params(s, [EOS], stop_in_engine=True)["stop"] == ["\n\n"]
 
 
