@@ -51,7 +51,7 @@ class SequenceClassifier(RewardFunction):
         self.tokenizer.truncation_side = options.truncation_side
         if self.tokenizer.pad_token is None:  # decoder reward models often have none
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if self.model.config.pad_token_id is None:
+        if getattr(self.model.config, "pad_token_id", None) is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.label = self._check_label()
 
