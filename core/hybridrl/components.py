@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from hybridrl.batch import Batch
@@ -34,9 +34,15 @@ class RunContext:
     dtype: torch.dtype  # the policy's parameter dtype
     seed: int
     run_dir: Path
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # this process's rank under torchrun (0 on one process)
+    world_size: int = 1  # processes in the run; each trains on its share of the step's prompts
     strategy: Any = None  # the run's ShardingStrategy, set once it is built (to wrap extra models)
+    local_rank: int = 0  # the rank within its node: the GPU index under torchrun
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run's files and prints (rank 0)."""
+        return self.rank == 0
 
 
 class Component:
@@ -169,14 +175,51 @@ class Algorithm(Component):
 # --- sharding ----------------------------------------------------------------------------
 
 
+class ShardingOptions(Options):
+    ref_device: str | None = Field(
+        None,
+        description="Device of the frozen reference model, e.g. 'cuda:1' to keep it off the policy's GPU "
+        "(beside a reward model); default: the policy's device (trainer.device).",
+    )
+
+
 class ShardingStrategy(Component):
-    """Places models on devices for training and streams their full weights out."""
+    """Places models on devices for training and streams their full weights out.
+
+    Under torchrun every rank builds the same strategy; a strategy with :attr:`multi_process`
+    keeps the ranks' models in step (synchronised gradients), and every method below is then
+    called on every rank in the same order (they may run collectives).
+    """
+
+    Options: ClassVar[type[Options]] = ShardingOptions
+
+    #: whether it trains one model across the processes of a torchrun launch (else: one process)
+    multi_process: ClassVar[bool] = False
 
     def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         raise NotImplementedError
 
+    def wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Place the frozen reference policy: on ``ref_device`` when the options set one, else
+        like the policy (``wrap(model, trainable=False)``)."""
+        ref_device = getattr(self.options, "ref_device", None)
+        if ref_device:
+            from hybridrl.distributed import resolve_device
+
+            return model.to(resolve_device(ref_device, "sharding.ref_device"))
+        return self.wrap(model, trainable=False)
+
+    def input_device(self, model: torch.nn.Module) -> torch.device:
+        """The device that ``model``'s inputs must be on: where its parameters are."""
+        for p in model.parameters():
+            return p.device
+        return self.ctx.device
+
     def full_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time."""
+        """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time.
+
+        Names are those of the HF state dict (tied weights under each of their names).
+        """
         raise NotImplementedError
 
     def save_model(self, model: torch.nn.Module, path: Path) -> None:
@@ -200,12 +243,27 @@ class ShardingStrategy(Component):
             )
         model.load_state_dict(state, strict=False)
 
+    def save_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> bool:
+        """Write the model's and optimizer's state as shards (every rank its own) under ``path``.
+
+        Returns False when the strategy keeps no sharded state: the checkpoint then holds the
+        optimizer state in ``optimizer.pt`` and the weights in ``policy/``.
+        """
+        return False
+
+    def load_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+        """Load what :meth:`save_sharded` wrote, in place."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no sharded checkpoint state.")
+
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the gradients to a total norm; returns the norm before clipping (over all ranks)."""
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
     def all_reduce_mean(self, value: float) -> float:
         """Mean of a scalar over ranks (identity on one process)."""
-        return value
+        from hybridrl.distributed import mean_over_ranks
+
+        return mean_over_ranks(value)
 
 
 # --- data and logging --------------------------------------------------------------------

@@ -20,6 +20,7 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.rollout_hf",
     "hybridrl.builtin.rewards",
     "hybridrl.builtin.sharding_single",
+    "hybridrl.builtin.sharding_fsdp",
     "hybridrl.builtin.datasets",
     "hybridrl.builtin.loggers",
     "hybridrl.builtin.trackers",

@@ -1,0 +1,233 @@
+"""Sharding strategy ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) over the ranks
+of a torchrun launch.
+
+Each transformer block is sharded on its own (found from the model: its ``_no_split_modules``
+class names, else the layers of its largest ``ModuleList``), then the root, so one block's
+parameters are gathered at a time. Full tensors for the rollout engine are gathered one
+parameter at a time; checkpoints keep each rank's shards with torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from hybridrl import distributed as dist
+from hybridrl.components import Options, ShardingStrategy
+from hybridrl.hookspecs import hookimpl
+
+NAME = "sharding strategy 'fsdp'"
+
+
+def find_blocks(model: torch.nn.Module, names: list[str] | None = None) -> list[torch.nn.Module]:
+    """The repeated blocks of a model, to shard one by one.
+
+    ``names``: class names to look for; by default the model's ``_no_split_modules`` (what
+    transformers itself keeps whole when it splits a model over devices). Without either, the
+    entries of the model's largest ``ModuleList`` (``model.layers`` of most causal LMs).
+    """
+    wanted = set(names or getattr(model, "_no_split_modules", None) or [])
+    if wanted:
+        found = [m for m in model.modules() if type(m).__name__ in wanted and any(True for _ in m.parameters())]
+        if found or names:
+            return found
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+    return list(largest)
+
+
+def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor; a collective when it is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device != device:  # CPU-offloaded shard: gather on the compute device
+        t = DTensor.from_local(
+            t.to_local().to(device), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t.full_tensor().detach()
+
+
+class FSDPStrategy(ShardingStrategy):
+    """FSDP2 over the ranks of a torchrun launch (a process group of one without torchrun)."""
+
+    multi_process = True
+
+    class Options(Options):
+        mode: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = Field(
+            "full_shard",
+            description="full_shard: parameters, gradients and optimizer state sharded over all ranks, "
+            "parameters freed again after each block's forward; shard_grad_op: the same but parameters stay "
+            "gathered from forward to backward (more memory, fewer all-gathers); hybrid_shard: full_shard "
+            "within groups of shard_group_size ranks, replicated across groups (2-D mesh).",
+        )
+        shard_group_size: int | None = Field(
+            None,
+            gt=0,
+            description="hybrid_shard: ranks per shard group (it must divide the world size); default: the "
+            "processes of one node (LOCAL_WORLD_SIZE), so all-gathers stay inside a node.",
+        )
+        mixed_precision: Literal["off", "bf16"] = Field(
+            "off",
+            description="bf16: compute in bfloat16 while parameters and optimizer state stay float32 "
+            "(model.dtype must be float32) and gradients are reduced in float32.",
+        )
+        offload: bool = Field(
+            False,
+            description="Keep parameters, gradients and optimizer state in CPU memory between uses "
+            "(CPUOffloadPolicy); the optimizer step then runs on the CPU. Needs a CUDA device.",
+        )
+        activation_checkpointing: bool = Field(
+            False,
+            description="Recompute each block's activations in the backward pass instead of keeping them "
+            "(the model's own gradient checkpointing, non-reentrant).",
+        )
+        blocks: list[str] | None = Field(
+            None,
+            description="Class names of the modules to shard one by one; default: the model's "
+            "_no_split_modules, else the entries of its largest ModuleList.",
+        )
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        o = options
+        if o.mixed_precision == "bf16" and ctx.dtype != torch.float32:
+            raise ValueError(
+                f"sharding.mixed_precision=bf16 keeps float32 master weights, but model.dtype is "
+                f"{str(ctx.dtype).removeprefix('torch.')}. Set model.dtype=float32, or sharding.mixed_precision=off."
+            )
+        if o.offload and ctx.device.type != "cuda":
+            raise ValueError(
+                f"sharding.offload moves parameters off the GPU between uses, but the policy is on "
+                f"{ctx.device} (trainer.device). Remove sharding.offload on a CPU run."
+            )
+        if o.shard_group_size and o.mode != "hybrid_shard":
+            raise ValueError(f"sharding.shard_group_size is for mode hybrid_shard (mode is {o.mode}); remove it.")
+        dist.setup(ctx.device, need_group=True)
+        self._mesh = None
+
+    @property
+    def mesh(self):
+        """The device mesh: 1-D over all ranks, or (replicate, shard) for hybrid_shard."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world, kind = dist.world_size(), self.ctx.device.type
+            if self.options.mode == "hybrid_shard":
+                size = self.options.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                if world % size:
+                    raise ValueError(
+                        f"sharding.shard_group_size={size} does not divide the {world} ranks; use a divisor of {world}."
+                    )
+                self._mesh = init_device_mesh(kind, (world // size, size), mesh_dim_names=("replicate", "shard"))
+            else:
+                self._mesh = init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
+        return self._mesh
+
+    def _policies(self) -> dict:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.options.mode != "shard_grad_op"}
+        if self.options.mixed_precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.options.offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        return kwargs
+
+    def wrap(self, model, trainable=True):
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = find_blocks(model, self.options.blocks)
+        if not blocks:
+            raise ValueError(
+                f"{NAME}: found no blocks to shard in {type(model).__name__} (no _no_split_modules, no "
+                "ModuleList). Set sharding.blocks to the class names of its layers."
+            )
+        if self.options.activation_checkpointing and trainable:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ValueError(
+                    f"{NAME}: {type(model).__name__} does not support gradient checkpointing; "
+                    "set sharding.activation_checkpointing=false."
+                )
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = self._policies()
+        for block in reversed(blocks):  # inner modules before the ones that hold them
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def input_device(self, model):
+        return self.ctx.device  # parameters may sit in CPU memory (offload); compute is here
+
+    def full_tensors(self, model):
+        # one parameter gathered at a time: the extra memory is that of the largest tensor
+        for name, t in model.state_dict().items():
+            yield name, full_tensor(t, self.ctx.device)
+
+    def save_model(self, model, path):
+        """Gather the full weights on rank 0 (CPU) and write them as a plain HF folder there."""
+        main = dist.is_main()
+        state: dict[str, torch.Tensor] = {}
+        first: dict[int, str] = {}  # tied weights: one tensor under each of its names
+        for name, p in model.state_dict(keep_vars=True).items():
+            if id(p) in first:
+                if main:
+                    state[name] = state[first[id(p)]]
+                continue
+            first[id(p)] = name
+            full = full_tensor(p, self.ctx.device)
+            if main:
+                state[name] = full.cpu()
+            del full
+        if main:
+            model.save_pretrained(path, state_dict=state)
+        dist.barrier()
+
+    def load_model(self, model, path):
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f))
+        if not state:
+            raise FileNotFoundError(f"{NAME}: no *.safetensors files in {path}.")
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def save_sharded(self, model, optimizer, path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        return True
+
+    def load_sharded(self, model, optimizer, path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def clip_grad_norm(self, model, max_norm):
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # the norm of the DTensor grads: over all ranks
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+
+@hookimpl
+def register_sharding_strategies(register):
+    register("fsdp", FSDPStrategy)
