@@ -8,11 +8,22 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000010/`` holding:
 - ``state.pt``: step, RNG states, the prompt order position, and the state of every
   component that has ``state_dict()`` (the algorithm's KL controller or critic, rewards'
   running statistics);
-- ``meta.json``: step and hybridrl version, for people.
+- ``meta.json``: step, hybridrl version, sharding strategy and world size, for people and
+  for the resume check.
 
-It is written into a temporary sibling directory and renamed into place, so a crash or a
-kill during the save leaves the previous checkpoints as they were. Everything is loaded with
-``torch.load(weights_only=True)``: a checkpoint cannot run code.
+A sharded strategy (``fsdp`` under torchrun) keeps ``policy/`` (gathered on rank 0, for
+export) and adds:
+
+- ``sharded/``: the policy's and the optimizer's shards, written by every rank with
+  torch.distributed.checkpoint (``.metadata`` and one ``__R_0.distcp`` per rank);
+  ``optimizer.pt`` then holds only the LR scheduler;
+- ``rank-R.pt`` for ranks R > 0: that rank's RNG states and component state (``state.pt``
+  holds rank 0's).
+
+It is written into a temporary sibling directory and renamed into place (by rank 0, after
+every rank has written its part), so a crash or a kill during the save leaves the previous
+checkpoints as they were. Everything is loaded with ``torch.load(weights_only=True)``: a
+checkpoint cannot run code. A sharded checkpoint resumes on the same strategy and world size.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from hybridrl import distributed
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -85,34 +98,46 @@ def save_checkpoint(trainer, step: int) -> Path:
     """Write the trainer's state for ``step`` atomically; returns the checkpoint directory."""
     from hybridrl import __version__
 
+    rank, main = distributed.rank(), distributed.is_main()
     root = checkpoint_dir(trainer.run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    tmp = None
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root)
+    tmp = Path(distributed.broadcast_object(tmp))  # every rank writes its part into rank 0's directory
     try:
         trainer.strategy.save_model(trainer.policy, tmp / "policy")
-        trainer.tokenizer.save_pretrained(tmp / "policy")
-        torch.save(
-            {"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()},
-            tmp / "optimizer.pt",
-        )
-        torch.save(
-            {
+        sharded = trainer.strategy.save_sharded(trainer.policy, trainer.optimizer, tmp / "sharded")
+        components = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
+        if not main:
+            torch.save({"rng": rng_state(), "components": components}, tmp / f"rank-{rank}.pt")
+        else:
+            trainer.tokenizer.save_pretrained(tmp / "policy")
+            optimizer = {} if sharded else {"optimizer": trainer.optimizer.state_dict()}
+            torch.save({**optimizer, "scheduler": trainer.scheduler.state_dict()}, tmp / "optimizer.pt")
+            torch.save(
+                {"step": step, "rng": rng_state(), "prompts": trainer.prompts.state_dict(), "components": components},
+                tmp / "state.pt",
+            )
+            meta = {
                 "step": step,
-                "rng": rng_state(),
-                "prompts": trainer.prompts.state_dict(),
-                "components": {name: c.state_dict() for name, c in trainer.stateful_components().items()},
-            },
-            tmp / "state.pt",
-        )
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "hybridrl": __version__}) + "\n")
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (resumed run): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+                "hybridrl": __version__,
+                "sharding": trainer.config.sharding.strategy,
+                "world_size": distributed.world_size(),
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
+        distributed.barrier()  # every rank's part is written
+        if main:
+            _fsync_dir(tmp)
+            if final.exists():  # a re-save of the same step (resumed run): replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+        distributed.barrier()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
@@ -123,12 +148,18 @@ def load_checkpoint(trainer, path: Path) -> int:
     for name in ("policy", "optimizer.pt", "state.pt"):
         if not (path / name).exists():
             raise FileNotFoundError(f"Checkpoint {path} is incomplete: {name} is missing.")
-    trainer.strategy.load_model(trainer.policy, path / "policy")
+    check_layout(trainer, path)
     opt = torch.load(path / "optimizer.pt", weights_only=True)
-    trainer.optimizer.load_state_dict(opt["optimizer"])
+    if (path / "sharded").is_dir():
+        trainer.strategy.load_sharded(trainer.policy, trainer.optimizer, path / "sharded")
+    else:
+        trainer.strategy.load_model(trainer.policy, path / "policy")
+        trainer.optimizer.load_state_dict(opt["optimizer"])
     trainer.scheduler.load_state_dict(opt["scheduler"])
     state = torch.load(path / "state.pt", weights_only=True)
     trainer.prompts.load_state_dict(state["prompts"])
+    if distributed.rank() > 0:  # this rank's own RNG and component state
+        state |= torch.load(path / f"rank-{distributed.rank()}.pt", weights_only=True)
     components = trainer.stateful_components()
     for name, sub in state["components"].items():
         if name not in components:
@@ -136,6 +167,21 @@ def load_checkpoint(trainer, path: Path) -> int:
         components[name].load_state_dict(sub)
     set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def check_layout(trainer, path: Path) -> None:
+    """A checkpoint resumes on the sharding strategy and world size that wrote it."""
+    meta_file = Path(path) / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    sharded = (Path(path) / "sharded").is_dir()
+    saved = (meta.get("sharding", "fsdp" if sharded else "single"), int(meta.get("world_size", 1)))
+    now = (trainer.config.sharding.strategy, distributed.world_size())
+    if sharded != trainer.strategy.multi_process or (sharded and saved != now):
+        raise ValueError(
+            f"Checkpoint {path} was written by sharding strategy '{saved[0]}' on {saved[1]} process(es); this run "
+            f"uses '{now[0]}' on {now[1]}. Resume with the same strategy and world size (torchrun "
+            f"--nproc-per-node), or export its policy (hybridrl export) and start a new run from that folder."
+        )
 
 
 def rotate(run_dir: Path, keep_last: int) -> list[Path]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from hybridrl import checkpoint as ckpt
+from hybridrl import distributed, plugins
 from hybridrl import functional as F
-from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, RunConfig, dump_config
@@ -63,7 +63,7 @@ class Trainer:
         seed_everything(t.seed)
         if t.threads:
             torch.set_num_threads(t.threads)
-        device = pick_device(t.device)
+        device = self.setup_distributed()
         check_model_path(cfg.model.path, cfg.model.gguf_file)
         if not t.resume and ckpt.list_checkpoints(self.run_dir):
             raise ConfigError(
@@ -77,18 +77,23 @@ class Trainer:
             dtype=DTYPES[cfg.model.dtype],
             seed=t.seed,
             run_dir=self.run_dir,
+            rank=distributed.rank(),
+            world_size=distributed.world_size(),
+            local_rank=distributed.env_world()[2],
         )
         self.data = self._build("dataset", cfg.data.source, cfg.data.options)
         check_columns(self.data, cfg)
         self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
 
-        model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
+        with distributed.main_first():  # one rank converts a GGUF file into the shared cache
+            model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         self.ctx.model_path, self.ctx.tokenizer = model_path, self.tokenizer
         for i in range(min(len(self.data), 256)):  # prompt lengths, before any model is loaded
             encode_prompt(self.data[i], cfg.data, self.tokenizer)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        if self.ctx.is_main:
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
@@ -99,14 +104,36 @@ class Trainer:
         self.policy = self.strategy.wrap(load().train(), trainable=True)
         self.ref = None
         if self.algorithm.needs_reference:
-            self.ref = self.strategy.wrap(load().eval().requires_grad_(False), trainable=False)
+            self.ref = self.strategy.wrap_reference(load().eval().requires_grad_(False))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay
         )
         warmup = max(1, t.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
-        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in cfg.logging.loggers]
+        loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
+        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
+
+    def setup_distributed(self) -> torch.device:
+        """This process's device; under torchrun, check the config for N ranks, join the process
+        group, and take rank 0's run directory."""
+        cfg, t = self.config, self.config.trainer
+        world = distributed.env_world()[1]
+        try:
+            device = distributed.resolve_device(t.device)
+            if world > 1:
+                if not plugins.lookup("sharding strategy", cfg.sharding.strategy).multi_process:
+                    raise ConfigError(
+                        f"sharding.strategy '{cfg.sharding.strategy}' trains on one process, but torchrun started "
+                        f"{world} (WORLD_SIZE={world}): their models would drift apart. Set sharding.strategy=fsdp, "
+                        "or run without torchrun."
+                    )
+                distributed.check_divisible(t.prompts_per_step, t.mini_batch_size, world)
+        except (ValueError, plugins.PluginError) as e:
+            raise ConfigError(str(e)) from None
+        distributed.setup(device)
+        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
+        return device
 
     def _build(self, kind: str, name: str, options):
         cls = plugins.lookup(kind, name)
@@ -133,6 +160,7 @@ class Trainer:
             with self.catch_signals():
                 for step in range(self.start_step + 1, t.steps + 1):
                     metrics = self.step(step)
+                    self.agree_on_stop()
                     if self.stop_signal or step == t.steps or (t.save_every and step % t.save_every == 0):
                         path = self.save(step)
                     if self.stop_signal:
@@ -147,27 +175,42 @@ class Trainer:
             for logger in self.loggers:
                 logger.close()
             self.engine.close()
+            distributed.teardown()
         return metrics
+
+    def agree_on_stop(self) -> None:
+        """A signal seen by one rank stops every rank after the same step (checkpoints are collective)."""
+        if distributed.world_size() > 1:
+            seen = [s for s in distributed.all_gather_objects(self.stop_signal) if s]
+            self.stop_signal = self.stop_signal or (seen[0] if seen else None)
 
     def save(self, step: int) -> Path:
         path = ckpt.save_checkpoint(self, step)
-        ckpt.rotate(self.run_dir, self.config.trainer.keep_last)
+        if self.ctx.is_main:
+            ckpt.rotate(self.run_dir, self.config.trainer.keep_last)
+        distributed.barrier()
         self.pm.hook.on_checkpoint(trainer=self, step=step, path=path)
         return path
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of run_dir and continue after its step."""
-        ckpt.clean_partial(self.run_dir)
+        main = self.ctx.is_main
+        if main:
+            ckpt.clean_partial(self.run_dir)
+        distributed.barrier()
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
-            print(f"no checkpoint in {self.run_dir}: starting at step 1", flush=True)
+            if main:
+                print(f"no checkpoint in {self.run_dir}: starting at step 1", flush=True)
             return
         self.start_step = ckpt.load_checkpoint(self, path)
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what the interrupted run logged after it
-            ckpt.truncate_jsonl(self.run_dir / name, self.start_step)
+            if main:
+                ckpt.truncate_jsonl(self.run_dir / name, self.start_step)
         with stage_errors(f"rollout engine '{self.config.rollout.engine}'", "update_weights"):
             self.engine.update_weights(self.strategy.full_tensors(self.policy))
-        print(f"resumed from {path} (step {self.start_step})", flush=True)
+        if main:
+            print(f"resumed from {path} (step {self.start_step})", flush=True)
 
     @contextlib.contextmanager
     def catch_signals(self):
@@ -181,12 +224,13 @@ class Trainer:
             if self.stop_signal and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self.stop_signal = name
-            print(
-                f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once "
-                "without saving).",
-                file=sys.stderr,
-                flush=True,
-            )
+            if distributed.is_main():
+                print(
+                    f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once "
+                    "without saving).",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -204,7 +248,8 @@ class Trainer:
                 f"step {step}: {what}. The run stops; {kept}. Set trainer.on_nonfinite=skip to skip such "
                 "updates instead."
             )
-        print(f"warning: step {step}: {what}; skipping the update.", file=sys.stderr, flush=True)
+        if distributed.is_main():
+            print(f"warning: step {step}: {what}; skipping the update.", file=sys.stderr, flush=True)
 
     def step(self, step: int) -> dict[str, float]:
         cfg, t, r = self.config, self.config.trainer, self.config.rollout
@@ -213,7 +258,8 @@ class Trainer:
         engine = f"rollout engine '{r.engine}'"
 
         with timer("rollout"):
-            rows = [self.data[i] for i in self.prompts.take(t.prompts_per_step)]
+            # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
+            rows = distributed.my_share([self.data[i] for i in self.prompts.take(t.prompts_per_step)])
             prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer) for row in rows))
             sampling = SamplingParams(
                 n=r.n,
@@ -222,13 +268,14 @@ class Trainer:
                 top_k=r.top_k,
                 max_tokens=r.max_tokens,
                 stop=r.stop,
-                seed=t.seed * 100_003 + step,
+                seed=distributed.rollout_seed(t.seed, step),
                 ignore_eos=r.ignore_eos,
             )
             with stage_errors(engine, "generate"):
                 self.engine.wake_up()
                 out = self.engine.generate(list(prompt_ids), sampling)
         rollout = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
+        rollout["group_ids"] = rollout["group_ids"] + distributed.rank() * len(rows)  # unique over ranks
         rollout["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(rollout))]
         rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         col = cfg.data.answer_column
@@ -240,16 +287,19 @@ class Trainer:
             batch = self.algorithm.filter_batch(rollout)
         with stage_errors(engine, "sleep"):
             self.engine.sleep()
-        skip = len(batch) == 0 or not torch.isfinite(batch["scores"]).all()
-        if len(batch) and skip:
+        # ranks take the same branches: the update and the sync are collective under torchrun
+        bad = distributed.any_rank(len(batch) > 0 and not torch.isfinite(batch["scores"]).all())
+        skip = bad or distributed.all_ranks(len(batch) == 0)
+        if bad:
             self.nonfinite(step, "the combined reward is NaN/Inf")
+        trained = len(batch)
         if not skip:
-            batch = batch.to(self.ctx.device)
+            batch = distributed.even_out(batch, rollout, self.tokenizer.pad_token_id).to(self.ctx.device)
             with timer("logprobs"):
                 metrics |= self.compute_logprobs(batch)
             with timer("advantages"):
                 metrics |= self.algorithm.compute_advantages(batch)
-            if not torch.isfinite(batch["advantages"]).all():
+            if distributed.any_rank(not torch.isfinite(batch["advantages"]).all()):
                 self.nonfinite(step, f"the advantages of algorithm '{cfg.algorithm.name}' are NaN/Inf")
                 skip = True
         if not skip:
@@ -258,16 +308,21 @@ class Trainer:
                 metrics |= self.algorithm.update(batch, step)
             with timer("sync"), stage_errors(engine, "update_weights"):
                 self.engine.update_weights(self.strategy.full_tensors(self.policy))
-        metrics["batch/trained_fraction"] = len(batch) / len(rollout) if not skip else 0.0
+        metrics["batch/trained_fraction"] = trained / len(rollout) if not skip else 0.0
 
         metrics |= batch_metrics(rollout if skip else batch, timer.times["rollout"], rollout)
         metrics |= {f"timing/{k}": v for k, v in timer.times.items()}
         metrics["timing/step"] = sum(timer.times.values())
+        metrics = distributed.reduce_metrics(metrics)  # one value per metric over all ranks
         self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=rollout if skip else batch)
+        samples = None
+        if t.sample_every and step % t.sample_every == 0:
+            mine = sample_rows(rollout, self.rewards)
+            samples = distributed.gather_lists(mine)  # every rank's, on rank 0
         for logger in self.loggers:
             logger.log(step, metrics)
-            if t.sample_every and step % t.sample_every == 0:
-                logger.log_samples(step, sample_rows(rollout, self.rewards))
+            if samples is not None:
+                logger.log_samples(step, samples)
         return metrics
 
     # -- stages -----------------------------------------------------------------------------
@@ -275,8 +330,9 @@ class Trainer:
     def score(self, batch: Batch) -> dict[str, float]:
         total = torch.zeros(len(batch))
         metrics = {}
-        for rc, fn in self.rewards:
-            with stage_errors(f"reward '{rc.label}' (function '{rc.function}')", "score"):
+        for i, (rc, fn) in enumerate(self.rewards):
+            component = f"reward '{rc.label}' (function '{rc.function}')"
+            with stage_errors(component, "score"), reward_device_errors(component, i, fn, self.ctx.device):
                 s = torch.as_tensor(fn.score(batch), dtype=torch.float32).reshape(-1)
             if s.shape[0] != len(batch):
                 raise RuntimeError(f"reward '{rc.label}' returned {s.shape[0]} scores for {len(batch)} responses.")
@@ -287,11 +343,12 @@ class Trainer:
             metrics[f"reward/{rc.label}/mean"] = s.mean().item()
             total += rc.weight * s
         batch["scores"] = total
+        every = distributed.all_gather_cat(total)  # the statistics of the whole step, on every rank
         metrics |= {
-            "reward/mean": total.mean().item(),
-            "reward/std": total.std().item() if len(total) > 1 else 0.0,
-            "reward/min": total.min().item(),
-            "reward/max": total.max().item(),
+            "reward/mean": every.mean().item(),
+            "reward/std": every.std().item() if len(every) > 1 else 0.0,
+            "reward/min": every.min().item(),
+            "reward/max": every.max().item(),
         }
         return metrics
 
@@ -300,28 +357,50 @@ class Trainer:
         """Old logprobs when the step makes several updates; reference logprobs when needed."""
         metrics = {}
         if not self._on_policy(len(batch)) or self.algorithm.needs_old_logprobs:
-            batch["old_logprobs"] = self._forward(self.policy, batch)
+            batch["old_logprobs"] = self._forward(self.policy, batch, "policy")
             metrics |= mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
         if self.ref is not None:
-            batch["ref_logprobs"] = self._forward(self.ref, batch)
+            batch["ref_logprobs"] = self._forward(self.ref, batch, "reference model")
         return metrics
 
-    def _forward(self, model, batch: Batch) -> torch.Tensor:
+    def _forward(self, model, batch: Batch, component: str) -> torch.Tensor:
         size = self.config.trainer.micro_batch_size or len(batch)
         T = batch["responses"].shape[1]
-        parts = [
-            response_logprobs(model, mb.input_ids, mb.attention_mask, T, self.config.rollout.temperature)[0]
-            for mb in batch.split(size)
-        ]
-        return torch.cat(parts)
+        device = self.strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
+        with self.device_errors(component, model, device):
+            parts = [
+                response_logprobs(
+                    model, mb.input_ids.to(device), mb.attention_mask.to(device), T, self.config.rollout.temperature
+                )[0]
+                for mb in batch.split(size)
+            ]
+        return torch.cat(parts).to(self.ctx.device)
+
+    def device_errors(self, component: str, model, inputs: torch.device):
+        """Name the component and the devices when torch finds tensors on different ones."""
+
+        def placement():
+            devices = sorted({str(p.device) for p in model.parameters()})
+            return {"its parameters": ", ".join(devices), "its inputs": inputs, "the policy": self.ctx.device}
+
+        return distributed.device_errors(
+            component,
+            placement,
+            "State each component's device: trainer.device (policy), sharding.ref_device (reference model), "
+            "and each reward model's own device option.",
+        )
+
+    def _mini_batch_size(self, batch_size: int) -> int:
+        """Responses per optimizer step on this rank (trainer.mini_batch_size is over all ranks)."""
+        t = self.config.trainer
+        return t.mini_batch_size // distributed.world_size() if t.mini_batch_size else batch_size
 
     def _on_policy(self, batch_size: int) -> bool:
-        t = self.config.trainer
-        return t.epochs == 1 and (t.mini_batch_size or batch_size) >= batch_size
+        return self.config.trainer.epochs == 1 and self._mini_batch_size(batch_size) >= batch_size
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
         t = self.config.trainer
-        mini = t.mini_batch_size or len(batch)
+        mini = self._mini_batch_size(len(batch))
         micro = t.micro_batch_size or mini
         on_policy = self._on_policy(len(batch))
         T = batch["responses"].shape[1]
@@ -332,17 +411,21 @@ class Trainer:
             order = torch.randperm(len(batch), generator=gen) if not on_policy else torch.arange(len(batch))
             for mb in batch.select(order).split(mini):
                 self.optimizer.zero_grad(set_to_none=True)
+                # ranks average gradients: scale so that the result is the loss over the global mini-batch
+                mode = self.algorithm.loss_agg_mode
+                scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), mode)
                 finite = True
                 for part in mb.split(micro):
-                    logprobs, entropy = response_logprobs(
-                        self.policy,
-                        part.input_ids,
-                        part.attention_mask,
-                        T,
-                        self.config.rollout.temperature,
-                        with_entropy=True,
-                        entropy_grad=self.algorithm.needs_entropy_grad,
-                    )
+                    with self.device_errors("policy", self.policy, part.input_ids.device):
+                        logprobs, entropy = response_logprobs(
+                            self.policy,
+                            part.input_ids,
+                            part.attention_mask,
+                            T,
+                            self.config.rollout.temperature,
+                            with_entropy=True,
+                            entropy_grad=self.algorithm.needs_entropy_grad,
+                        )
                     if "old_logprobs" not in part:  # one update: the sampling policy is being updated
                         part["old_logprobs"] = logprobs.detach()
                         for k, v in mismatch_metrics(
@@ -350,11 +433,12 @@ class Trainer:
                         ).items():
                             stats[k].append(v)
                     loss, m = self.algorithm.loss(part, logprobs, entropy)
-                    if not torch.isfinite(loss):
-                        self.nonfinite(step, f"the loss of algorithm '{self.config.algorithm.name}' is {loss.item()}")
+                    if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
+                        value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
+                        self.nonfinite(step, f"the loss of algorithm '{self.config.algorithm.name}' is {value}")
                         finite = False
                         break
-                    weight = F.micro_batch_weight(
+                    weight = scale * F.micro_batch_weight(
                         part["response_mask"], mb["response_mask"], self.algorithm.loss_agg_mode
                     )
                     (loss * weight).backward()
@@ -545,12 +629,19 @@ def seed_everything(seed: int) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"trainer.device is '{name}', but torch sees no CUDA device "
-            f"(torch {torch.__version__}). Use trainer.device=cpu."
-        )
-    return device
+    """The policy's device for ``trainer.device`` (``cuda:LOCAL_RANK`` under torchrun)."""
+    try:
+        return distributed.resolve_device(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def reward_device_errors(component: str, index: int, fn, policy_device: torch.device):
+    """Device errors in a reward's score() name the reward, its device option and the policy's."""
+    device = getattr(getattr(fn, "options", None), "device", None)
+    placement = {"the reward's device option": device, "the policy (trainer.device)": policy_device}
+    if device is not None:
+        fix = f"Set rewards[{index}].device (now '{device}') to where its model should run."
+    else:
+        fix = f"Reward function '{type(fn).__name__}' has no device option: check where it puts its model and inputs."
+    return distributed.device_errors(component, placement, fix)

@@ -1,0 +1,402 @@
+"""Sharding strategy ``fsdp`` and SPMD training under torchrun, on the CPU with gloo.
+
+The two-process tests start real torchrun launches on 127.0.0.1: this file is also the
+worker script (``python -m torch.distributed.run ... tests/test_fsdp.py worker ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridrl import distributed
+from hybridrl.batch import Batch
+from hybridrl.components import RolloutOutput
+
+LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
+
+# One optimizer step on a fixed batch, three ways to aggregate and shard. Rank 0 takes groups 0-1
+# (responses of 2-4 tokens), rank 1 groups 2-3 (10-14 tokens): a mean of per-rank token means
+# is far from the global token mean, so only a correct cross-rank normalisation matches `single`.
+CASES = {
+    "token_mean": {
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "sharding": {"activation_checkpointing": True},
+        "trainer": {"micro_batch_size": 2, "max_grad_norm": 1e6},
+    },
+    "seq_mean_uneven_rows": {  # a group dropped on rank 1 (as DAPO's filter would): padding rows
+        "algorithm": {"name": "grpo", "loss_agg_mode": "seq-mean-token-mean"},
+        "sharding": {"mode": "shard_grad_op"},
+        "trainer": {"max_grad_norm": 1e6},
+        "drop_group": 3,
+    },
+    "sum_norm_clipped_hybrid": {  # clipping active: the norm must be the global one
+        "algorithm": {"name": "grpo", "loss_agg_mode": "seq-mean-token-sum-norm"},
+        "sharding": {"mode": "hybrid_shard", "shard_group_size": 1},
+        "trainer": {"max_grad_norm": 0.05},
+    },
+}
+LENGTHS = [[2, 3, 4, 2], [3, 2, 4, 3], [10, 14, 12, 11], [13, 10, 14, 12]]  # per group, n = 4
+
+
+def config(model, run_dir, strategy="single", **sections):
+    data = {
+        "model": {"path": str(model)},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32},
+        "rollout": {"engine": "hf", "n": 4, "max_tokens": 8},
+        "rewards": [{"function": "format", "pattern": "7"}],
+        "algorithm": {"name": "grpo"},
+        "sharding": {"strategy": strategy},
+        "trainer": {"steps": 1, "prompts_per_step": 4, "seed": 0, "threads": 1, "run_dir": str(run_dir)},
+        "logging": {"loggers": ["jsonl"]},
+    }
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if key in ("sharding", "trainer", "algorithm") else value
+    if strategy == "single":
+        data["sharding"] = {"strategy": "single"}
+    return data
+
+
+def fixed_batch(tokenizer, drop_group: int | None = None) -> Batch:
+    """This rank's share of a fixed 4-prompt x 4-response batch (all of it on one process)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [tokenizer(f"What is {g} + {3 * g}?")["input_ids"] for g in range(4)]
+    responses = [torch.randint(3, len(tokenizer), (n,), generator=gen).tolist() for ls in LENGTHS for n in ls]
+    k = 4 // distributed.world_size()
+    groups = range(distributed.rank() * k, distributed.rank() * k + k)
+    mine = [r for g in groups for r in responses[4 * g : 4 * g + 4]]
+    out = RolloutOutput(mine, [[0.0] * len(r) for r in mine], ["length"] * len(mine))
+    batch = Batch.from_rollout([prompts[g] for g in groups], out, 4, tokenizer.pad_token_id)
+    batch["scores"] = torch.tensor([((4 * g + j) * 7 % 5) / 4 for g in groups for j in range(4)])
+    if drop_group is not None:
+        keep = [i for i in range(len(batch)) if groups[i // 4] != drop_group]
+        batch = batch.select(keep)
+    return batch
+
+
+def one_step(model, run_dir, strategy: str, case: dict) -> tuple[dict, dict]:
+    """Full parameters after one update of the trainer on the fixed batch, and its metrics."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    sections = {k: v for k, v in case.items() if k != "drop_group"}
+    trainer = Trainer(load_config(data=config(model, run_dir, strategy, **sections)))
+    trainer.setup()
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    trainer.optimizer = torch.optim.SGD(params, lr=LR)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    batch = fixed_batch(trainer.tokenizer, case.get("drop_group"))
+    batch = distributed.even_out(batch, batch, trainer.tokenizer.pad_token_id).to(trainer.ctx.device)
+    trainer.compute_logprobs(batch)
+    trainer.algorithm.compute_advantages(batch)
+    metrics = trainer.update(batch, step=1)
+    full = {name: t.clone() for name, t in trainer.strategy.full_tensors(trainer.policy)}
+    trainer.engine.close()
+    return full, metrics
+
+
+def worker(model: str, out: str) -> None:
+    """Under torchrun: every case with ``fsdp`` on this rank; rank 0 writes the results."""
+    results = {name: one_step(model, Path(out).parent / name, "fsdp", case) for name, case in CASES.items()}
+    if distributed.is_main():
+        torch.save(results, out)
+    distributed.teardown()
+
+
+# -- launching -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    """Two processes on 127.0.0.1 (gloo over the loopback interface), one thread each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_one_fsdp_step_on_two_ranks_equals_single(tiny_model, tmp_path):
+    single = {name: one_step(tiny_model, tmp_path / "single" / name, "single", c) for name, c in CASES.items()}
+    out = tmp_path / "fsdp" / "results.pt"
+    out.parent.mkdir()
+    proc = torchrun([__file__, "worker", tiny_model, str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fsdp = torch.load(out, weights_only=True)
+
+    initial = load_file(Path(tiny_model) / "model.safetensors")
+    for name in CASES:
+        (want, want_metrics), (got, got_metrics) = single[name], fsdp[name]
+        assert got.keys() == want.keys(), name  # the HF state dict's names, tied weights included
+        moved = max((want[k] - initial[k]).abs().max().item() for k in initial)
+        assert moved > 1e-3, (name, moved)  # the step did something a tolerance of 1e-5 can see
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+        assert got_metrics["actor/grad_norm"] == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4), name
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_under_torchrun_logs_once_checkpoints_and_resumes_exactly(tiny_model, tmp_path):
+    import yaml
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    data = config(
+        tiny_model,
+        tmp_path / "unused",
+        "fsdp",
+        algorithm={"kl_coef": 0.01},
+        sharding={"mixed_precision": "bf16", "activation_checkpointing": True},
+        trainer={"steps": 3, "save_every": 2, "sample_every": 1, "lr": 1e-2},
+        logging={"loggers": ["console", "jsonl"]},
+    )
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    train = ["-m", "hybridrl.cli", "train", str(cfg)]
+
+    straight = tmp_path / "straight"
+    proc = torchrun([*train, f"trainer.run_dir={straight}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("step 3/3 | reward") == 1  # only rank 0 prints the step lines
+    rows = metrics_rows(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one row per step: only rank 0 logs
+    samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
+    first = [s for s in samples if s["step"] == 1]
+    assert len(first) == 16 and len({s["prompt"] for s in first}) == 4  # both ranks' prompts, all samples
+    step3 = straight / "checkpoints" / "step-000003"
+    meta = json.loads((step3 / "meta.json").read_text())
+    assert meta["sharding"] == "fsdp" and meta["world_size"] == 2
+    assert (step3 / "sharded" / ".metadata").is_file() and (step3 / "rank-1.pt").is_file()
+
+    # the HF folder gathered on rank 0 holds exactly the weights in the ranks' shards
+    dcp_to_torch_save(step3 / "sharded", tmp_path / "consolidated.pt")
+    shards = torch.load(tmp_path / "consolidated.pt", weights_only=True)["model"]
+    exported = tmp_path / "exported"
+    export = subprocess.run(
+        [sys.executable, "-m", "hybridrl.cli", "export", str(step3), str(exported)], capture_output=True, text=True
+    )
+    assert export.returncode == 0, export.stderr
+    hf = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert hf.keys() == shards.keys()
+    for key, value in shards.items():
+        assert torch.equal(hf[key], value), key
+
+    # stop after step 2, resume to 3: the same metrics as the straight run
+    resumed = tmp_path / "resumed"
+    proc = torchrun([*train, f"trainer.run_dir={resumed}", "trainer.steps=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun([*train, f"trainer.run_dir={resumed}", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("resumed from") == 1 and "step-000002" in proc.stdout
+    again = metrics_rows(resumed)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for got, want in zip(again, rows, strict=True):
+        for key in want:
+            if not key.startswith(("timing/", "throughput/", "time")):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
+
+
+# -- in one process ---------------------------------------------------------------------------
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def small_model(arch: str):
+    """A randomly initialised causal LM of a real transformers architecture, built from a config."""
+    import transformers
+
+    configs = {
+        "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+        "llama": lambda: transformers.LlamaConfig(**SMALL),
+        "phi3": lambda: transformers.Phi3Config(**SMALL),
+        "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, eos_token_id=2),
+    }
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(configs[arch]())
+
+
+@pytest.mark.parametrize("arch, block", [("qwen2", "Qwen2DecoderLayer"), ("llama", "LlamaDecoderLayer"),
+                                         ("phi3", "Phi3DecoderLayer"), ("gemma", "GemmaDecoderLayer"),
+                                         ("gpt2", "GPT2Block")])  # fmt: skip
+def test_blocks_come_from_the_model_itself(arch, block):
+    from hybridrl.builtin.sharding_fsdp import find_blocks
+
+    model = small_model(arch)
+    assert [type(b).__name__ for b in find_blocks(model)] == [block] * 3
+    model._no_split_modules = None  # a model that does not say: the entries of its largest ModuleList
+    assert [type(b).__name__ for b in find_blocks(model)] == [block] * 3
+    assert find_blocks(model, ["NoSuchLayer"]) == []
+
+
+@pytest.fixture
+def one_process_group():
+    yield
+    distributed.teardown()
+
+
+def fsdp_strategy(tmp_path, **options):
+    from hybridrl.builtin.sharding_fsdp import FSDPStrategy
+    from hybridrl.components import RunContext
+
+    ctx = RunContext("", None, torch.device("cpu"), torch.float32, 0, tmp_path)
+    return FSDPStrategy(FSDPStrategy.Options(**options), ctx)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_fsdp_on_one_process_trains_and_gives_hf_names(arch, tmp_path, one_process_group):
+    from transformers import AutoModelForCausalLM
+
+    plain = small_model(arch)
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    strategy = fsdp_strategy(tmp_path, activation_checkpointing=True)
+    model = strategy.wrap(small_model(arch).train())
+    assert model.is_gradient_checkpointing
+    full = dict(strategy.full_tensors(model))
+    assert list(full) == list(expected)  # the names the HF state dict uses, tied weights under both
+    for key in expected:
+        assert torch.equal(full[key], expected[key]), key
+
+    ids = torch.randint(3, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    plain(input_ids=ids, labels=ids).loss.backward()
+    norm = strategy.clip_grad_norm(model, 1e6)
+    assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e6)), rel=1e-5)
+
+    strategy.save_model(model, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [type(plain).__name__]  # not the FSDP wrapper class
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for key in expected:
+        assert torch.equal(reloaded[key], expected[key]), key
+
+
+def test_fsdp_options_that_cannot_work_are_named(tmp_path):
+    from hybridrl.builtin.sharding_fsdp import FSDPStrategy
+    from hybridrl.components import RunContext
+
+    ctx = RunContext("", None, torch.device("cpu"), torch.bfloat16, 0, tmp_path)
+    with pytest.raises(ValueError, match="bf16 keeps float32 master weights, but model.dtype is bfloat16"):
+        FSDPStrategy(FSDPStrategy.Options(mixed_precision="bf16"), ctx)
+    ctx.dtype = torch.float32
+    with pytest.raises(ValueError, match=r"sharding.offload .* the policy is on cpu \(trainer.device\)"):
+        FSDPStrategy(FSDPStrategy.Options(offload=True), ctx)
+    with pytest.raises(ValueError, match="shard_group_size is for mode hybrid_shard"):
+        FSDPStrategy(FSDPStrategy.Options(shard_group_size=2), ctx)
+
+
+def under_torchrun(monkeypatch, world: int):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+@pytest.mark.parametrize(
+    "strategy, trainer, message",
+    [
+        ("single", {}, "sharding.strategy 'single' trains on one process, but torchrun started 2"),
+        ("fsdp", {"prompts_per_step": 3}, "trainer.prompts_per_step=3 does not divide by the 2 ranks"),
+        ("fsdp", {"mini_batch_size": 3}, "trainer.mini_batch_size=3 does not divide by the 2 ranks"),
+    ],
+)
+def test_config_that_cannot_split_over_ranks_is_refused(tiny_model, tmp_path, monkeypatch, strategy, trainer, message):
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.trainer import Trainer
+
+    data = config(tiny_model, tmp_path / "run", strategy, trainer=trainer)
+    data["rollout"]["n"] = 3  # 12 responses a step: a mini-batch of 3 is valid on one process
+    cfg = load_config(data=data)
+    under_torchrun(monkeypatch, 2)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(cfg).setup_distributed()  # before any process group or model
+    assert not distributed.initialized()
+
+
+def test_torchrun_device_rules(monkeypatch):
+    under_torchrun(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="trainer.device is 'cuda', but torch sees no CUDA device"):
+            distributed.resolve_device("cuda")
+
+
+def test_unavailable_reference_device_is_named(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from hybridrl.builtin.sharding_single import SingleDevice
+    from hybridrl.components import RunContext
+
+    ctx = RunContext("", None, torch.device("cpu"), torch.float32, 0, tmp_path)
+    strategy = SingleDevice(SingleDevice.Options(ref_device="cuda:1"), ctx)
+    with pytest.raises(ValueError, match="sharding.ref_device is 'cuda:1', but torch sees no CUDA device"):
+        strategy.wrap_reference(small_model("llama"))
+
+
+class ModelReward:
+    """A reward whose small torch model sits on its ``device`` option while its inputs stay on the CPU."""
+
+    def __init__(self, device):
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(device=device)
+        self.model = torch.nn.Linear(1, 1).to(device)
+
+    def score(self, batch):
+        lengths = torch.tensor([[float(len(r))] for r in batch["response_text"]])
+        return self.model(lengths).squeeze(-1).tolist()
+
+
+def test_device_clash_in_a_reward_names_the_reward_and_both_devices(tiny_model, tmp_path):
+    from hybridrl.components import RunContext
+    from hybridrl.config import RewardConfig, load_config
+    from hybridrl.trainer import StageError, Trainer
+
+    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run")))
+    trainer.ctx = RunContext("", None, torch.device("cpu"), torch.float32, 0, tmp_path)
+    trainer.rewards = [(RewardConfig(function="rm", name="judge"), ModelReward("meta"))]
+    batch = Batch()
+    batch["response_text"] = ["7", "77"]
+    with pytest.raises(StageError) as e:
+        trainer.score(batch)
+    message = str(e.value)
+    assert "reward 'judge' (function 'rm')" in message and "tensors on different devices (cpu and meta)" in message
+    assert "the policy (trainer.device) on cpu" in message and "Set rewards[0].device (now 'meta')" in message
+
+
+def test_contract_cuda_device_message_is_translated():
+    """Contract test: the message torch raises on CUDA (no GPU here) becomes one naming the component."""
+    cuda_message = (
+        "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cuda:1! "
+        "(when checking argument for argument mat1 in method wrapper_CUDA_addmm)"
+    )
+    with pytest.raises(distributed.DeviceError) as e:
+        with distributed.device_errors("reference model", {"its parameters": "cuda:1", "its inputs": "cuda:0"}):
+            raise RuntimeError(cuda_message)
+    assert str(e.value).startswith("reference model: tensors on different devices (cuda:0 and cuda:1)")
+    assert "its parameters on cuda:1, its inputs on cuda:0" in str(e.value)
+    with pytest.raises(KeyError):  # other errors pass through untouched
+        with distributed.device_errors("policy", {}):
+            raise KeyError("x")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    worker(*sys.argv[2:4])
