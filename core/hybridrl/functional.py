@@ -138,3 +138,57 @@ def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: 
     if mode in AGG_MODES:
         return micro_mask.shape[0] / mini_mask.shape[0]
     raise ValueError(f"Unknown loss aggregation mode '{mode}'. Available: {', '.join(AGG_MODES)}.")
+
+
+def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards (B, T) holding each response's score (B,) at its last unmasked token, 0 elsewhere.
+
+    This is how verl turns an outcome reward into ``token_level_scores`` (the score sits at
+    ``valid_response_length - 1``); a response with an empty mask gets no reward.
+    """
+    mask = mask.to(scores.dtype if scores.is_floating_point() else torch.float32)
+    T = mask.shape[-1]
+    positions = torch.arange(T, device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(-1).values  # (B,)
+    rewards = torch.zeros_like(mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] = scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Reward-to-go G_t = r_t + gamma * G_{t+1} over unmasked tokens: (B, T) -> (B, T).
+
+    Masked positions (padding, or observation tokens in the middle of a multi-turn
+    response) are skipped: they add no reward and no discount, the running return is carried
+    over them unchanged, and their returns are 0. Without holes this equals verl's
+    REINFORCE++ returns; verl resets the running return at every masked token, which for a
+    hole would cut the credit of the tokens before it.
+    """
+    mask = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[-1])):
+        m = mask[:, t]
+        running = m * (rewards[:, t] + gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
+    return returns
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per response (B,): the mean, unbiased std and size of its group.
+
+    A group of one response has mean 0 and std 1 (verl's convention for GRPO and
+    REINFORCE++-baseline: the lone score is kept as it is).
+    """
+    scores = scores.float()
+    mean, std = torch.zeros_like(scores), torch.ones_like(scores)
+    count = torch.ones_like(scores)
+    for g in torch.unique(group_ids):
+        members = group_ids == g
+        n = int(members.sum())
+        count[members] = n
+        if n > 1:
+            mean[members] = scores[members].mean()
+            std[members] = scores[members].std()
+    return mean, std, count
