@@ -1,70 +1,184 @@
-"""GRPO for hybridrl: group-relative advantages and the clipped policy loss."""
+"""GRPO and its critic-free relatives for hybridrl.
+
+One algorithm, ``grpo``, whose options choose the advantage estimator (GRPO, Dr. GRPO, RLOO,
+REINFORCE++, REINFORCE++-baseline), the policy loss (PPO-clip with dual clip and asymmetric
+DAPO clip-higher, or GSPO's sequence-level ratio), the aggregation, a KL-to-reference loss,
+an entropy bonus, and DAPO's dynamic sampling and soft overlong punishment.
+docs/algorithms.md gives every option's formula.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+import torch
+from pydantic import Field, ValidationInfo, field_validator
 
 from hybridrl import functional as F
 from hybridrl.components import Algorithm, Options
 from hybridrl.hookspecs import hookimpl
-from hybridrl_algo_grpo.functional import group_advantages
+from hybridrl_algo_grpo.functional import (
+    group_advantages,
+    gspo_policy_loss,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    varied_groups,
+)
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# per policy loss: (clip_low, clip_high, loss_agg_mode) when not set
+LOSS_DEFAULTS = {"vanilla": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
 
 
 class GRPO(Algorithm):
     class Options(Options):
-        clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")
-        clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28).")
-        clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
-        norm_adv_by_std: bool = Field(True, description="Divide by the group std (False: Dr. GRPO).")
-        eps: float = Field(1e-6, gt=0)
+        estimator: Literal[ESTIMATORS] = Field(
+            "grpo",
+            description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
+            "reinforce_plus_plus (token returns whitened over the batch), "
+            "reinforce_plus_plus_baseline (group mean subtracted, then whitened).",
+        )
+        norm_adv_by_std: bool = Field(True, description="grpo: divide by the group std (False: Dr. GRPO).")
+        eps: float = Field(1e-6, gt=0, description="grpo: added to the group std.")
+        gamma: float = Field(1.0, ge=0, le=1, description="reinforce_plus_plus: discount of the token returns.")
+        policy_loss: Literal["vanilla", "gspo"] = Field(
+            "vanilla",
+            description="vanilla: token-level PPO clip (dual clip for A < 0); gspo: sequence-level "
+            "importance ratio (GSPO, arXiv:2507.18071).",
+        )
+        clip_low: float | None = Field(
+            None, ge=0, description="Ratio clip below: 1 - clip_low. Default 0.2 (vanilla), 3e-4 (gspo)."
+        )
+        clip_high: float | None = Field(
+            None,
+            ge=0,
+            description="Ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28). Default 0.2 (vanilla), 4e-4 (gspo).",
+        )
+        clip_c: float = Field(3.0, gt=1, description="vanilla: dual-clip bound for negative advantages.")
         kl_coef: float = Field(
             0.0, ge=0, description="KL-to-reference loss coefficient (beta); 0 loads no reference model."
         )
         kl_kind: Literal["k1", "abs", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss.")
-        loss_agg_mode: Literal[F.AGG_MODES] = Field("token-mean", description="Token aggregation of the loss.")
+        entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
+        loss_agg_mode: Literal[F.AGG_MODES] | None = Field(
+            None,
+            description="Token aggregation of the loss. Default token-mean (vanilla), seq-mean-token-mean (gspo).",
+        )
+        dynamic_sampling: bool = Field(
+            False, description="DAPO: drop the groups whose rewards are all equal before the update."
+        )
+        overlong_buffer_len: int = Field(
+            0, ge=0, description="DAPO soft overlong punishment: buffer length in tokens (0: off)."
+        )
+        overlong_penalty_factor: float = Field(
+            1.0, ge=0, description="DAPO soft overlong punishment: the penalty at the maximum length."
+        )
+        overlong_max_length: int | None = Field(
+            None,
+            validate_default=True,
+            description="DAPO soft overlong punishment: the maximum response length (set it to rollout.max_tokens).",
+        )
+
+        @field_validator("overlong_max_length")
+        @classmethod
+        def _overlong_needs_max(cls, v: int | None, info: ValidationInfo) -> int | None:
+            buffer = info.data.get("overlong_buffer_len") or 0
+            if buffer and v is None:
+                raise ValueError(
+                    f"overlong_buffer_len={buffer} needs overlong_max_length: set it to rollout.max_tokens"
+                )
+            if buffer and v <= buffer:
+                raise ValueError(f"must be larger than overlong_buffer_len={buffer}")
+            return v
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        low, high, agg = LOSS_DEFAULTS[options.policy_loss]
+        self.clip_low = low if options.clip_low is None else options.clip_low
+        self.clip_high = high if options.clip_high is None else options.clip_high
+        self._loss_agg_mode = options.loss_agg_mode or agg
+        self._filter_metrics: dict[str, float] = {}
 
     @property
     def loss_agg_mode(self) -> str:
-        return self.options.loss_agg_mode
+        return self._loss_agg_mode
 
     @property
     def needs_reference(self) -> bool:
         return self.options.kl_coef > 0
 
+    @property
+    def needs_entropy_grad(self) -> bool:
+        return self.options.entropy_coeff > 0
+
+    def filter_batch(self, batch):
+        """DAPO dynamic sampling; the result is empty when every group's rewards are equal."""
+        if not self.options.dynamic_sampling or len(batch) == 0:
+            return batch
+        keep = varied_groups(batch["scores"], batch["group_ids"])
+        groups = torch.unique(batch["group_ids"]).numel()
+        kept = torch.unique(batch["group_ids"][keep]).numel()
+        self._filter_metrics = {
+            "dynamic_sampling/kept_groups": float(kept),
+            "dynamic_sampling/kept_fraction": kept / max(groups, 1),
+        }
+        return batch.select(torch.nonzero(keep).squeeze(-1))
+
     def compute_advantages(self, batch):
         o = self.options
-        batch["advantages"] = group_advantages(
-            batch["scores"].to(batch["response_mask"].device),
-            batch["response_mask"],
-            batch["group_ids"],
-            norm_std=o.norm_adv_by_std,
-            eps=o.eps,
-        )
-        return {}
+        metrics, self._filter_metrics = self._filter_metrics, {}
+        mask = batch["response_mask"]
+        scores = batch["scores"].to(mask.device).float()
+        if o.overlong_buffer_len:
+            penalty = overlong_penalty(
+                mask.sum(-1), o.overlong_max_length, o.overlong_buffer_len, o.overlong_penalty_factor
+            )
+            scores = scores + penalty
+            batch["overlong_penalty"] = penalty
+            if len(batch):
+                metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+                metrics["reward/overlong_fraction"] = (penalty < 0).float().mean().item()
+        groups = batch["group_ids"].to(mask.device)
+        if o.estimator == "grpo":
+            adv = group_advantages(scores, mask, groups, norm_std=o.norm_adv_by_std, eps=o.eps)
+        elif o.estimator == "rloo":
+            adv = rloo_advantages(scores, mask, groups)
+        elif o.estimator == "reinforce_plus_plus":
+            adv, _ = reinforce_pp_advantages(scores, mask, o.gamma)
+        else:
+            adv = reinforce_pp_baseline_advantages(scores, mask, groups)
+        batch["advantages"] = adv
+        return metrics
 
     def loss(self, batch, logprobs, entropy):
         o = self.options
         mask = batch["response_mask"]
-        loss, m = F.policy_loss(
-            batch["old_logprobs"],
-            logprobs,
-            batch["advantages"],
-            mask,
-            clip_low=o.clip_low,
-            clip_high=o.clip_high,
-            clip_c=o.clip_c,
-            agg_mode=o.loss_agg_mode,
-        )
-        metrics = {
-            "actor/pg_loss": loss.item(),
-            "actor/clipfrac": m["clipfrac"].item(),
-            "actor/clipfrac_lower": m["clipfrac_lower"].item(),
-            "actor/ppo_kl": m["ppo_kl"].item(),
-        }
+        agg = self.loss_agg_mode
+        if o.policy_loss == "gspo":
+            loss, m = gspo_policy_loss(
+                batch["old_logprobs"], logprobs, batch["advantages"], mask, self.clip_low, self.clip_high, agg
+            )
+        else:
+            loss, m = F.policy_loss(
+                batch["old_logprobs"],
+                logprobs,
+                batch["advantages"],
+                mask,
+                clip_low=self.clip_low,
+                clip_high=self.clip_high,
+                clip_c=o.clip_c,
+                agg_mode=agg,
+            )
+        metrics = {f"actor/{k}": v.item() for k, v in m.items()}
+        metrics["actor/pg_loss"] = loss.item()
+        if o.entropy_coeff > 0:
+            ent = F.agg_loss(entropy, mask, agg)
+            loss = loss - o.entropy_coeff * ent
+            metrics["actor/entropy_loss"] = ent.item()
         if o.kl_coef > 0:
-            kl = F.agg_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_kind), mask, o.loss_agg_mode)
+            kl = F.agg_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_kind), mask, agg)
             loss = loss + o.kl_coef * kl
             metrics["actor/kl"] = kl.item()
         return loss, metrics
