@@ -1,0 +1,265 @@
+"""PPO for hybridrl: a critic trained with the clipped value loss, GAE, KL control.
+
+The KL to the reference policy is either a penalty in the token rewards (fixed or adaptive
+coefficient) or a loss term, or both. With ``critic: false`` there is no value model and
+the advantages are REINFORCE++'s (whitened token returns), optionally with a group-mean
+baseline. docs/algorithms.md gives every option's formula.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Literal
+
+import torch
+from pydantic import Field, ValidationInfo, field_validator
+
+from hybridrl import functional as F
+from hybridrl.components import Algorithm, Options
+from hybridrl.hookspecs import hookimpl
+from hybridrl_algo_ppo import functional as PF
+from hybridrl_algo_ppo.critic import load_value_model, response_values
+
+KL_KIND = Literal["k1", "abs", "k2", "k3"]
+
+
+class PPO(Algorithm):
+    class Options(Options):
+        # -- policy loss
+        clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")
+        clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high.")
+        clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
+        loss_agg_mode: Literal[F.AGG_MODES] = Field("token-mean", description="Token aggregation of the policy loss.")
+        entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
+        # -- advantages
+        gamma: float = Field(1.0, ge=0, le=1, description="Discount of GAE (and of the returns without critic).")
+        lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+        # -- KL in the reward
+        use_kl_in_reward: bool = Field(
+            False, description="Subtract beta x KL(old || ref) from each token's reward (loads a reference)."
+        )
+        kl_penalty: KL_KIND = Field("k1", description="KL estimator of the reward penalty.")
+        kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="Reward KL coefficient controller.")
+        kl_coef: float = Field(0.001, ge=0, description="Reward KL coefficient beta (its start value if adaptive).")
+        kl_target: float = Field(0.1, gt=0, description="adaptive: the KL per token to steer towards.")
+        kl_horizon: float = Field(10000, gt=0, description="adaptive: responses over which beta adapts.")
+        # -- KL as a loss term
+        use_kl_loss: bool = Field(
+            False, description="Add kl_loss_coef x KL(policy || ref) to the loss (loads a reference)."
+        )
+        kl_loss_coef: float = Field(0.001, ge=0, description="Coefficient of the KL loss.")
+        kl_loss_type: KL_KIND = Field("k3", description="KL estimator of the KL loss.")
+        # -- critic
+        critic: bool = Field(True, description="Train a value model; false: REINFORCE++ advantages, no critic.")
+        critic_path: str | None = Field(
+            None, description="HF folder to initialise the critic from; default: the policy's model."
+        )
+        critic_arch: Literal["value_head", "token_classification"] = Field(
+            "value_head",
+            description="value_head: backbone + new Linear(hidden, 1); token_classification: "
+            "AutoModelForTokenClassification with one label (verl's critic).",
+        )
+        critic_lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+        critic_weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
+        critic_epochs: int = Field(1, gt=0, description="Passes of the critic over each step's responses.")
+        critic_mini_batch_size: int | None = Field(
+            None, gt=0, description="Responses per critic optimizer step; default: all responses of the step."
+        )
+        critic_micro_batch_size: int | None = Field(
+            None, gt=0, description="Responses per critic forward/backward (gradient accumulation)."
+        )
+        critic_max_grad_norm: float = Field(1.0, gt=0, description="Critic gradient clipping (total norm).")
+        cliprange_value: float = Field(0.5, gt=0, description="Clip of the new values around the old ones.")
+        critic_loss_agg_mode: Literal[F.AGG_MODES] = Field(
+            "token-mean", description="Token aggregation of the value loss."
+        )
+        trust_remote_code: bool = Field(False, description="Let transformers run code shipped with the critic model.")
+        # -- without critic
+        baseline: Literal["none", "group_mean"] = Field(
+            "none",
+            description="critic false: none = REINFORCE++; group_mean = REINFORCE++-baseline "
+            "(the mean score of the prompt's responses is subtracted).",
+        )
+
+        @field_validator("baseline")
+        @classmethod
+        def _baseline_without_critic(cls, v: str, info: ValidationInfo) -> str:
+            if v != "none" and info.data.get("critic", True):
+                raise ValueError("a baseline replaces the critic: set critic: false, or baseline: none")
+            return v
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.kl_coef = options.kl_coef
+        self.critic = self.critic_optimizer = None
+        if options.critic and ctx is not None:
+            self._build_critic()
+
+    def _build_critic(self) -> None:
+        o, ctx = self.options, self.ctx
+        model = load_value_model(
+            o.critic_path or ctx.model_path, o.critic_arch, ctx.dtype, len(ctx.tokenizer), o.trust_remote_code
+        )
+        self.critic = ctx.strategy.wrap(model.train(), trainable=True)
+        self.critic_optimizer = torch.optim.AdamW(
+            [p for p in self.critic.parameters() if p.requires_grad], lr=o.critic_lr, weight_decay=o.critic_weight_decay
+        )
+
+    # -- what the trainer must provide --------------------------------------------------------
+
+    @property
+    def loss_agg_mode(self) -> str:
+        return self.options.loss_agg_mode
+
+    @property
+    def needs_reference(self) -> bool:
+        o = self.options
+        return o.use_kl_in_reward or (o.use_kl_loss and o.kl_loss_coef > 0)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.options.use_kl_in_reward  # the reward penalty uses KL(old || ref)
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        return self.options.entropy_coeff > 0
+
+    # -- advantages -----------------------------------------------------------------------
+
+    def compute_advantages(self, batch):
+        o = self.options
+        mask = batch["response_mask"].float()
+        scores = batch["scores"].to(mask.device).float()
+        metrics = {}
+        if o.use_kl_in_reward:
+            beta = self.kl_coef
+            rewards, current_kl = PF.kl_penalized_rewards(
+                scores, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, o.kl_penalty
+            )
+            if o.kl_ctrl == "adaptive":
+                self.kl_coef = PF.adaptive_kl_coef(beta, current_kl, o.kl_target, o.kl_horizon, len(batch))
+            metrics |= {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+        else:
+            rewards = F.outcome_token_rewards(scores, mask)
+        if self.critic is not None:
+            values = self._values(batch) * mask
+            advantages, returns = PF.gae(rewards, values, mask, o.gamma, o.lam)
+            batch["values"], batch["returns"] = values, returns
+            metrics |= {
+                "critic/explained_var": PF.explained_variance(values, returns, mask),
+                "critic/values_mean": F.masked_mean(values, mask).item(),
+                "critic/returns_mean": F.masked_mean(returns, mask).item(),
+            }
+        else:
+            if o.baseline == "group_mean":
+                mean, _, _ = F.group_stats(scores, batch["group_ids"].to(mask.device))
+                rewards = rewards - F.outcome_token_rewards(mean, mask)
+            returns = F.discounted_returns(rewards, mask, o.gamma)
+            advantages = F.masked_whiten(returns, mask) * mask if mask.sum() > 1 else torch.zeros_like(returns)
+            batch["returns"] = returns
+        batch["advantages"] = advantages
+        return metrics
+
+    @torch.no_grad()
+    def _values(self, batch) -> torch.Tensor:
+        self.critic.eval()
+        T = batch["responses"].shape[1]
+        size = self.options.critic_micro_batch_size or len(batch)
+        parts = [response_values(self.critic, mb.input_ids, mb.attention_mask, T) for mb in batch.split(size)]
+        self.critic.train()
+        return torch.cat(parts)
+
+    # -- policy loss ----------------------------------------------------------------------
+
+    def loss(self, batch, logprobs, entropy):
+        o = self.options
+        mask = batch["response_mask"]
+        loss, m = F.policy_loss(
+            batch["old_logprobs"],
+            logprobs,
+            batch["advantages"],
+            mask,
+            clip_low=o.clip_low,
+            clip_high=o.clip_high,
+            clip_c=o.clip_c,
+            agg_mode=o.loss_agg_mode,
+        )
+        metrics = {f"actor/{k}": v.item() for k, v in m.items()}
+        metrics["actor/pg_loss"] = loss.item()
+        if o.entropy_coeff > 0:
+            ent = F.agg_loss(entropy, mask, o.loss_agg_mode)
+            loss = loss - o.entropy_coeff * ent
+            metrics["actor/entropy_loss"] = ent.item()
+        if o.use_kl_loss and o.kl_loss_coef > 0:
+            kl = F.agg_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_loss_type), mask, o.loss_agg_mode)
+            loss = loss + o.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        return loss, metrics
+
+    # -- critic update --------------------------------------------------------------------
+
+    def update(self, batch, step):
+        """Train the critic on the step's returns: epochs x mini-batches x micro-batches."""
+        if self.critic is None or len(batch) == 0:
+            return {}
+        o = self.options
+        mini = o.critic_mini_batch_size or len(batch)
+        micro = o.critic_micro_batch_size or mini
+        T = batch["responses"].shape[1]
+        gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step)
+        stats: dict[str, list[float]] = defaultdict(list)
+        self.critic.train()
+        for _ in range(o.critic_epochs):
+            whole = mini >= len(batch)
+            order = torch.arange(len(batch)) if whole else torch.randperm(len(batch), generator=gen)
+            for mb in batch.select(order).split(mini):
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                for part in mb.split(micro):
+                    vpreds = response_values(self.critic, part.input_ids, part.attention_mask, T)
+                    mask = part["response_mask"]
+                    loss, clipfrac = PF.value_loss(
+                        vpreds, part["returns"], part["values"], mask, o.cliprange_value, o.critic_loss_agg_mode
+                    )
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"algorithm 'ppo', step {step}: the value loss is {loss.item()}.")
+                    weight = F.micro_batch_weight(mask, mb["response_mask"], o.critic_loss_agg_mode)
+                    (loss * weight).backward()
+                    stats["critic/value_loss"].append(loss.item())
+                    stats["critic/vf_clipfrac"].append(clipfrac.item())
+                    stats["critic/vpred_mean"].append(F.masked_mean(vpreds.detach(), mask).item())
+                grad_norm = self.ctx.strategy.clip_grad_norm(self.critic, o.critic_max_grad_norm)
+                stats["critic/grad_norm"].append(grad_norm)
+                if math.isfinite(grad_norm):
+                    self.critic_optimizer.step()
+                else:
+                    stats["critic/skipped_updates"].append(1.0)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["critic/lr"] = o.critic_lr
+        return out
+
+    # -- checkpoint state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The reward-KL coefficient (adaptive controller), and the critic with its optimizer."""
+        state = {"kl_coef": self.kl_coef}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_coef = float(state["kl_coef"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(
+                    "algorithm 'ppo': the checkpoint has no critic state (it was saved with critic: false); "
+                    "resume with critic: false or start a new run."
+                )
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+
+@hookimpl
+def register_algorithms(register):
+    register("ppo", PPO)

@@ -1,0 +1,219 @@
+"""The PPO algorithm: its loss terms, KL control state, critic-free advantages, and the critic."""
+
+import math
+
+import pytest
+import torch
+from hybridrl_algo_ppo import PPO
+from hybridrl_algo_ppo.critic import response_values
+
+from hybridrl.batch import Batch
+from hybridrl.builtin.sharding_single import SingleDevice
+from hybridrl.components import RunContext
+from hybridrl.config import ConfigError, load_config
+from hybridrl.models import load_tokenizer
+
+
+def make_ppo(ctx=None, **options):
+    return PPO(PPO.Options(**options), ctx)
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny_model, tmp_path_factory):
+    c = RunContext(
+        model_path=tiny_model,
+        tokenizer=load_tokenizer(tiny_model),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        seed=0,
+        run_dir=tmp_path_factory.mktemp("run"),
+    )
+    c.strategy = SingleDevice(SingleDevice.Options(), c)
+    return c
+
+
+def token_batch(B=4, P=3, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = Batch()
+    b["prompts"] = torch.randint(3, 60, (B, P), generator=g)
+    b["prompt_mask"] = torch.ones(B, P, dtype=torch.long)
+    b["responses"] = torch.randint(3, 60, (B, T), generator=g)
+    b["response_mask"] = torch.tensor([[1] * (T - i % 3) + [0] * (i % 3) for i in range(B)])
+    b["scores"] = torch.rand(B, generator=g)
+    b["group_ids"] = torch.arange(B) // 2
+    return b
+
+
+# -- loss ------------------------------------------------------------------------------------
+
+
+def test_loss_adds_entropy_bonus_and_kl_loss():
+    algo = make_ppo(critic=False, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k2")
+    assert algo.needs_reference and algo.needs_entropy_grad and not algo.needs_old_logprobs
+    b = Batch()
+    b["response_mask"] = torch.tensor([[1, 1, 0]])
+    b["old_logprobs"] = torch.zeros(1, 3)
+    b["advantages"] = torch.tensor([[2.0, 2.0, 0.0]])
+    b["ref_logprobs"] = torch.tensor([[-1.0, 0.0, 0.0]])
+    loss, m = algo.loss(b, torch.zeros(1, 3), torch.tensor([[1.0, 3.0, 50.0]]))
+    # pg: -A * 1 = -2 per token; entropy mean 2; k2 = 0.5 (0 - (-1))^2 = 0.5 and 0 -> mean 0.25
+    assert m["actor/pg_loss"] == pytest.approx(-2.0)
+    assert m["actor/entropy_loss"] == pytest.approx(2.0)
+    assert m["actor/kl_loss"] == pytest.approx(0.25)
+    assert loss.item() == pytest.approx(-2.0 - 0.01 * 2.0 + 0.5 * 0.25)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    algo = make_ppo(critic=False, clip_c=3.0)
+    b = Batch()
+    b["response_mask"] = torch.ones(1, 1)
+    b["old_logprobs"] = torch.zeros(1, 1)
+    b["advantages"] = torch.tensor([[-1.0]])
+    loss, m = algo.loss(b, torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1))
+    assert loss.item() == pytest.approx(3.0)  # -A * min(r = 5, clip_c = 3)
+    assert m["actor/clipfrac_lower"] == 1.0
+
+
+def test_reference_only_when_a_kl_term_needs_it():
+    assert not make_ppo(critic=False).needs_reference
+    assert not make_ppo(critic=False, use_kl_loss=True, kl_loss_coef=0.0).needs_reference
+    in_reward = make_ppo(critic=False, use_kl_in_reward=True)
+    assert in_reward.needs_reference and in_reward.needs_old_logprobs
+
+
+# -- KL in the reward and its controller state -----------------------------------------------
+
+
+def kl_batch():
+    b = Batch()
+    b["response_mask"] = torch.ones(2, 2)
+    b["scores"] = torch.tensor([1.0, 0.0])
+    b["group_ids"] = torch.tensor([0, 1])
+    b["old_logprobs"] = torch.zeros(2, 2)
+    b["ref_logprobs"] = torch.full((2, 2), -0.5)  # k1 = 0.5 per token
+    return b
+
+
+def test_adaptive_kl_controller_moves_beta_and_is_checkpointed():
+    algo = make_ppo(critic=False, use_kl_in_reward=True, kl_ctrl="adaptive", kl_coef=0.2, kl_target=0.1, kl_horizon=10)
+    m = algo.compute_advantages(kl_batch())
+    assert m["actor/reward_kl_penalty"] == pytest.approx(0.5)
+    assert m["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)  # the beta used for this step
+    # KL 0.5 > target 0.1: error clipped to 0.2; 2 responses over a horizon of 10
+    assert algo.kl_coef == pytest.approx(0.2 * (1 + 0.2 * 2 / 10))
+    state = algo.state_dict()
+    fresh = make_ppo(critic=False, use_kl_in_reward=True, kl_ctrl="adaptive", kl_coef=0.2)
+    fresh.load_state_dict(state)
+    assert fresh.kl_coef == algo.kl_coef
+
+
+def test_fixed_kl_controller_keeps_beta():
+    algo = make_ppo(critic=False, use_kl_in_reward=True, kl_coef=0.2)
+    algo.compute_advantages(kl_batch())
+    assert algo.kl_coef == 0.2
+
+
+# -- without a critic --------------------------------------------------------------------------
+
+
+def test_critic_free_group_mean_baseline_is_reinforce_pp_baseline():
+    algo = make_ppo(critic=False, baseline="group_mean")
+    b = Batch()
+    b["response_mask"] = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    b["scores"] = torch.tensor([1.0, 0.0, 3.0])
+    b["group_ids"] = torch.tensor([0, 0, 1])  # the last response is alone: baseline 0
+    algo.compute_advantages(b)
+    # s - group mean at the last token, gamma 1: returns [0.5, 0.5], [-0.5, -], [3, 3]; whitened
+    # over the batch, as verl's REINFORCE++-baseline
+    assert b["returns"].tolist() == [[0.5, 0.5], [-0.5, 0.0], [3.0, 3.0]]
+    xs = [0.5, 0.5, -0.5, 3.0, 3.0]
+    mean, var = sum(xs) / 5, sum((x - 1.3) ** 2 for x in xs) / 4
+    w = [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
+    expected = torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], w[4]]])
+    torch.testing.assert_close(b["advantages"], expected)
+    assert algo.critic is None and algo.update(b, 1) == {}
+
+
+def test_critic_free_reinforce_pp_returns_are_discounted():
+    algo = make_ppo(critic=False, gamma=0.5)
+    b = Batch()
+    b["response_mask"] = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    b["scores"] = torch.tensor([4.0, 2.0])
+    b["group_ids"] = torch.tensor([0, 1])
+    algo.compute_advantages(b)
+    assert b["returns"].tolist() == [[1.0, 2.0, 4.0], [1.0, 2.0, 0.0]]
+
+
+def test_baseline_with_critic_is_a_config_error():
+    cfg = {
+        "model": {"path": "unused"},
+        "data": {"source": "reasoning_gym", "task": "chain_sum"},
+        "rewards": [{"function": "answer_match"}],
+        "algorithm": {"name": "ppo", "baseline": "group_mean"},
+    }
+    with pytest.raises(ConfigError, match="algorithm.baseline: .*set critic: false"):
+        load_config(data=cfg)
+
+
+# -- the critic ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["value_head", "token_classification"])
+def test_critic_value_of_token_t_does_not_see_token_t(ctx, arch):
+    algo = make_ppo(ctx, critic_arch=arch)
+    b = token_batch()
+    T = b["responses"].shape[1]
+    with torch.no_grad():
+        torch.nn.init.normal_((algo.critic.head or algo.critic.backbone.score).weight)  # non-zero values
+        before = response_values(algo.critic, b.input_ids, b.attention_mask, T)
+        b["responses"][:, 2] = (b["responses"][:, 2] + 1) % 60 + 3
+        after = response_values(algo.critic, b.input_ids, b.attention_mask, T)
+    assert before.shape == (4, T)
+    torch.testing.assert_close(after[:, :3], before[:, :3])  # V(s_t) reads tokens before t only
+    assert (after[:, 3] - before[:, 3]).abs().max() > 1e-6
+
+
+def test_value_head_starts_at_zero_so_explained_variance_starts_at_zero(ctx):
+    algo = make_ppo(ctx)
+    b = token_batch()
+    m = algo.compute_advantages(b)
+    assert b["values"].abs().max().item() == 0.0
+    assert abs(m["critic/explained_var"]) < 0.01  # 1 - Var(R) / (Var(R) + 1e-5)
+
+
+def test_critic_micro_batches_accumulate_the_full_gradient(ctx):
+    grad_norms = []
+    for micro in (None, 1):
+        algo = make_ppo(ctx, critic_micro_batch_size=micro, critic_lr=1e-3)
+        b = token_batch()
+        algo.compute_advantages(b)
+        grad_norms.append(algo.update(b, step=1)["critic/grad_norm"])
+    assert grad_norms[0] > 0 and grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-4)
+
+
+def test_critic_state_round_trip(ctx):
+    algo = make_ppo(ctx, critic_lr=1e-2)
+    b = token_batch()
+    algo.compute_advantages(b)
+    metrics = algo.update(b, step=1)
+    assert {"critic/value_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr"} <= metrics.keys()
+    restored = make_ppo(ctx, critic_lr=1e-2)
+    restored.load_state_dict(algo.state_dict())
+    with torch.no_grad():
+        T = b["responses"].shape[1]
+        torch.testing.assert_close(
+            response_values(restored.critic, b.input_ids, b.attention_mask, T),
+            response_values(algo.critic, b.input_ids, b.attention_mask, T),
+        )
+    assert restored.critic_optimizer.state_dict()["state"].keys() == algo.critic_optimizer.state_dict()["state"].keys()
+    with pytest.raises(ValueError, match="no critic state"):
+        restored.load_state_dict({"kl_coef": 0.001})
+
+
+def test_critic_with_a_smaller_vocabulary_is_refused(ctx, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="vocabulary of 10 tokens, fewer than the policy tokenizer's"):
+        make_ppo(ctx, critic_path=str(tmp_path / "small"))
