@@ -201,6 +201,8 @@ class InProcess(Backend):
             self.engine.release_memory_occupation(tags=tags)
 
     def _resume(self, tags):
+        if cuda_available():
+            torch.cuda.empty_cache()  # hand the training's cached blocks back before SGLang maps its memory
         if tags is None:
             self.engine.resume_memory_occupation()
         else:
