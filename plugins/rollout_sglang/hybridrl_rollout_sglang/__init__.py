@@ -53,7 +53,7 @@ class SGLangEngine(RolloutEngine):
         batch_size: int = Field(
             0, ge=0, description="Requests (prompt x sample) per generate call; 0: all of a step's in one call."
         )
-        weight_bucket_mb: float = Field(
+        update_bucket_mb: float = Field(
             512,
             gt=0,
             description="Weight sync sends tensors in buckets of about this many MiB (in-process: one "
@@ -175,7 +175,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors) -> None:
         self.version += 1
-        bucket_bytes = int(self.options.weight_bucket_mb * 2**20)
+        bucket_bytes = int(self.options.update_bucket_mb * 2**20)
         self.backend.update_weights(protocol.buckets(named_tensors, bucket_bytes, self.skip), self.version)
 
     def sleep(self) -> None:

@@ -71,7 +71,7 @@ def test_grpo_in_process_releases_and_reloads_around_training(tiny_model, tmp_pa
     """Contract test: in-process engine; each step releases memory for training and reloads weights."""
     register_plugin(SevensPlugin(), name="sevens")
     run = tmp_path / "run"
-    Trainer(load_config(data=config(tiny_model, run, {"weight_bucket_mb": 0.1}, steps=3))).train()
+    Trainer(load_config(data=config(tiny_model, run, {"update_bucket_mb": 0.1}, steps=3))).train()
 
     rows = metrics(run)
     assert len(rows) == 3 and max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3

@@ -102,7 +102,7 @@ def test_generation_returns_n_samples_with_the_trainers_logprobs(
 
 def test_update_weights_in_buckets_changes_the_outputs(make_engine, sglang_module, prompts, tiny_model, logprob_gap):
     """Contract test: bucketed update_weights_from_tensor, one cache flush, the tied head not sent."""
-    engine = make_engine(weight_bucket_mb=0.06)  # about 63 kB: the tiny model goes in several buckets
+    engine = make_engine(update_bucket_mb=0.06)  # about 63 kB: the tiny model goes in several buckets
     policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         for p in policy.parameters():

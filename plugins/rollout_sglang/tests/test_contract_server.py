@@ -39,7 +39,7 @@ def test_weight_update_from_disk_changes_the_outputs(
     make_engine, sglang_server, prompts, tiny_model, logprob_gap, tmp_path
 ):
     """Contract test: weights saved as a HF folder, loaded by /update_weights_from_disk."""
-    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"), weight_bucket_mb=0.06)
+    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"), update_bucket_mb=0.06)
     policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
     for step in range(2):
         with torch.no_grad():
