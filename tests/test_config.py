@@ -52,7 +52,9 @@ def test_unknown_plugin_name_lists_available():
 
 
 def test_unknown_reward_function_lists_available():
-    with pytest.raises(ConfigError, match="Available: answer_match, format, reasoning_gym"):
+    with pytest.raises(
+        ConfigError, match=r"Unknown reward function .exact. .*Available: answer_match, .*format, .*reasoning_gym"
+    ):
         load({"rewards": [{"function": "exact"}]})
 
 

@@ -22,6 +22,7 @@ class Batch:
     ``response_mask``; ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``,
     ``advantages`` (B, T); ``scores`` (B,); ``group_ids`` (B,) the prompt each response
     answers; lists ``prompt_text``, ``response_text``, ``answer``, ``metadata``,
+    ``messages`` (the prompt's chat messages, for rewards with their own chat template),
     ``finish_reason``.
     """
 

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
+from hybridrl.shaping import ShapingOptions
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,10 @@ class RewardConfig(Section):
     function: str = Field(description="Reward function plugin.")
     weight: float = 1.0
     name: str | None = Field(None, description="Name in logs; defaults to the function name.")
+    shaping: ShapingOptions = Field(
+        default_factory=ShapingOptions,
+        description="Score shaping before the weighted sum: normalize, length_penalty, clip (docs/rewards.md).",
+    )
 
     @property
     def label(self) -> str:

@@ -29,6 +29,7 @@ from hybridrl.models import (
     resolve_model_path,
     response_logprobs,
 )
+from hybridrl.shaping import ShapingState
 
 
 class NonFiniteError(FloatingPointError):
@@ -99,6 +100,7 @@ class Trainer:
         self.ctx.strategy = self.strategy
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
+        self.shaping = ShapingState()  # the rewards' running statistics, checkpointed
 
         load = lambda: load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)  # noqa: E731
         self.policy = self.strategy.wrap(load().train(), trainable=True)
@@ -142,7 +144,11 @@ class Trainer:
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
-        found = {"algorithm": self.algorithm, **{f"reward/{rc.label}": fn for rc, fn in self.rewards}}
+        found = {
+            "algorithm": self.algorithm,
+            "shaping": self.shaping,
+            **{f"reward/{rc.label}": fn for rc, fn in self.rewards},
+        }
         return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------
@@ -281,6 +287,7 @@ class Trainer:
         col = cfg.data.answer_column
         rollout["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(rollout))]
         rollout["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(rollout))]
+        rollout["messages"] = [prompt_messages(rows[i // r.n], cfg.data) for i in range(len(rollout))]
 
         with timer("reward"):
             metrics |= self.score(rollout)
@@ -313,11 +320,14 @@ class Trainer:
         metrics |= batch_metrics(rollout if skip else batch, timer.times["rollout"], rollout)
         metrics |= {f"timing/{k}": v for k, v in timer.times.items()}
         metrics["timing/step"] = sum(timer.times.values())
+        if not skip:  # tokens through forward+backward per second of the update stage (all epochs)
+            tokens = (batch["prompt_mask"].sum() + batch["response_mask"].sum()).item() * t.epochs
+            metrics["throughput/train_tokens_per_s"] = tokens / max(timer.times["update"], 1e-9)
         metrics = distributed.reduce_metrics(metrics)  # one value per metric over all ranks
         self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=rollout if skip else batch)
         samples = None
         if t.sample_every and step % t.sample_every == 0:
-            mine = sample_rows(rollout, self.rewards)
+            mine = sample_rows(rollout if skip else distributed.drop_padding(batch), self.rewards)
             samples = distributed.gather_lists(mine)  # every rank's, on rank 0
         for logger in self.loggers:
             logger.log(step, metrics)
@@ -330,6 +340,7 @@ class Trainer:
     def score(self, batch: Batch) -> dict[str, float]:
         total = torch.zeros(len(batch))
         metrics = {}
+        lengths = batch["response_mask"].sum(-1).float()
         for i, (rc, fn) in enumerate(self.rewards):
             component = f"reward '{rc.label}' (function '{rc.function}')"
             with stage_errors(component, "score"), reward_device_errors(component, i, fn, self.ctx.device):
@@ -340,7 +351,17 @@ class Trainer:
                 bad = int((~torch.isfinite(s)).sum())
                 print(f"warning: reward '{rc.label}' returned NaN/Inf for {bad} responses", file=sys.stderr)
             batch[f"reward/{rc.label}"] = s
-            metrics[f"reward/{rc.label}/mean"] = s.mean().item()
+            every = distributed.all_gather_cat(s)  # the statistics of the whole step, on every rank
+            metrics[f"reward/{rc.label}/mean"] = every.mean().item()
+            metrics[f"reward/{rc.label}/std"] = every.std().item() if len(every) > 1 else 0.0
+            metrics[f"reward/{rc.label}/min"] = every.min().item()
+            metrics[f"reward/{rc.label}/max"] = every.max().item()
+            if rc.shaping.active and torch.isfinite(every).all():  # NaN/Inf: left to the step's guard
+                shaped = self.shaping.apply(rc.label, every, distributed.all_gather_cat(lengths), rc.shaping)
+                sizes = distributed.all_gather_cat(torch.tensor([len(s)]))
+                start = int(sizes[: distributed.rank()].sum())
+                s = shaped[start : start + len(s)]  # this rank's rows, shaped with the whole step's statistics
+                metrics[f"reward/{rc.label}/shaped_mean"] = shaped.mean().item()
             total += rc.weight * s
         batch["scores"] = total
         every = distributed.all_gather_cat(total)  # the statistics of the whole step, on every rank
@@ -528,8 +549,8 @@ class PromptOrder:
         self._order = self._permutation()
 
 
-def encode_prompt(row: dict, data_cfg, tokenizer) -> tuple[list[int], str]:
-    """Token ids and text of the prompt for a row: template, system prompt, chat template."""
+def prompt_messages(row: dict, data_cfg) -> list[dict]:
+    """The chat messages of a row: the prompt column (text through data.template, or messages)."""
     value = row[data_cfg.prompt_column]
     if isinstance(value, list):  # already chat messages
         messages = list(value)
@@ -543,6 +564,12 @@ def encode_prompt(row: dict, data_cfg, tokenizer) -> tuple[list[int], str]:
         messages = [{"role": "user", "content": content}]
     if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": data_cfg.system_prompt}] + messages
+    return messages
+
+
+def encode_prompt(row: dict, data_cfg, tokenizer) -> tuple[list[int], str]:
+    """Token ids and text of the prompt for a row: template, system prompt, chat template."""
+    messages = prompt_messages(row, data_cfg)
     if data_cfg.chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -609,6 +636,7 @@ def sample_rows(batch: Batch, rewards) -> list[dict]:
             "answer": batch["answer"][i],
             "score": batch["scores"][i].item(),
             "finish_reason": batch["finish_reason"][i],
+            "group": int(batch["group_ids"][i]),
         }
         row |= {f"reward/{rc.label}": batch[f"reward/{rc.label}"][i].item() for rc, _ in rewards}
         if adv is not None:
