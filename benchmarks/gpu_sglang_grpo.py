@@ -149,6 +149,11 @@ def build_model(folder: Path, cfg_kwargs: dict, device: str) -> str:
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
     model = model.to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    try:
+        model.config.dtype = torch.bfloat16
+    except Exception:
+        pass
     model.save_pretrained(folder, safe_serialization=True)
     (folder / "READY").write_text("ok")
     return str(folder)
@@ -253,7 +258,8 @@ def instrument(engine, record: dict, cuda: bool) -> None:
 
 
 def config(args, model_dir: str, workdir: Path) -> dict:
-    rollout = {"engine": "hf", "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0}
+    # every response is exactly max_tokens long, so tokens/s compare across engines and runs
+    rollout = {"engine": "hf", "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
     if not args.smoke:
         rollout = {
             **rollout,
