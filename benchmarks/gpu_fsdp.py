@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Training step of sharding strategy ``single`` (1 GPU) against ``fsdp`` (2 GPUs, torchrun).
+
+A Qwen2.5-0.5B-shaped model (Qwen2ForCausalLM: 24 layers, hidden 896, vocabulary 151,936,
+tied embeddings; random weights built from its config, nothing downloaded) trains on the
+same global batch of random token sequences in every configuration: forward through
+``hybridrl.models.response_logprobs`` (logits of the response half only, as the trainer
+computes them), backward of the mean response logprob, gradient clipping through the
+strategy, an AdamW step. No generation. For each configuration it measures, per GPU:
+
+- peak memory (``torch.cuda.max_memory_allocated`` and ``..._reserved``) over the timed steps;
+- step time (median over the timed steps) and training tokens/s (prompt + response tokens
+  of the global batch per second, as ``throughput/train_tokens_per_s`` counts them);
+- the rollout-sync gather: seconds to stream all full tensors (``strategy.full_tensors``)
+  and the memory it adds.
+
+It prints a table and writes JSON (``--out``; default ``$OUT/gpu_fsdp.json`` when ``OUT`` is
+set, else ``./gpu_fsdp.json``). Configurations run one after another in fresh processes
+(the fsdp ones under ``python -m torch.distributed.run --nproc-per-node 2``); a failing one
+is recorded with its error and the others still run.
+
+Runs from a source checkout with torch and transformers (it puts ``core/`` on ``sys.path``)
+and needs, beyond them, only pluggy and pydantic (the strategies' options are pydantic
+models): the wheels pydantic, pydantic-core (the version pydantic pins), annotated-types and
+typing-inspection. The config layer (pyyaml, datasets) is not imported.
+
+    python benchmarks/gpu_fsdp.py                    # 2 GPUs: 16 sequences x 1024 tokens, 3 + 6 steps
+    python benchmarks/gpu_fsdp.py --only fsdp-bf16   # one configuration
+    python benchmarks/gpu_fsdp.py --smoke            # CPU check of the script itself (gloo, tiny model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+for key, value in {
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "NCCL_NVLS_ENABLE": "0",  # no NVLink multicast
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}.items():
+    os.environ.setdefault(key, value)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "core"))
+
+QWEN05 = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+TINY = dict(QWEN05, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+# name -> (processes, strategy, model dtype, fsdp options)
+CONFIGS = {
+    "single-fp32": (1, "single", "float32", {}),
+    "single-bf16": (1, "single", "bfloat16", {}),
+    "fsdp-fp32": (2, "fsdp", "float32", {}),
+    "fsdp-bf16": (2, "fsdp", "float32", {"mixed_precision": "bf16"}),
+    "fsdp-bf16-ac": (2, "fsdp", "float32", {"mixed_precision": "bf16", "activation_checkpointing": True}),
+    "fsdp-bf16-grad-op": (2, "fsdp", "float32", {"mixed_precision": "bf16", "mode": "shard_grad_op"}),
+    "fsdp-bf16-offload": (2, "fsdp", "float32", {"mixed_precision": "bf16", "offload": True}),
+}
+SMOKE_SKIP = {"fsdp-bf16-offload"}  # offload needs a GPU
+
+
+# -- one configuration, in each of its processes ----------------------------------------------
+
+
+def worker(args) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hybridrl import distributed
+    from hybridrl.builtin.sharding_fsdp import FSDPStrategy
+    from hybridrl.builtin.sharding_single import SingleDevice
+    from hybridrl.components import RunContext
+    from hybridrl.models import response_logprobs
+
+    _, strategy_name, dtype_name, options = CONFIGS[args.worker]
+    dtype = getattr(torch, dtype_name)
+    device = distributed.resolve_device("cpu" if args.smoke else "cuda")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**(TINY if args.smoke else QWEN05))
+    model = Qwen2ForCausalLM(cfg).to(dtype).train()
+    ctx = RunContext("", None, device, dtype, 0, Path(tempfile.gettempdir()))
+    if strategy_name == "fsdp":
+        strategy = FSDPStrategy(FSDPStrategy.Options(**options), ctx)
+    else:
+        strategy = SingleDevice(SingleDevice.Options(), ctx)
+    ctx.rank, ctx.world_size = distributed.rank(), distributed.world_size()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = strategy.wrap(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    world, rank = distributed.world_size(), distributed.rank()
+    B, L = args.batch, args.seq_len
+    if B % world:
+        raise SystemExit(f"--batch {B} does not divide by {world} processes")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=gen)[rank * B // world : (rank + 1) * B // world]
+    ids = ids.to(device)
+    mask = torch.ones_like(ids)
+    T = L // 2  # the response half, as in an RL batch
+    micro = args.micro_batch
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(ids), micro):
+            part, part_mask = ids[start : start + micro], mask[start : start + micro]
+            logprobs, _ = response_logprobs(model, part, part_mask, T)
+            (-logprobs.mean() * len(part) / len(ids)).backward()
+        strategy.clip_grad_norm(model, 1.0)
+        optimizer.step()
+
+    def sync() -> tuple[float, float]:
+        """Seconds to stream every full tensor, and the memory that adds (bytes)."""
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        n = 0
+        for _, t in strategy.full_tensors(model):
+            n += t.numel()
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        extra = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+        return seconds, extra
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup and cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        distributed.barrier()
+        start = time.perf_counter()
+        train_step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        distributed.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
+    sync_s, sync_extra = sync()
+    mine = {
+        "rank": rank,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "peak_allocated_gib": peak / 2**30 if peak is not None else None,
+        "peak_reserved_gib": reserved / 2**30 if reserved is not None else None,
+        "step_times_s": times,
+        "sync_s": sync_s,
+        "sync_extra_gib": sync_extra / 2**30,
+    }
+    ranks = distributed.all_gather_objects(mine)
+    if distributed.is_main():
+        step = statistics.median(max(r["step_times_s"][i] for r in ranks) for i in range(len(times)))
+        tokens = B * L  # the global batch: prompt + response tokens
+        result = {
+            "config": args.worker,
+            "gpus": world,
+            "strategy": strategy_name,
+            "model_dtype": dtype_name,
+            "options": options,
+            "batch": B,
+            "seq_len": L,
+            "micro_batch_per_gpu": micro,
+            "step_s": step,
+            "train_tokens_per_s": tokens / step,
+            "peak_allocated_gib_per_gpu": [r["peak_allocated_gib"] for r in ranks],
+            "peak_reserved_gib_per_gpu": [r["peak_reserved_gib"] for r in ranks],
+            "sync_s": max(r["sync_s"] for r in ranks),
+            "sync_extra_gib": max(r["sync_extra_gib"] for r in ranks),
+            "devices": [r["device"] for r in ranks],
+        }
+        Path(args.result).write_text(json.dumps(result))
+    distributed.teardown()
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(name: str, args, workdir: Path) -> dict:
+    procs = CONFIGS[name][0]
+    result = workdir / f"{name}.json"
+    forward = ["--worker", name, "--result", str(result), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+    forward += ["--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    forward += ["--smoke"] if args.smoke else []
+    env = dict(os.environ)
+    if procs == 1:
+        cmd = [sys.executable, __file__, *forward]
+        if not args.smoke:
+            env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # the single-GPU baseline sees one GPU
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs)]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, *forward]
+        if args.smoke:
+            env |= {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not result.is_file():
+        return {"config": name, "error": (proc.stderr or proc.stdout)[-3000:], "wall_s": time.perf_counter() - start}
+    return json.loads(result.read_text()) | {"wall_s": time.perf_counter() - start}
+
+
+def fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: list[dict]) -> str:
+    cols = ["config", "GPUs", "step s", "train tokens/s", "peak alloc GiB per GPU", "peak reserved GiB"]
+    cols += ["sync s", "sync +GiB"]
+    head = "| " + " | ".join(cols) + " |"
+    lines = [head, "|" + " --- |" * 8]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1][:80]} |")
+            continue
+        alloc = " / ".join(fmt(x) for x in r["peak_allocated_gib_per_gpu"])
+        reserved = " / ".join(fmt(x) for x in r["peak_reserved_gib_per_gpu"])
+        lines.append(
+            f"| {r['config']} | {r['gpus']} | {r['step_s']:.3f} | {r['train_tokens_per_s']:,.0f} | {alloc} | "
+            f"{reserved} | {r['sync_s']:.3f} | {r['sync_extra_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="Configurations to run (default: all).")
+    p.add_argument("--batch", type=int, default=16, help="Sequences in the global batch.")
+    p.add_argument("--seq-len", type=int, default=1024, help="Tokens per sequence (half of them the response).")
+    p.add_argument("--micro-batch", type=int, default=4, help="Sequences per forward/backward on each GPU.")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--timeout", type=int, default=900, help="Seconds one configuration may take.")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="Tiny model on the CPU with gloo: checks the script.")
+    p.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    missing = [m for m in ("pydantic", "pluggy") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(
+            f"missing {', '.join(missing)}: install the wheels pydantic, pydantic-core, annotated-types, "
+            "typing-inspection and pluggy (pip install --no-index --find-links WHEEL_DIR ...)."
+        )
+    if args.worker:
+        worker(args)
+        return 0
+    if args.smoke:
+        args.batch, args.seq_len, args.micro_batch, args.warmup, args.steps = 4, 32, 2, 1, 2
+
+    import torch
+    import transformers
+
+    names = args.only or [n for n in CONFIGS if not (args.smoke and n in SMOKE_SKIP)]
+    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu_fsdp.json")
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "model": "Qwen2.5-0.5B-shaped Qwen2ForCausalLM, random weights" if not args.smoke else "tiny Qwen2 (smoke)",
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "micro_batch_per_gpu": args.micro_batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            try:
+                results.append(run_config(name, args, Path(tmp)))
+            except Exception:
+                results.append({"config": name, "error": traceback.format_exc()})
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))  # partial results survive
+            print(table(results[-1:]).splitlines()[-1], flush=True)
+    print(f"\n{meta['model']}; global batch {args.batch} x {args.seq_len} tokens; torch {meta['torch']}")
+    print(table(results))
+    print(f"\nwrote {out}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
