@@ -163,15 +163,9 @@ class SGLangEngine(RolloutEngine):
         request = protocol.generate_request(
             prompts, sampling, self.stop_ids, stop_in_engine=o.stop_in_engine, per_request_seed=o.per_request_seed
         )
-        parts = protocol.split_request(request, o.batch_size)
-        if isinstance(self.backend, Server):
-            items = self.backend.generate_many(parts)
-        else:
-            items = [item for part in parts for item in self.backend.generate(part)]
-        decode = lambda ids: self.ctx.tokenizer.decode(ids)  # noqa: E731
-        return protocol.to_rollout_output(
-            items, len(request["input_ids"]), sampling.stop, decode if sampling.stop else None
-        )
+        items = self.backend.generate_many(protocol.split_request(request, o.batch_size))
+        decode = self.ctx.tokenizer.decode if sampling.stop else None
+        return protocol.to_rollout_output(items, len(request["input_ids"]), sampling.stop, decode)
 
     def update_weights(self, named_tensors) -> None:
         self.version += 1

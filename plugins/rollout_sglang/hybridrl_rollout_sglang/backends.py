@@ -61,6 +61,10 @@ class Backend:
         pass
 
     # the cycle
+    def generate_many(self, requests: list[dict]) -> list[dict]:
+        """The outputs of several requests, in order."""
+        return [item for request in requests for item in self.generate(request)]
+
     def generate(self, request: dict) -> list[dict]:
         if self.weights_lost:
             raise RuntimeError(
@@ -248,7 +252,7 @@ class Server(Backend):
     def generate_many(self, requests: list[dict]) -> list[dict]:
         """Requests in order; up to ``concurrency`` in flight (SGLang batches them continuously)."""
         if len(requests) == 1 or self.options.concurrency == 1:
-            return [item for r in requests for item in self.generate(r)]
+            return super().generate_many(requests)
         with ThreadPoolExecutor(self.options.concurrency) as pool:
             parts = list(pool.map(self.generate, requests))
         return [item for part in parts for item in part]
