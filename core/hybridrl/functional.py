@@ -192,3 +192,20 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
             mean[members] = scores[members].mean()
             std[members] = scores[members].std()
     return mean, std, count
+
+
+def whiten_advantages(values: torch.Tensor, mask: torch.Tensor, mean_var=None) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) on unmasked positions, 0 elsewhere: (B, T) -> (B, T).
+
+    Mean and unbiased variance are over the mask (as :func:`masked_whiten`), or come from
+    ``mean_var(values, mask) -> (mean, var)``, e.g. ``hybridrl.distributed.masked_mean_var``
+    to whiten over the batches of every rank. With fewer than two unmasked values there is
+    nothing to compare: zeros.
+    """
+    mask = mask.to(values.dtype)
+    if mean_var is None:
+        if mask.sum() < 2:
+            return torch.zeros_like(values)
+        return masked_whiten(values, mask) * mask
+    mean, var = mean_var(values, mask)
+    return (values - mean) * torch.rsqrt(var + 1e-8) * mask

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
+from hybridrl import distributed
 from hybridrl import functional as F
 from hybridrl.components import Algorithm, Options
 from hybridrl.hookspecs import hookimpl
@@ -141,14 +142,15 @@ class GRPO(Algorithm):
                 metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
                 metrics["reward/overlong_fraction"] = (penalty < 0).float().mean().item()
         groups = batch["group_ids"].to(mask.device)
+        mean_var = distributed.masked_mean_var if distributed.world_size() > 1 else None  # whiten over all ranks
         if o.estimator == "grpo":
             adv = group_advantages(scores, mask, groups, norm_std=o.norm_adv_by_std, eps=o.eps)
         elif o.estimator == "rloo":
             adv = rloo_advantages(scores, mask, groups)
         elif o.estimator == "reinforce_plus_plus":
-            adv, _ = reinforce_pp_advantages(scores, mask, o.gamma)
+            adv, _ = reinforce_pp_advantages(scores, mask, o.gamma, mean_var)
         else:
-            adv = reinforce_pp_baseline_advantages(scores, mask, groups)
+            adv = reinforce_pp_baseline_advantages(scores, mask, groups, mean_var)
         batch["advantages"] = adv
         return metrics
 

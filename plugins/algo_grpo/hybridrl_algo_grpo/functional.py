@@ -49,34 +49,30 @@ def rloo_advantages(
     return adv.unsqueeze(-1) * mask.to(adv.dtype)
 
 
-def _whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Batch whitening over the mask; fewer than two tokens leave nothing to compare: zeros."""
-    if mask.sum() < 2:
-        return torch.zeros_like(values)
-    return F.masked_whiten(values, mask) * mask
-
-
 def reinforce_pp_advantages(
     scores: torch.Tensor,  # (B,)
     mask: torch.Tensor,  # (B, T)
     gamma: float = 1.0,
+    mean_var=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token returns whitened over the whole batch.
 
     The score is the reward of the last response token; returns G_t = r_t + gamma G_{t+1}
     skip masked positions (:func:`hybridrl.functional.discounted_returns`); advantages are
-    (G - mean) / sqrt(var + 1e-8) over all unmasked tokens of the batch. Returns
+    (G - mean) / sqrt(var + 1e-8) over all unmasked tokens of the batch (over every rank's
+    batch with ``mean_var``, see :func:`hybridrl.functional.whiten_advantages`). Returns
     ``(advantages, returns)``, both (B, T).
     """
     mask = mask.float()
     returns = F.discounted_returns(F.outcome_token_rewards(scores.float(), mask), mask, gamma)
-    return _whiten(returns, mask), returns
+    return F.whiten_advantages(returns, mask, mean_var), returns
 
 
 def reinforce_pp_baseline_advantages(
     scores: torch.Tensor,  # (B,)
     mask: torch.Tensor,  # (B, T)
     group_ids: torch.Tensor,  # (B,)
+    mean_var=None,
 ) -> torch.Tensor:
     """REINFORCE++-baseline: s - mean_g broadcast over the tokens, then whitened over the batch.
 
@@ -86,7 +82,7 @@ def reinforce_pp_baseline_advantages(
     scores = scores.float()
     mean, _, _ = F.group_stats(scores, group_ids)
     centred = (scores - mean).unsqueeze(-1) * mask
-    return _whiten(centred, mask)
+    return F.whiten_advantages(centred, mask, mean_var)
 
 
 def varied_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

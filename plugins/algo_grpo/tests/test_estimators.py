@@ -97,6 +97,29 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens():
     close(adv, [[w[0], w[1]], [w[2], 0.0], [w[3], w[4]]])
 
 
+def test_whitening_over_ranks_uses_the_global_statistics():
+    """Under torchrun each rank holds half the batch; with ``mean_var`` giving the statistics of
+    the whole batch (what hybridrl.distributed.masked_mean_var computes over the ranks), each
+    half gets exactly its rows of the one-process result."""
+    scores = torch.tensor([1.0, 0.0, 3.0, 2.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [1, 0, 0]])
+    full_b = reinforce_pp_baseline_advantages(scores, mask, groups)
+    full_r, returns = reinforce_pp_advantages(scores, mask, 0.9)
+
+    def global_stats(of):
+        m = mask.float()
+        mean = (of * m).sum() / m.sum()
+        return lambda values, _mask: (mean, ((of - mean) ** 2 * m).sum() / (m.sum() - 1))
+
+    centred = torch.tensor([0.5, -0.5, 0.5, -0.5]).unsqueeze(-1) * mask
+    for half in (slice(0, 2), slice(2, 4)):
+        got = reinforce_pp_baseline_advantages(scores[half], mask[half], groups[half], global_stats(centred))
+        torch.testing.assert_close(got, full_b[half])
+        got, _ = reinforce_pp_advantages(scores[half], mask[half], 0.9, global_stats(returns))
+        torch.testing.assert_close(got, full_r[half])
+
+
 def test_whitening_needs_two_tokens():
     adv, _ = reinforce_pp_advantages(torch.tensor([1.0]), torch.tensor([[1, 0]]))
     assert adv.tolist() == [[0.0, 0.0]]

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
+from hybridrl import distributed
 from hybridrl import functional as F
 from hybridrl.components import Algorithm, Options
 from hybridrl.hookspecs import hookimpl
@@ -93,6 +94,12 @@ class PPO(Algorithm):
         super().__init__(options, ctx)
         self.kl_coef = options.kl_coef
         self.critic = self.critic_optimizer = None
+        world = ctx.world_size if ctx is not None else 1
+        if options.critic_mini_batch_size and options.critic_mini_batch_size % world:
+            raise ValueError(
+                f"algorithm 'ppo': critic_mini_batch_size={options.critic_mini_batch_size} is over all {world} "
+                f"processes and must divide by {world}; set it to a multiple of {world}."
+            )
         if options.critic and ctx is not None:
             self._build_critic()
 
@@ -131,23 +138,28 @@ class PPO(Algorithm):
         o = self.options
         mask = batch["response_mask"].float()
         scores = batch["scores"].to(mask.device).float()
+        # under torchrun: statistics over every rank's batch, so that ranks agree (and match one process)
+        mean_var = distributed.masked_mean_var if distributed.world_size() > 1 else None
         metrics = {}
         if o.use_kl_in_reward:
             beta = self.kl_coef
-            rewards, current_kl = PF.kl_penalized_rewards(
+            rewards, row_kl = PF.kl_penalized_rewards(
                 scores, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, o.kl_penalty
             )
+            real = ~batch["padding_row"].bool() if "padding_row" in batch else torch.ones_like(row_kl, dtype=torch.bool)
+            kl_sum, responses = distributed.all_reduce([row_kl[real].sum().item(), float(real.sum())])
+            current_kl = kl_sum / max(responses, 1.0)
             if o.kl_ctrl == "adaptive":
-                self.kl_coef = PF.adaptive_kl_coef(beta, current_kl, o.kl_target, o.kl_horizon, len(batch))
+                self.kl_coef = PF.adaptive_kl_coef(beta, current_kl, o.kl_target, o.kl_horizon, int(responses))
             metrics |= {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
         else:
             rewards = F.outcome_token_rewards(scores, mask)
         if self.critic is not None:
             values = self._values(batch) * mask
-            advantages, returns = PF.gae(rewards, values, mask, o.gamma, o.lam)
+            advantages, returns = PF.gae(rewards, values, mask, o.gamma, o.lam, mean_var)
             batch["values"], batch["returns"] = values, returns
             metrics |= {
-                "critic/explained_var": PF.explained_variance(values, returns, mask),
+                "critic/explained_var": PF.explained_variance(values, returns, mask, mean_var),
                 "critic/values_mean": F.masked_mean(values, mask).item(),
                 "critic/returns_mean": F.masked_mean(returns, mask).item(),
             }
@@ -156,7 +168,7 @@ class PPO(Algorithm):
                 mean, _, _ = F.group_stats(scores, batch["group_ids"].to(mask.device))
                 rewards = rewards - F.outcome_token_rewards(mean, mask)
             returns = F.discounted_returns(rewards, mask, o.gamma)
-            advantages = F.masked_whiten(returns, mask) * mask if mask.sum() > 1 else torch.zeros_like(returns)
+            advantages = F.whiten_advantages(returns, mask, mean_var)
             batch["returns"] = returns
         batch["advantages"] = advantages
         return metrics
@@ -204,8 +216,10 @@ class PPO(Algorithm):
         if self.critic is None or len(batch) == 0:
             return {}
         o = self.options
-        mini = o.critic_mini_batch_size or len(batch)
+        # critic_mini_batch_size is over all ranks, like trainer.mini_batch_size
+        mini = o.critic_mini_batch_size // distributed.world_size() if o.critic_mini_batch_size else len(batch)
         micro = o.critic_micro_batch_size or mini
+        agg = o.critic_loss_agg_mode
         T = batch["responses"].shape[1]
         gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step)
         stats: dict[str, list[float]] = defaultdict(list)
@@ -215,16 +229,18 @@ class PPO(Algorithm):
             order = torch.arange(len(batch)) if whole else torch.randperm(len(batch), generator=gen)
             for mb in batch.select(order).split(mini):
                 self.critic_optimizer.zero_grad(set_to_none=True)
+                # ranks average gradients: scale to the loss over the global mini-batch (as the trainer does)
+                scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), agg)
                 for part in mb.split(micro):
                     vpreds = response_values(self.critic, part.input_ids, part.attention_mask, T)
                     mask = part["response_mask"]
                     loss, clipfrac = PF.value_loss(
-                        vpreds, part["returns"], part["values"], mask, o.cliprange_value, o.critic_loss_agg_mode
+                        vpreds, part["returns"], part["values"], mask, o.cliprange_value, agg
                     )
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"algorithm 'ppo', step {step}: the value loss is {loss.item()}.")
-                    weight = F.micro_batch_weight(mask, mb["response_mask"], o.critic_loss_agg_mode)
-                    (loss * weight).backward()
+                    if distributed.any_rank(not torch.isfinite(loss)):  # every rank stops, or none
+                        raise FloatingPointError(f"algorithm 'ppo', step {step}: the value loss is not finite.")
+                    weight = F.micro_batch_weight(mask, mb["response_mask"], agg)
+                    (loss * weight * scale).backward()
                     stats["critic/value_loss"].append(loss.item())
                     stats["critic/vf_clipfrac"].append(clipfrac.item())
                     stats["critic/vpred_mean"].append(F.masked_mean(vpreds.detach(), mask).item())

@@ -20,6 +20,18 @@ class ValueModel(torch.nn.Module):
         self.backbone = backbone
         self.head = head
 
+    # what sharding strategies ask of a transformers model, answered by the backbone
+    @property
+    def _no_split_modules(self):
+        return getattr(self.backbone, "_no_split_modules", None)
+
+    @property
+    def supports_gradient_checkpointing(self) -> bool:
+        return getattr(self.backbone, "supports_gradient_checkpointing", False)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.backbone(
             input_ids=input_ids,

@@ -20,6 +20,7 @@ def gae(
     mask: torch.Tensor,  # (B, T)
     gamma: float = 1.0,
     lam: float = 1.0,
+    mean_var=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
 
@@ -27,7 +28,8 @@ def gae(
     where V_next and A_next come from the next *unmasked* position: at a masked position
     (padding, or an observation token inside a multi-turn response) both are carried over
     unchanged, as verl does. returns = A + V (before whitening); the advantages are then
-    whitened over the mask (unbiased variance) and zeroed on masked positions.
+    whitened over the mask (unbiased variance; over every rank's batch with ``mean_var``, see
+    :func:`hybridrl.functional.whiten_advantages`) and zeroed on masked positions.
     Returns ``(advantages, returns)``, both (B, T).
     """
     mask = mask.to(values.dtype)
@@ -42,9 +44,7 @@ def gae(
         next_adv = m * adv_t + (1 - m) * next_adv
         advantages[:, t] = next_adv
     returns = advantages + values
-    if mask.sum() < 2:  # nothing to whiten against
-        return torch.zeros_like(advantages), returns
-    return F.masked_whiten(advantages, mask) * mask, returns
+    return F.whiten_advantages(advantages, mask, mean_var), returns
 
 
 def value_loss(
@@ -68,11 +68,16 @@ def value_loss(
     return loss, clipfrac
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, mean_var=None) -> float:
     """1 - Var(R - V) / (Var(R) + 1e-5) over unmasked tokens (unbiased variances), as verl logs it.
 
     1 is a perfect critic, 0 one that predicts a constant; fewer than two tokens give 0.
+    ``mean_var(x, mask) -> (mean, var)`` takes the variances over a wider set (every rank).
     """
+    if mean_var is not None:
+        _, diff_var = mean_var((returns - values).float(), mask)
+        _, return_var = mean_var(returns.float(), mask)
+        return float(1.0 - diff_var / (return_var + 1e-5))
     keep = mask.bool()
     if keep.sum() < 2:
         return 0.0
@@ -87,17 +92,16 @@ def kl_penalized_rewards(
     mask: torch.Tensor,  # (B, T)
     beta: float,
     kind: str = "k1",
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rewards r_t = [t is the last token] score - beta kl_t, with kl_t = kl_penalty(old, ref).
 
-    Returns the rewards (B, T) and the batch KL the adaptive controller sees: the mean over
-    responses of each response's mean token KL (verl's ``apply_kl_penalty``).
+    Returns the rewards (B, T) and each response's mean token KL (B,): their mean over the
+    responses is the KL the adaptive controller sees (verl's ``apply_kl_penalty``).
     """
     mask = mask.to(old_logp.dtype)
     kl = F.kl_penalty(old_logp, ref_logp, kind) * mask
     rewards = F.outcome_token_rewards(scores.to(old_logp.dtype), mask) - beta * kl
-    current_kl = F.masked_mean(kl, mask, -1).mean().item() if mask.shape[0] else 0.0
-    return rewards, current_kl
+    return rewards, F.masked_mean(kl, mask, -1)
 
 
 def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: float, n_steps: int) -> float:
