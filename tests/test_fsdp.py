@@ -375,6 +375,7 @@ def test_device_clash_in_a_reward_names_the_reward_and_both_devices(tiny_model, 
     trainer.rewards = [(RewardConfig(function="rm", name="judge"), ModelReward("meta"))]
     batch = Batch()
     batch["response_text"] = ["7", "77"]
+    batch["response_mask"] = torch.tensor([[1, 0], [1, 1]])
     with pytest.raises(StageError) as e:
         trainer.score(batch)
     message = str(e.value)
