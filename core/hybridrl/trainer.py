@@ -313,8 +313,9 @@ class Trainer:
             with timer("update"):
                 metrics |= self.update(batch, step)
                 metrics |= self.algorithm.update(batch, step)
-            with timer("sync"), stage_errors(engine, "update_weights"):
-                self.engine.update_weights(self.strategy.full_tensors(self.policy))
+        # also after a skipped update: an engine may have released its weights in sleep()
+        with timer("sync"), stage_errors(engine, "update_weights"):
+            self.engine.update_weights(self.strategy.full_tensors(self.policy))
         metrics["batch/trained_fraction"] = trained / len(rollout) if not skip else 0.0
 
         metrics |= batch_metrics(rollout if skip else batch, timer.times["rollout"], rollout)
