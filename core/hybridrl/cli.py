@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,9 +63,11 @@ def cmd_train(args) -> int:
     overrides = [*args.overrides, "trainer.resume=true"] if args.resume else args.overrides
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg, name=Path(args.config).stem)
-    print(f"hybridrl {__version__}: run directory {trainer.run_dir}", flush=True)
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks
+    if main_rank:
+        print(f"hybridrl {__version__}: run directory {trainer.run_dir}", flush=True)
     metrics = trainer.train()
-    if metrics:
+    if metrics and main_rank:
         print(
             f"done: {cfg.trainer.steps} steps, final reward {metrics.get('reward/mean', float('nan')):.3f}; "
             f"metrics in {trainer.run_dir / 'metrics.jsonl'}"
