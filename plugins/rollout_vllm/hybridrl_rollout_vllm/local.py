@@ -238,6 +238,7 @@ class LocalEngine:
     def _wake(self, tags: list[str]) -> None:
         # vLLM 0.32 returns whether the engine is fully awake, 0.26 returns None; the scheduler
         # resumes in both once every tag is awake, so the tags are tracked here.
+        _return_cached_blocks()  # memory cached by training goes back before vLLM maps its own
         self.llm.wake_up(tags=tags)
         self.asleep -= set(tags)
 
@@ -282,5 +283,15 @@ def check_cpu_head_size(model_path: str) -> None:
         )
 
 
+def _return_cached_blocks() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def _free_accelerator_bytes() -> int:
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    """Free GPU memory once torch's cached blocks are returned, so that only vLLM's memory counts."""
+    if not torch.cuda.is_available():
+        return 0
+    _return_cached_blocks()
+    return torch.cuda.mem_get_info()[0]
