@@ -190,6 +190,10 @@ class InProcess(Backend):
 
     def _send(self, bucket, flush_cache):
         tensors = [(n, t.detach() if self.dtype is None else t.detach().to(self.dtype)) for n, t in bucket]
+        if any(t.is_cuda for _, t in tensors):
+            # SGLang's scheduler reads these through CUDA IPC from another process, on its own stream:
+            # the optimizer step and the dtype casts queued on ours must be finished first.
+            torch.cuda.synchronize()
         ret = self.engine.update_weights_from_tensor(named_tensors=tensors, flush_cache=flush_cache)
         if isinstance(ret, (tuple, list)) and ret and ret[0] is False:
             raise RuntimeError(
