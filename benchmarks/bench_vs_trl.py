@@ -81,6 +81,8 @@ class HybridRL:
         )
         self.trainer = Trainer(cfg)
         self.trainer.setup()
+        for logger in self.trainer.loggers:  # train() would open them; this drives step() itself
+            logger.open(10**6, 0)
         self.next_step = 1
         self.breakdown: list[dict] = []
 
