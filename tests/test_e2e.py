@@ -7,23 +7,10 @@ import sys
 import pytest
 import torch
 
-from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
-
-
-class SevensReward(RewardFunction):
-    """Fraction of response characters that are '7': a tiny random model can learn it."""
-
-    def score(self, batch):
-        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
-
-
-class SevensPlugin:
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("sevens", SevensReward)
 
 
 class StepRecorder:

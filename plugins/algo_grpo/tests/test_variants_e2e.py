@@ -9,23 +9,11 @@ import json
 
 import pytest
 
-from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
-from hybridrl.hookspecs import hookimpl
+from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 STEPS = 8
-
-
-class SevensReward(RewardFunction):
-    def score(self, batch):
-        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
-
-
-class SevensPlugin:
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("sevens", SevensReward)
 
 
 VARIANTS = {

