@@ -33,6 +33,8 @@ def test_installed_plugin_is_found_through_its_entry_point():
     assert infos["grpo"]["package"] == "hybridrl-algo-grpo"
     assert infos["grpo"]["registered"] == {"algorithm": ["grpo"]}
     assert infos["hybridrl.builtin.rollout_hf"]["registered"] == {"rollout engine": ["hf"]}
+    assert infos["hybridrl.dashboard"]["registered"] == {"command": ["dashboard"]}
+    assert infos["reward_hf"]["registered"]["command"] == ["serve-reward"]
 
 
 def test_plugins_text_output_names_versions():

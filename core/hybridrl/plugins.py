@@ -6,6 +6,7 @@ those (an empty value loads none); built-ins always load.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -114,6 +115,11 @@ def registry() -> dict[str, dict[str, Registered]]:
                 info = _infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "(in code)", "")
                 _infos.setdefault(impl.plugin_name, info)
                 impl.function(register=_registrar(kind, base, reg[kind], info))
+        for impl in pm.hook.register_commands.get_hookimpls():  # for 'hybridrl plugins' to list
+            subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
+            impl.function(subparsers=subparsers)
+            if subparsers.choices and impl.plugin_name in _infos:
+                _infos[impl.plugin_name].registered["command"] = list(subparsers.choices)
         _registry = reg
     return _registry
 
