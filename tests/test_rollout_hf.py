@@ -1,4 +1,5 @@
-"""The built-in hf rollout engine: grouping, logprobs that match the trainer's, weight sync."""
+"""The built-in hf rollout engine: grouping, logprobs that match the trainer's, weight sync, and
+its fast path (static KV cache, compiled decoding) against the plain dynamic-cache path."""
 
 import pytest
 import torch
@@ -6,19 +7,32 @@ import torch
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
+from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+
+TEXTS = ["abc", "a much longer prompt", "hello world, how are you?"]  # different lengths: left padding matters
 
 
 @pytest.fixture
-def engine(tiny_model, tmp_path):
+def make_engine(tiny_model, tmp_path):
     tok = load_tokenizer(tiny_model)
     ctx = RunContext(tiny_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path)
     cls = plugins.lookup("rollout engine", "hf")
-    return cls(cls.Options(), ctx)
+    return lambda **options: cls(cls.Options(**options), ctx)
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()  # on the CPU: dynamic cache, no compile, the policy's float32
 
 
 def prompts(tok, texts):
     return [tok(t)["input_ids"] for t in texts]
+
+
+def test_cpu_defaults_are_the_plain_path(engine):
+    assert not engine.static and not engine.compile and engine.pad_multiple == 1
+    assert engine.model.dtype == torch.float32
 
 
 def test_n_samples_grouped_by_prompt_and_reproducible(engine):
@@ -31,10 +45,12 @@ def test_n_samples_grouped_by_prompt_and_reproducible(engine):
     assert engine.generate(p, SamplingParams(n=3, max_tokens=8, seed=2)).token_ids != out.token_ids
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_rollout_logprobs_equal_trainer_logprobs(engine, tiny_model, temperature):
+def test_rollout_logprobs_equal_trainer_logprobs(make_engine, tiny_model, cache, temperature):
+    engine = make_engine(cache=cache)  # static: prompts left-padded to a multiple of 64 tokens
     tok = engine.tokenizer
-    p = prompts(tok, ["abc", "a much longer prompt"])  # different lengths: left padding matters
+    p = prompts(tok, TEXTS)
     out = engine.generate(p, SamplingParams(n=2, max_tokens=10, temperature=temperature, seed=0))
     batch = Batch.from_rollout(p, out, 2, tok.pad_token_id)
     policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
@@ -46,7 +62,35 @@ def test_rollout_logprobs_equal_trainer_logprobs(engine, tiny_model, temperature
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < 1e-4
 
 
-def test_responses_end_at_the_first_eos_or_at_max_tokens(engine):
+def assert_same_rollout(a, b):
+    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+    diff = max(abs(x - y) for la, lb in zip(a.logprobs, b.logprobs) for x, y in zip(la, lb))
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("sampling", [dict(top_k=1), dict(temperature=1e-4), dict(temperature=1.0)])
+def test_static_cache_samples_equal_dynamic_cache(make_engine, sampling):
+    dynamic, static = make_engine(cache="dynamic"), make_engine(cache="static", pad_prompts_to_multiple=16)
+    p = prompts(dynamic.tokenizer, TEXTS)
+    sp = SamplingParams(n=2, max_tokens=24, seed=3, **sampling)  # at temperature 1: same seed, same samples
+    assert_same_rollout(static.generate(p, sp), dynamic.generate(p, sp))
+
+
+def test_compiled_decoding_equals_eager(make_engine):
+    """compile 'on' on the CPU (inductor, no CUDA graphs); a short last chunk is filled up."""
+    eager, compiled = make_engine(batch_size=2), make_engine(batch_size=2, compile="on")
+    assert compiled.static and compiled.compile
+    p = prompts(eager.tokenizer, TEXTS)  # 3 prompts in chunks of 2: the second is filled with a copy
+    sp = SamplingParams(n=2, max_tokens=16, top_k=1, seed=0)
+    out = compiled.generate(p, sp)
+    assert len(out.token_ids) == 6
+    assert_same_rollout(out, eager.generate(p, sp))
+    assert hasattr(compiled.model, "_compiled_call")  # generate took the compiled forward
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_responses_end_at_the_first_eos_or_at_max_tokens(make_engine, cache):
+    engine = make_engine(cache=cache)
     out = engine.generate(prompts(engine.tokenizer, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0))
     eos = engine.tokenizer.eos_token_id
     reasons = set(out.finish_reasons)
@@ -56,6 +100,15 @@ def test_responses_end_at_the_first_eos_or_at_max_tokens(engine):
             assert ids[-1] == eos and eos not in ids[:-1]
         else:
             assert len(ids) == 40 and eos not in ids
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_ignore_eos_generates_exactly_max_tokens(make_engine, cache):
+    engine = make_engine(cache=cache)
+    out = engine.generate(
+        prompts(engine.tokenizer, ["x"]), SamplingParams(n=16, max_tokens=40, seed=0, ignore_eos=True)
+    )
+    assert [len(t) for t in out.token_ids] == [40] * 16 and set(out.finish_reasons) == {"length"}
 
 
 def test_update_weights_changes_generation(engine, tiny_model):
@@ -74,13 +127,39 @@ def test_update_weights_changes_generation(engine, tiny_model):
         assert torch.equal(engine.model.state_dict()[name], t)
 
 
+def test_lower_precision_copy_converts_synced_weights(make_engine, tiny_model):
+    engine = make_engine(dtype="bfloat16")
+    assert engine.model.dtype == torch.bfloat16
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for t in policy.parameters():
+            t.mul_(1.5)
+    engine.update_weights(policy.state_dict().items())
+    for name, t in policy.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], t.to(torch.bfloat16))
+    assert len(engine.generate(prompts(engine.tokenizer, ["abc"]), SamplingParams(max_tokens=4)).token_ids) == 1
+
+
 def test_update_weights_rejects_unknown_names(engine):
     with pytest.raises(KeyError, match="'nope'"):
         engine.update_weights([("nope", torch.zeros(1))])
 
 
-def test_ignore_eos_generates_exactly_max_tokens(engine):
-    out = engine.generate(
-        prompts(engine.tokenizer, ["x"]), SamplingParams(n=16, max_tokens=40, seed=0, ignore_eos=True)
+def load(rollout):
+    base = {"model": {"path": "unused"}, "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 10}}
+    return load_config(data={**base, "rewards": [{"function": "reasoning_gym"}], "rollout": rollout})
+
+
+def test_options_validate_and_name_the_choices():
+    assert (
+        load({"engine": "hf", "cache": "static", "compile": "off", "dtype": "float16"}).rollout.options.cache
+        == "static"
     )
-    assert [len(t) for t in out.token_ids] == [40] * 16 and set(out.finish_reasons) == {"length"}
+    with pytest.raises(ConfigError, match=r"rollout\.cache: Input should be 'auto', 'dynamic' or 'static'"):
+        load({"engine": "hf", "cache": "fast"})
+    with pytest.raises(
+        ConfigError, match=r"rollout\.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"
+    ):
+        load({"engine": "hf", "dtype": "fp8"})
+    with pytest.raises(ConfigError, match="compile 'on' needs the static cache"):
+        load({"engine": "hf", "cache": "dynamic", "compile": "on"})

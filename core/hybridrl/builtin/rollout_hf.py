@@ -1,13 +1,39 @@
-"""Rollout engine ``hf``: transformers ``generate`` on a copy of the policy in this process."""
+"""Rollout engine ``hf``: transformers ``generate`` on a copy of the policy in this process.
+
+Fast path (the default on CUDA): the engine's copy in bfloat16, a static KV cache
+(``cache_implementation="static"``: keys and values preallocated for prompt + ``max_tokens``)
+and compiled decoding. With a static cache, ``generate`` compiles the one-token decoding
+forward itself (``torch.compile``, mode ``reduce-overhead``: CUDA graphs on CUDA) and runs the
+prefill eagerly; we pass ``compile_config`` to turn this on (also on the CPU) and
+``disable_compile`` to turn it off. Only the model's forward is compiled: sampling and our
+logprob recorder (a logits processor) stay Python, on a float32 copy of the logits. To
+keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
+``pad_prompts_to_multiple`` tokens (generate keeps the largest cache length it has seen, so
+the cache takes few distinct lengths) and, when compiling, a short last chunk of prompts is
+filled up to ``batch_size`` with copies whose samples are dropped.
+
+Why not transformers' continuous batching (``generate_batch``): its ``return_logprobs`` gives
+the log of the sampled token's probability *after* top-k/top-p and the other processors,
+not the temperature-scaled distribution the trainer scores (``response_logprobs``); it drops
+the processors it does not support (``min_new_tokens``, which ``ignore_eos`` needs, and stop
+strings), switches the attention to its paged kernels, and its options were still changing
+between 5.x releases. Static cache + compile keeps ``generate``, whose logprobs the tests hold
+against the trainer's.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import load_causal_lm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 
 
 class _LogprobRecorder:
@@ -33,34 +59,94 @@ class _LogprobRecorder:
             self.prev = None
 
 
+def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the engine's copy: ``choice``, or for 'auto' bfloat16 on a CUDA GPU that
+    supports it when the policy is float32, else the policy's."""
+    if choice != "auto":
+        return DTYPES[choice]
+    if policy_dtype == torch.float32 and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return policy_dtype
+
+
 class HFEngine(RolloutEngine):
     class Options(Options):
         batch_size: int = Field(0, ge=0, description="Prompts per generate call; 0: all at once.")
+        cache: Literal["auto", "dynamic", "static"] = Field(
+            "auto",
+            description="KV cache of generate: 'static' preallocates prompt + max_tokens per sequence "
+            "(fixed shapes, which compiled decoding needs); 'dynamic' grows it. 'auto': static on CUDA, "
+            "dynamic elsewhere (static too when compile is 'on').",
+        )
+        compile: Literal["auto", "on", "off"] = Field(
+            "auto",
+            description="Compile the decoding forward with torch.compile (with CUDA graphs on CUDA); needs "
+            "the static cache. 'auto': on with the static cache on CUDA, off elsewhere. The first steps "
+            "are slower while it compiles.",
+        )
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+            "auto",
+            description="Dtype of the engine's copy of the policy. 'auto': bfloat16 on a CUDA GPU that "
+            "supports it when the policy is float32, else the policy's. A lower precision than the "
+            "policy's shows up in rollout/logprob_diff_*.",
+        )
+        pad_prompts_to_multiple: int = Field(
+            0,
+            ge=0,
+            description=f"Left-pad prompts to a multiple of this many tokens, so that shapes repeat "
+            f"across steps; 0: {STATIC_PAD_MULTIPLE} with the static cache, else 1 (no extra padding).",
+        )
+
+        @model_validator(mode="after")
+        def _compile_needs_static_cache(self):
+            if self.compile == "on" and self.cache == "dynamic":
+                raise ValueError("compile 'on' needs the static cache: set cache to 'static' or 'auto'.")
+            return self
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
-        self.model = load_causal_lm(ctx.model_path, ctx.dtype, ctx.device).eval()
+        o, cuda = options, ctx.device.type == "cuda"
+        self.static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
+        self.compile = self.static and (o.compile == "on" or (o.compile == "auto" and cuda))
+        self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
+        dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
+        self.model = load_causal_lm(ctx.model_path, dtype, ctx.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = ctx.tokenizer
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
         self.pad_id = self.tokenizer.pad_token_id
 
+    def _compile_config(self):
+        """How generate compiles the decoding forward: its own default on CUDA (inductor,
+        CUDA graphs); on other devices plain inductor, which generate must be told to allow."""
+        from transformers import CompileConfig
+
+        if self.ctx.device.type == "cuda":
+            return CompileConfig()
+        config = CompileConfig(mode="default")
+        config._compile_all_devices = True
+        return config
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         size = self.options.batch_size or len(prompts)
         out = RolloutOutput([], [], [])
         for start in range(0, len(prompts), size):
-            part = self._generate(prompts[start : start + size], sampling)
-            out.token_ids += part.token_ids
-            out.logprobs += part.logprobs
-            out.finish_reasons += part.finish_reasons
+            chunk = prompts[start : start + size]
+            filler = [chunk[-1]] * (size - len(chunk)) if self.compile else []  # same shapes every call
+            part = self._generate(chunk + filler, sampling)
+            keep = len(chunk) * sampling.n
+            out.token_ids += part.token_ids[:keep]
+            out.logprobs += part.logprobs[:keep]
+            out.finish_reasons += part.finish_reasons[:keep]
         return out
 
     def _generate(self, prompts, sampling):
         from transformers import GenerationConfig, LogitsProcessorList
 
-        P = max(len(p) for p in prompts)
+        m = self.pad_multiple
+        P = -(-max(len(p) for p in prompts) // m) * m
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
@@ -77,6 +163,9 @@ class HFEngine(RolloutEngine):
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             stop_strings=sampling.stop or None,
+            cache_implementation="static" if self.static else None,
+            compile_config=self._compile_config() if self.compile else None,
+            disable_compile=not self.compile,
         )
         recorder = _LogprobRecorder(sampling.temperature)
         if sampling.seed is not None:
