@@ -70,6 +70,14 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
 
 
 class HFEngine(RolloutEngine):
+    """transformers ``generate`` on a copy of the policy, with the logprob of each sampled token.
+    Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and compiled decoding
+    (CUDA graphs), with prompts padded to a multiple of 64 tokens so that the compiled graphs
+    serve every step; the first steps are slower while it compiles (set compile: off for short
+    runs). On the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's
+    dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
+    the plain path."""
+
     class Options(Options):
         batch_size: int = Field(0, ge=0, description="Prompts per generate call; 0: all at once.")
         cache: Literal["auto", "dynamic", "static"] = Field(
