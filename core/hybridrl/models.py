@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 from hybridrl import functional as F
 
@@ -119,6 +120,32 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device)
 
 
+def find_blocks(model: torch.nn.Module, names: list[str] | None = None) -> list[torch.nn.Module]:
+    """The repeated blocks of a model, to shard one by one.
+
+    ``names``: class names to look for; by default the model's ``_no_split_modules`` (what
+    transformers itself keeps whole when it splits a model over devices). Without either, the
+    entries of the model's largest ``ModuleList`` (``model.layers`` of most causal LMs).
+    """
+    wanted = set(names or getattr(model, "_no_split_modules", None) or [])
+    if wanted:
+        found = [m for m in model.modules() if type(m).__name__ in wanted and any(True for _ in m.parameters())]
+        if found or names:
+            return found
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+    return list(largest)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, option: str) -> None:
+    """The model's own gradient checkpointing, non-reentrant; a clear error where it has none."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; set {option}=false.")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as generation uses them: (B, L) -> (B, L)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -135,22 +162,120 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (B, T) of the response tokens (the last T columns) and optionally entropies.
 
-    Only the logits of response positions are computed (``logits_to_keep``), so the prompt
-    part never materialises vocabulary-sized logits.
+    Columns that are padding in every row (the prompts' common left padding, the responses'
+    common right padding) are cut before the forward pass; their outputs are 0. Only response
+    positions reach the output layer, and where the model allows it (:func:`head_split`) the
+    output layer runs in chunks of tokens whose vocabulary-sized logits are recomputed in the
+    backward pass instead of kept, so no (B, T, V) float32 tensor is ever materialised.
     """
     T = response_len
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        logits_to_keep=T + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1] / temperature  # (B, T, V): position t predicts token t + 1
-    tokens = input_ids[:, -T:]
-    logprobs = F.logprobs_from_logits(logits, tokens)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = F.entropy_from_logits(logits)
-    return logprobs, entropy
+    used = attention_mask.any(0)  # (P + T,) columns some row attends to
+    first = int(used.int().argmax())
+    tail = int(used[-T:].flip(0).int().argmax()) if T and used[-T:].any() else max(T - 1, 0)  # unused responses
+    kept = T - tail  # at least one column when T > 0, so that the output stays part of the graph
+    ids = input_ids[:, first : input_ids.shape[1] - tail]
+    mask = attention_mask[:, first : attention_mask.shape[1] - tail]
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+    tokens = ids[:, ids.shape[1] - kept :]
+    split = head_split(model) if kept else None
+    if split is not None:
+        body, head = split
+        hidden = body(**kwargs).last_hidden_state[:, -kept - 1 : -1]  # position t predicts token t + 1
+        logprobs, entropy = chunked_head_logprobs(hidden, head, tokens, temperature, with_entropy, entropy_grad)
+    else:
+        logits = model(**kwargs, logits_to_keep=kept + 1).logits[:, :-1] / temperature  # (B, kept, V)
+        logprobs = F.logprobs_from_logits(logits, tokens)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = F.entropy_from_logits(logits)
+    pad = (0, tail)
+    return torch.nn.functional.pad(logprobs, pad), (torch.nn.functional.pad(entropy, pad) if with_entropy else None)
+
+
+def head_split(model: torch.nn.Module):
+    """(body, output layer) when ``model``'s logits are exactly ``head(body(...).last_hidden_state)``.
+
+    Checked once per model on a two-token input, so models that scale or soft-cap their
+    logits (Gemma 2, Cohere, Granite...) and models sharded with FSDP (whose root gathers the
+    output layer's weights only in its own forward) use the plain forward pass instead.
+    """
+    cached = getattr(model, "_hybridrl_head_split", None)
+    if cached is not None:
+        return cached or None
+    split = _find_head_split(model)
+    try:
+        model._hybridrl_head_split = split or False
+    except (AttributeError, TypeError):  # a module that refuses new attributes: check again next time
+        pass
+    return split
+
+
+def _find_head_split(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    body = getattr(model, "base_model", model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(model, FSDPModule) or body is model or not isinstance(head, torch.nn.Linear):
+        return None
+    device = head.weight.device
+    ids = torch.tensor([[0, 1]], device=device)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1].float()
+            got = head(body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1]).float()
+    except Exception:  # noqa: BLE001 - an unusual body signature: the plain path works for every model
+        return None
+    finally:
+        model.train(was_training)
+    same = torch.allclose(want, got, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1)))
+    return (body, head) if same else None
+
+
+def chunked_head_logprobs(
+    hidden: torch.Tensor,  # (B, T, H) the body's output at the positions that predict the tokens
+    head: torch.nn.Linear,  # H -> V
+    tokens: torch.Tensor,  # (B, T)
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_bytes: int = 2**30,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (B, T) of ``tokens`` and optionally entropies, from hidden states, in chunks.
+
+    Each chunk of tokens holds at most ``chunk_bytes`` of float32 logits; under autograd the
+    chunk is checkpointed, so its backward pass recomputes the logits rather than storing them.
+    """
+    B, T, H = hidden.shape
+    flat, targets = hidden.reshape(B * T, H), tokens.reshape(B * T)
+    size = max(1, chunk_bytes // (4 * head.out_features))
+    grad = torch.is_grad_enabled()
+    logprobs, entropies = [], []
+    for start in range(0, B * T, size):
+        args = (flat[start : start + size], targets[start : start + size], head.weight, head.bias)
+        fn = _HeadChunk(temperature, with_entropy, entropy_grad and grad)
+        lp, ent = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
+        logprobs.append(lp)
+        entropies.append(ent)
+    entropy = torch.cat(entropies).reshape(B, T) if with_entropy else None
+    return torch.cat(logprobs).reshape(B, T), entropy
+
+
+class _HeadChunk:
+    def __init__(self, temperature: float, with_entropy: bool, entropy_grad: bool):
+        self.temperature, self.with_entropy, self.entropy_grad = temperature, with_entropy, entropy_grad
+
+    def __call__(self, hidden, tokens, weight, bias):  # (n, H), (n,) -> (n,), (n,) | None
+        logits = torch.nn.functional.linear(hidden, weight, bias).float() / self.temperature  # (n, V)
+        lse = logits.logsumexp(-1)
+        logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+        if not self.with_entropy:
+            return logprobs, None
+        with torch.set_grad_enabled(self.entropy_grad):
+            entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+        if not self.entropy_grad:
+            entropy = entropy.detach()
+        return logprobs, entropy

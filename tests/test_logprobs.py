@@ -1,0 +1,113 @@
+"""Response logprobs: padding columns cut, output layer in checkpointed chunks, same numbers and
+gradients as the textbook computation from full logits."""
+
+import pytest
+import torch
+
+from hybridrl.models import chunked_head_logprobs, head_split, load_causal_lm, response_logprobs
+
+
+def reference(model, ids, mask, T, temperature=1.0):
+    """log_softmax over the full logits of every position, no cutting, no chunks."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    logits = logits[:, -T - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, ids[:, -T:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def padded_batch(vocab: int):
+    """Prompts left-padded (at least 2 pad columns in every row), responses right-padded (the
+    last 3 columns padding in every row): P = 7, T = 9."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    for row, (lead, resp) in enumerate([(2, 6), (4, 5), (3, 2)]):
+        mask[row, :lead] = 0
+        mask[row, 7 + resp :] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    torch.manual_seed(0)
+    m = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():  # random init is near-uniform; sharpen so entropies and logprobs vary
+        m.get_output_embeddings().weight.mul_(40)
+    return m
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_full_logits_computation(model, temperature):
+    assert head_split(model) is not None  # the chunked path is the one under test
+    ids, mask = padded_batch(model.config.vocab_size)
+    T = 9
+    resp = mask[:, -T:].bool()
+
+    want_lp, want_ent = reference(model, ids, mask, T, temperature)
+    model.zero_grad()
+    (want_lp[resp].sum() + want_ent[resp].sum()).backward()
+    want_grad = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    lp, ent = response_logprobs(model, ids, mask, T, temperature, with_entropy=True, entropy_grad=True)
+    (lp[resp].sum() + ent[resp].sum()).backward()
+
+    assert lp.shape == ent.shape == (3, T)
+    assert (lp[resp] - want_lp[resp]).abs().max() < 1e-5
+    assert (ent[resp] - want_ent[resp]).abs().max() < 1e-5
+    assert (lp[:, -3:] == 0).all() and (ent[:, -3:] == 0).all()  # cut columns come back as zeros
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, want_grad[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_entropy_without_grad_leaves_gradients_to_the_logprobs(model):
+    ids, mask = padded_batch(model.config.vocab_size)
+    resp = mask[:, -9:].bool()
+    lp, ent = response_logprobs(model, ids, mask, 9, with_entropy=True, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    want_lp, want_ent = reference(model, ids, mask, 9)
+    assert (ent[resp] - want_ent[resp]).abs().max() < 1e-5
+
+
+def test_chunks_of_one_token_give_the_same_values_and_gradients(model):
+    ids, _ = padded_batch(model.config.vocab_size)
+    hidden = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
+    tokens = ids[:2, :5]
+    head = model.get_output_embeddings()
+    one_chunk = chunked_head_logprobs(hidden, head, tokens, with_entropy=True, entropy_grad=True)
+    g1 = torch.autograd.grad(sum(t.sum() for t in one_chunk), hidden)[0]
+    # a float32 row of logits is 4 * V bytes: this budget holds one token per chunk
+    per_token = chunked_head_logprobs(hidden, head, tokens, with_entropy=True, entropy_grad=True, chunk_bytes=1)
+    g2 = torch.autograd.grad(sum(t.sum() for t in per_token), hidden)[0]
+    for a, b in zip(one_chunk, per_token):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert torch.allclose(g1, g2, rtol=1e-5, atol=1e-5)
+
+
+def test_models_that_transform_their_logits_use_the_plain_path():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.05, pad_token_id=0,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(cfg)
+    assert head_split(model) is None  # tanh soft-capping after the output layer
+    ids, mask = padded_batch(64)
+    resp = mask[:, -9:].bool()
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, ids, mask, 9)
+        want, _ = reference(model, ids, mask, 9)
+    assert (lp[resp] - want[resp]).abs().max() < 1e-5
+
+
+def test_batches_without_response_tokens_keep_their_shape_and_graph(model):
+    ids, mask = padded_batch(model.config.vocab_size)
+    mask[:, -9:] = 0  # every response empty
+    lp, ent = response_logprobs(model, ids, mask, 9, with_entropy=True)
+    assert lp.shape == ent.shape == (3, 9) and not lp[:, 1:].any() and lp.requires_grad
+    lp, _ = response_logprobs(model, ids[:, :7], mask[:, :7], 0)
+    assert lp.shape == (3, 0) and lp.requires_grad
