@@ -6,6 +6,7 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,11 @@ class ShardingStrategy(Component):
 
             return model.to(resolve_device(ref_device, "sharding.ref_device"))
         return self.wrap(model, trainable=False)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context every forward pass of the policy and the reference model runs in (the
+        backward pass follows it): ``torch.autocast`` for mixed precision, else a no-op."""
+        return contextlib.nullcontext()
 
     def input_device(self, model: torch.nn.Module) -> torch.device:
         """The device that ``model``'s inputs must be on: where its parameters are."""

@@ -19,27 +19,9 @@ from pydantic import Field
 from hybridrl import distributed as dist
 from hybridrl.components import Options, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
+from hybridrl.models import enable_activation_checkpointing, find_blocks
 
 NAME = "sharding strategy 'fsdp'"
-
-
-def find_blocks(model: torch.nn.Module, names: list[str] | None = None) -> list[torch.nn.Module]:
-    """The repeated blocks of a model, to shard one by one.
-
-    ``names``: class names to look for; by default the model's ``_no_split_modules`` (what
-    transformers itself keeps whole when it splits a model over devices). Without either, the
-    entries of the model's largest ``ModuleList`` (``model.layers`` of most causal LMs).
-    """
-    wanted = set(names or getattr(model, "_no_split_modules", None) or [])
-    if wanted:
-        found = [m for m in model.modules() if type(m).__name__ in wanted and any(True for _ in m.parameters())]
-        if found or names:
-            return found
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    largest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
-    return list(largest)
 
 
 def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -151,12 +133,7 @@ class FSDPStrategy(ShardingStrategy):
                 "ModuleList). Set sharding.blocks to the class names of its layers."
             )
         if self.options.activation_checkpointing and trainable:
-            if not getattr(model, "supports_gradient_checkpointing", False):
-                raise ValueError(
-                    f"{NAME}: {type(model).__name__} does not support gradient checkpointing; "
-                    "set sharding.activation_checkpointing=false."
-                )
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model, "sharding.activation_checkpointing")
         kwargs = self._policies()
         for block in reversed(blocks):  # inner modules before the ones that hold them
             fully_shard(block, **kwargs)
