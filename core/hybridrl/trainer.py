@@ -21,6 +21,7 @@ from hybridrl import functional as F
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, RunConfig, dump_config
+from hybridrl.flops import forward_flops, peak_flops
 from hybridrl.models import (
     DTYPES,
     check_model_path,
@@ -259,7 +260,7 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         cfg, t, r = self.config, self.config.trainer, self.config.rollout
-        timer = Timer()
+        timer = Timer(self.ctx.device)
         metrics: dict[str, float] = {}
         engine = f"rollout engine '{r.engine}'"
 
@@ -321,9 +322,8 @@ class Trainer:
         metrics |= batch_metrics(rollout if skip else batch, timer.times["rollout"], rollout)
         metrics |= {f"timing/{k}": v for k, v in timer.times.items()}
         metrics["timing/step"] = sum(timer.times.values())
-        if not skip:  # tokens through forward+backward per second of the update stage (all epochs)
-            tokens = (batch["prompt_mask"].sum() + batch["response_mask"].sum()).item() * t.epochs
-            metrics["throughput/train_tokens_per_s"] = tokens / max(timer.times["update"], 1e-9)
+        if not skip:
+            metrics |= update_throughput(self.policy, batch, t.epochs, timer.times["update"], self.ctx.device)
         metrics = distributed.reduce_metrics(metrics)  # one value per metric over all ranks
         self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=rollout if skip else batch)
         samples = None
@@ -389,7 +389,7 @@ class Trainer:
         size = self.config.trainer.micro_batch_size or len(batch)
         T = batch["responses"].shape[1]
         device = self.strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
-        with self.device_errors(component, model, device):
+        with self.device_errors(component, model, device), self.strategy.autocast():
             parts = [
                 response_logprobs(
                     model, mb.input_ids.to(device), mb.attention_mask.to(device), T, self.config.rollout.temperature
@@ -438,7 +438,7 @@ class Trainer:
                 scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), mode)
                 finite = True
                 for part in mb.split(micro):
-                    with self.device_errors("policy", self.policy, part.input_ids.device):
+                    with self.device_errors("policy", self.policy, part.input_ids.device), self.strategy.autocast():
                         logprobs, entropy = response_logprobs(
                             self.policy,
                             part.input_ids,
@@ -505,8 +505,11 @@ def stage_errors(component: str, call: str):
 
 
 class Timer:
-    def __init__(self):
+    """Seconds per stage; on a GPU each stage ends by waiting for its queued kernels."""
+
+    def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
+        self.cuda = device is not None and device.type == "cuda"
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -514,6 +517,8 @@ class Timer:
         try:
             yield
         finally:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
 
@@ -594,6 +599,20 @@ def check_columns(source, cfg: RunConfig) -> None:
                 f"data.{key} is '{col}', but the rows have no such field. "
                 f"Fields: {', '.join(columns)}. Set data.{key} to one of them."
             )
+
+
+def update_throughput(policy, batch: Batch, epochs: int, seconds: float, device: torch.device) -> dict[str, float]:
+    """Tokens/s and model FLOP/s through the policy's forward+backward passes of the update
+    stage (all epochs; padding not counted), and the MFU where the GPU's peak is known."""
+    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+    responses = int(batch["response_mask"].sum())
+    seconds = max(seconds, 1e-9)
+    flops = 3 * epochs * forward_flops(policy, lengths, responses) / seconds
+    out = {"throughput/train_tokens_per_s": sum(lengths) * epochs / seconds, "throughput/update_tflops": flops / 1e12}
+    peak = peak_flops(device)
+    if peak:
+        out["throughput/update_mfu"] = flops / peak
+    return out
 
 
 def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
