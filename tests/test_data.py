@@ -27,6 +27,7 @@ def test_hf_source_reads_local_jsonl(jsonl):
     ds = source("hf", path="json", data_files=jsonl)
     assert len(ds) == 5 and ds[2] == {"q": "What is 2 + 1?", "a": "3", "level": 0}
     assert source("hf", path="json", data_files=jsonl, limit=2).__len__() == 2
+    assert source("hf", path=jsonl)[2] == ds[2]  # a single file as the path: its builder from the suffix
 
 
 def test_missing_column_is_named_with_the_fields(jsonl):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -20,13 +21,16 @@ def require_reasoning_gym():
     return reasoning_gym
 
 
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
 class HFDataset(PromptSource):
     """Rows of a ``datasets`` dataset: ``path: json`` with ``data_files``, or a hub name in the cache."""
 
     class Options(Options):
         path: str = Field(
-            description="datasets.load_dataset path: 'json', 'parquet', 'csv', a local "
-            "dataset folder, or a hub name already in the local cache."
+            description="datasets.load_dataset path: 'json', 'parquet', 'csv' (with data_files), a single "
+            ".json/.jsonl/.parquet/.csv file, a local dataset folder, or a hub name already in the local cache."
         )
         data_files: str | list[str] | dict[str, Any] | None = Field(None, description="Files for json/parquet/csv.")
         name: str | None = Field(None, description="Dataset configuration name.")
@@ -39,7 +43,11 @@ class HFDataset(PromptSource):
 
         o = options
         try:
-            ds = datasets.load_dataset(o.path, o.name, data_files=o.data_files, split=o.split)
+            path, files = o.path, o.data_files
+            builder = FILE_BUILDERS.get(Path(path).suffix.lower())
+            if builder and files is None and Path(path).is_file():  # path: a single local file
+                path, files = builder, path
+            ds = datasets.load_dataset(path, o.name, data_files=files, split=o.split)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"data: could not load dataset '{o.path}' (data_files={o.data_files}): {e}") from e
         self.ds = ds.select(range(min(o.limit, len(ds)))) if o.limit else ds
