@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""The update phase alone: seconds, training tokens/s and MFU of hybridrl's policy update on the
+reference batch, for each way of running it.
+
+    python benchmarks/gpu_update.py                  # every variant, on the GPU
+    python benchmarks/gpu_update.py --smoke          # CPU check of the script (tiny model)
+
+The batch is the reference configuration's (see gpu_vs_trl.py): 64 responses of 256 tokens
+after prompts of 128, random token ids, GRPO with KL k3 (beta 0.04) against a reference model.
+Each variant is a fresh Trainer (its real ``update``, as a step runs it) with other sharding or
+model options; ``--warmup`` updates, then ``--steps`` timed ones, the GPU synchronised around
+each. MFU counts the matrix multiplications of the forward and backward passes
+(hybridrl.flops) against the GPU's dense bf16 peak. Writes ``$OUT/update_gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VARIANTS = {
+    # name: (model options, sharding options, hybridrl.models head path on?)
+    "fp32 (no autocast)": ({}, {"mixed_precision": "off"}, True),
+    "bf16 autocast, full logits": ({}, {"mixed_precision": "bf16"}, False),
+    "bf16 autocast": ({}, {"mixed_precision": "bf16"}, True),
+    "bf16 autocast + activation ckpt": ({}, {"mixed_precision": "bf16", "activation_checkpointing": True}, True),
+    "bf16 autocast + compile": ({}, {"mixed_precision": "bf16", "compile": True}, True),
+    "bf16 weights": ({"dtype": "bfloat16"}, {"mixed_precision": "off"}, True),
+}
+
+
+def reference_batch(args, tokenizer, vocab: int):
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.components import RolloutOutput
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [tokenizer(common.prompt(i))["input_ids"] for i in range(args.prompts)]
+    n = args.prompts * args.n
+    tokens = torch.randint(300, vocab, (n, args.max_tokens), generator=g).tolist()
+    out = RolloutOutput(tokens, [[-5.0] * args.max_tokens for _ in range(n)], ["length"] * n)
+    batch = Batch.from_rollout(prompts, out, args.n, tokenizer.pad_token_id)
+    batch["scores"] = torch.rand(n, generator=g)
+    return batch
+
+
+def run_variant(args, model_dir: str, name: str, device) -> dict:
+    import torch
+
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer, update_throughput
+
+    model_opts, sharding, head = VARIANTS[name]
+    cfg = {
+        "model": {"path": model_dir, "dtype": "float32", **model_opts},
+        "data": {"source": "hf", "path": str(Path(args.workdir) / "prompts.jsonl"), "chat_template": False},
+        "rollout": {"engine": "hf", "n": args.n, "max_tokens": args.max_tokens},
+        "rewards": [{"function": "answer_match"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
+        "sharding": {"strategy": "single", **sharding},
+        "trainer": {
+            "prompts_per_step": args.prompts,
+            "lr": 1e-6,
+            "device": str(device),
+            "sample_every": 0,
+            "run_dir": str(Path(args.workdir) / f"run-{time.time_ns()}"),
+        },  # fmt: skip
+        "logging": {"loggers": []},
+    }
+    trainer = Trainer(load_config(data=cfg), name="bench-update")
+    trainer.setup()
+    if not head:
+        trainer.policy._hybridrl_head_split = False  # the plain path: (B, T, V) logits from the model
+        trainer.ref._hybridrl_head_split = False
+    trainer.engine.close()
+    batch = reference_batch(args, trainer.tokenizer, trainer.policy.config.vocab_size).to(trainer.ctx.device)
+    rows = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(1, args.warmup + args.steps + 1):
+        b = batch.select(list(range(len(batch))))
+        sync(device)
+        start = time.perf_counter()
+        trainer.compute_logprobs(b)
+        trainer.algorithm.compute_advantages(b)
+        sync(device)
+        mid = time.perf_counter()
+        trainer.update(b, step)
+        sync(device)
+        end = time.perf_counter()
+        m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
+        rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()}})
+        print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)
+    timed = rows[args.warmup :]
+    res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    if device.type == "cuda":
+        res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer, batch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(args) -> int:
+    import torch
+    import transformers
+
+    common.use_checkout("algo_grpo")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "update_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.workdir = str(Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute())
+    shape = common.TINY if args.smoke else common.QWEN05
+    model_dir = common.build_model(Path(args.workdir) / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), shape)
+    (Path(args.workdir) / "prompts.jsonl").write_text(
+        "".join(json.dumps({"question": common.prompt(i), "answer": "0"}) + "\n" for i in range(64))
+    )
+    R = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "batch": {
+            "responses": args.prompts * args.n,
+            "prompt_tokens": common.PROMPT_CHARS,
+            "response_tokens": args.max_tokens,
+        },  # fmt: skip
+        "variants": {},
+        "errors": {},
+    }
+    names = [v for v in VARIANTS if not args.only or v in args.only.split(";")]
+    for name in names:
+        try:
+            R["variants"][name] = run_variant(args, model_dir, name, device)
+        except Exception as e:  # noqa: BLE001 - one variant failing keeps the others
+            R["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"  [{name}] failed: {e!r}", flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        out.write_text(json.dumps(R, indent=1) + "\n")
+    head = ["update s", "train tok/s", "TFLOP/s", "MFU", "logprobs s", "peak GiB"]
+    print(f"\n{'variant':<34} " + " ".join(f"{h:>11}" for h in head))
+    for name, r in R["variants"].items():
+        mfu = f"{r['update_mfu']:.1%}" if "update_mfu" in r else "-"
+        cells = [f"{r['update_s']:.3f}", f"{r['train_tokens_per_s']:,.0f}", f"{r['update_tflops']:.1f}", mfu,
+                 f"{r['logprobs_s']:.3f}", f"{r.get('peak_alloc_gib', 0):.1f}"]  # fmt: skip
+        print(f"{name:<34} " + " ".join(f"{c:>11}" for c in cells))
+    print(f"wrote {out}")
+    return 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--only", default=None, help="';'-separated variant names")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 16, 1, 1
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

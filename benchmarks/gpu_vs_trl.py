@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""hybridrl vs TRL's GRPOTrainer on the reference configuration, one command, one GPU.
+
+    python benchmarks/gpu_vs_trl.py                          # all four sides, one after the other
+    python benchmarks/gpu_vs_trl.py --sides trl-hf,hybridrl-hf
+    python benchmarks/gpu_vs_trl.py --smoke                  # CPU check of the script (tiny model)
+
+The reference configuration: GRPO on a Qwen2.5-0.5B-shaped model (random weights, see
+common.py), float32 master weights with bf16 compute, prompts of exactly 128 tokens, 8 prompts
+x 8 samples = 64 completions of exactly 256 tokens per step (EOS ignored), one optimizer update
+per step, KL loss k3 with beta 0.04 (a reference model on both sides), AdamW at lr 1e-6.
+
+Sides, each in its own process (two in-process vLLM engines do not share one process), run back
+to back: ``trl-hf`` (TRL 1.16 defaults, transformers generation), ``trl-vllm`` (TRL with its
+colocated vLLM engine), ``hybridrl-hf`` (the built-in ``hf`` engine) and ``hybridrl-vllm`` (the
+vllm plugin, in-process). Each runs ``--warmup`` steps, then ``--steps`` timed steps; a step is
+timed from its start to its end with the GPU synchronised. Prints a table and writes JSON
+(``--out``; default ``$OUT/vs_trl_gpu.json`` when OUT is set, else ``./vs_trl_gpu.json``),
+after every side, so a failing side keeps the others' figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SIDES = ["trl-hf", "hybridrl-hf", "hybridrl-vllm", "trl-vllm"]
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- hybridrl ------------------------------------------------------------------------------
+
+
+def run_hybridrl(args, engine: str, result: dict) -> None:
+    common.use_checkout("algo_grpo", *(["rollout_vllm"] if engine == "vllm" else []))
+    from pydantic import Field
+
+    from hybridrl import plugins
+    from hybridrl.components import Options as BaseOptions
+    from hybridrl.components import PromptSource, RewardFunction
+    from hybridrl.config import load_config
+    from hybridrl.hookspecs import hookimpl
+    from hybridrl.trainer import Trainer
+
+    class Prompts(PromptSource):
+        class Options(BaseOptions):
+            size: int = Field(4096, gt=0)
+
+        def __len__(self):
+            return self.options.size
+
+        def __getitem__(self, i):
+            return {"question": common.prompt(i), "answer": None}
+
+    class EvenBytes(RewardFunction):
+        def score(self, batch):
+            return [common.even_byte_fraction(t) for t in batch["response_text"]]
+
+    class Bench:
+        @hookimpl
+        def register_datasets(self, register):
+            register("bench_prompts", Prompts)
+
+        @hookimpl
+        def register_reward_functions(self, register):
+            register("even_bytes", EvenBytes)
+
+    pm = plugins.get_plugin_manager()
+    for name in ("algo_grpo", "rollout_vllm"):
+        module = sys.modules.get(f"hybridrl_{name}")
+        if module is not None and not pm.is_registered(module):
+            pm.register(module, name=name)
+    pm.register(Bench(), name="bench")
+    plugins.invalidate_registry()
+
+    rollout = {"engine": engine, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
+    if engine == "vllm":
+        rollout |= {
+            "dtype": "float32" if args.smoke else "bfloat16",
+            "max_model_len": common.PROMPT_CHARS + args.max_tokens + 16,
+            "engine_kwargs": {"skip_tokenizer_init": True},
+            **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 0}),
+        }
+    rollout |= json.loads(args.engine_options)
+    cfg = {
+        "model": {"path": args.model, "dtype": "float32"},
+        "data": {"source": "bench_prompts", "chat_template": False, "answer_column": None},
+        "rollout": rollout,
+        "rewards": [{"function": "even_bytes"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
+        "sharding": {"strategy": "single", **json.loads(args.sharding)},
+        "trainer": {
+            "steps": args.warmup + args.steps,
+            "prompts_per_step": args.prompts,
+            "lr": 1e-6,
+            "seed": 0,
+            "device": "cpu" if args.smoke else "cuda",
+            "run_dir": str(Path(args.workdir) / f"hybridrl-{engine}-{int(time.time())}"),
+            "sample_every": 0,
+        },
+        "logging": {"loggers": []},
+    }
+    result["config"] = cfg
+    t = time.perf_counter()
+    trainer = Trainer(load_config(data=cfg), name="bench")
+    trainer.setup()
+    result["setup_s"] = round(time.perf_counter() - t, 1)
+    for logger in trainer.loggers:  # train() would open them; this drives step() itself, to time each
+        logger.open(args.warmup + args.steps, 0)
+    keep = ("rollout", "logprobs", "update", "sync", "reward", "advantages")
+    for step in range(1, args.warmup + args.steps + 1):
+        sync()
+        start = time.perf_counter()
+        m = trainer.step(step)
+        sync()
+        row = {"step": step, "step_s": time.perf_counter() - start}
+        row |= {f"{k}_s": m.get(f"timing/{k}", 0.0) for k in keep}
+        row |= {k.split("/")[-1]: m[k] for k in THROUGHPUT if k in m}
+        row["reward"] = m.get("reward/mean")
+        result["steps"].append(row)
+        print(f"[{result['side']}] step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if v), flush=True)
+        dump_side(args, result)
+    if engine == "vllm":
+        result["sync_sweep"] = sync_sweep(trainer)
+        dump_side(args, result)
+    trainer.engine.close()
+
+
+def sync_sweep(trainer, reps: int = 3) -> dict:
+    """Weight sync seconds (median of ``reps``) for several bucket sizes, the engine awake."""
+    out = {}
+    for mib in (128, 512, 2048, 8192):
+        trainer.engine.options.update_bucket_mb = mib
+        times = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
+            sync()
+            times.append(time.perf_counter() - start)
+        out[f"{mib} MiB"] = {"median_s": statistics.median(times), "all_s": times,
+                             "buckets": trainer.engine.stats().get("vllm/sync_buckets")}  # fmt: skip
+        print(f"sync, buckets of {mib} MiB: {out[f'{mib} MiB']}", flush=True)
+    return out
+
+
+THROUGHPUT = (
+    "throughput/rollout_tokens_per_s",
+    "throughput/train_tokens_per_s",
+    "throughput/update_tflops",
+    "throughput/update_mfu",
+)
+
+
+# -- TRL ----------------------------------------------------------------------------------
+
+
+def run_trl(args, vllm: bool, result: dict) -> None:
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    result["versions"]["trl"] = trl.__version__
+    data = Dataset.from_list([{"prompt": common.prompt(i)} for i in range(1024)])
+
+    def even_bytes(completions, **_):
+        return [common.even_byte_fraction(c) for c in completions]
+
+    extra = {"use_cpu": True} if args.smoke else {}
+    if vllm:
+        extra |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_memory_utilization}
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=args.prompts * args.n,
+        num_generations=args.n,
+        max_completion_length=args.max_tokens,
+        beta=0.04,
+        learning_rate=1e-6,
+        max_steps=args.warmup + args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        temperature=1.0,
+        generation_kwargs={"ignore_eos": True} if vllm else {"min_new_tokens": args.max_tokens},
+        dataloader_num_workers=0,
+        **extra,
+    )
+    result["trl_defaults"] = {
+        k: getattr(config, k)
+        for k in ("bf16", "gradient_checkpointing", "loss_type", "num_iterations", "steps_per_generation")
+        if hasattr(config, k)
+    }
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            sync()
+            row = {"step": state.global_step, "step_s": time.perf_counter() - self.start}
+            result["steps"].append(row)
+            print(f"[{result['side']}] step {row['step']}: {row['step_s']:.3f} s", flush=True)
+            dump_side(args, result)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and result["steps"]:
+                result["steps"][-1]["trl_log"] = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
+
+    t = time.perf_counter()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=even_bytes, args=config, train_dataset=data, processing_class=tok, callbacks=[Clock()]
+    )
+    result["setup_s"] = round(time.perf_counter() - t, 1)
+    trainer.train()
+
+
+# -- one side, in its own process -----------------------------------------------------------
+
+
+def dump_side(args, result: dict) -> None:
+    Path(args.result).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def side_main(args) -> int:
+    import torch
+    import transformers
+
+    result = {"side": args.side, "steps": [], "ok": False}
+    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    code = 0
+    try:
+        framework, engine = args.side.split("-")
+        if engine == "vllm":
+            import vllm
+
+            result["versions"]["vllm"] = vllm.__version__
+        if framework == "trl":
+            run_trl(args, engine == "vllm", result)
+        else:
+            run_hybridrl(args, engine, result)
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - keep the figures so far and say what failed
+        result["error"] = repr(e)[:2000]
+        result["traceback"] = traceback.format_exc()[-6000:]
+        traceback.print_exc()
+        code = 1
+    dump_side(args, result)
+    sys.stdout.flush()
+    os._exit(code)  # engines' background threads must not keep the process alive
+
+
+# -- the whole comparison -------------------------------------------------------------------
+
+
+def summarize(side: dict, args) -> dict:
+    timed = side["steps"][args.warmup :]
+    if not timed:
+        return {}
+
+    def med(key):
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    out = {"timed_steps": len(timed), "step_s": med("step_s")}
+    out["steps_per_s"] = 1 / out["step_s"]
+    out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * args.max_tokens / out["step_s"]
+    for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s",
+                "update_tflops", "update_mfu"):  # fmt: skip
+        if med(key) is not None:
+            out[key] = med(key)
+    return out
+
+
+def ratios(summary: dict) -> dict:
+    s = {k: v.get("step_s") for k, v in summary.items() if v.get("step_s")}
+    out = {}
+    for engine in ("hf", "vllm"):
+        if f"trl-{engine}" in s and f"hybridrl-{engine}" in s:
+            out[f"trl_{engine}_over_hybridrl_{engine}"] = s[f"trl-{engine}"] / s[f"hybridrl-{engine}"]
+    trl = [v for k, v in s.items() if k.startswith("trl")]
+    ours = [v for k, v in s.items() if k.startswith("hybridrl")]
+    if trl and ours:
+        out["best_trl_over_best_hybridrl"] = min(trl) / min(ours)
+    return out
+
+
+COLUMNS = [
+    ("side", None, "{:<14}"),
+    ("step s", "step_s", "{:>7.3f}"),
+    ("steps/s", "steps_per_s", "{:>7.3f}"),
+    ("gen tok/s (step)", "generated_tokens_per_s_whole_step", "{:>16,.0f}"),
+    ("rollout s", "rollout_s", "{:>9.3f}"),
+    ("rollout tok/s", "rollout_tokens_per_s", "{:>13,.0f}"),
+    ("logprobs s", "logprobs_s", "{:>10.3f}"),
+    ("update s", "update_s", "{:>8.3f}"),
+    ("train tok/s", "train_tokens_per_s", "{:>11,.0f}"),
+    ("MFU", "update_mfu", "{:>6.1%}"),
+    ("sync s", "sync_s", "{:>6.3f}"),
+]
+
+
+def print_table(summary: dict) -> None:
+    print(" | ".join(name for name, _, _ in COLUMNS))
+    for side, s in summary.items():
+        cells = [COLUMNS[0][2].format(side)]
+        for name, key, fmt in COLUMNS[1:]:
+            cells.append(fmt.format(s[key]) if s.get(key) is not None else f"{'-':>{len(name)}}")
+        print(" | ".join(cells))
+
+
+FORWARD = ("prompts", "n", "max_tokens", "warmup", "steps", "gpu_memory_utilization", "sharding", "engine_options")
+
+
+def main(args) -> int:
+    import torch
+
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "vs_trl_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
+    shape = common.TINY if args.smoke else common.QWEN05
+    model = common.build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), shape)
+    R = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "config": {k: v for k, v in vars(args).items() if k not in ("side", "result")} | {"model": model},
+        "sides": {},
+    }
+    for side in args.sides.split(","):
+        if side not in SIDES:
+            raise SystemExit(f"unknown side '{side}'; choose from {', '.join(SIDES)}")
+        result_file = workdir / f"{side}.json"
+        result_file.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--side", side, "--result", str(result_file), "--model", model]
+        for key in FORWARD:
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        cmd += ["--workdir", str(workdir)] + (["--smoke"] if args.smoke else [])
+        start = time.perf_counter()
+        try:
+            code = subprocess.run(cmd, timeout=args.side_timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        side_result = json.loads(result_file.read_text()) if result_file.is_file() else {"steps": []}
+        side_result |= {"exit": code, "wall_s": round(time.perf_counter() - start, 1)}
+        side_result["summary"] = summarize(side_result, args)
+        R["sides"][side] = side_result
+        R["summary"] = {k: v["summary"] for k, v in R["sides"].items() if v["summary"]}
+        R["ratios"] = ratios(R["summary"])
+        out.write_text(json.dumps(R, indent=1, default=str) + "\n")
+    print()
+    print_table(R["summary"])
+    for k, v in R["ratios"].items():
+        print(f"{k}: {v:.2f}x")
+    print(f"wrote {out}")
+    return 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share on both sides")
+    p.add_argument("--sharding", default="{}", help="JSON of hybridrl sharding options (strategy single)")
+    p.add_argument("--engine-options", default="{}", help="JSON of extra hybridrl rollout options")
+    p.add_argument("--side-timeout", type=float, default=900)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, small sizes")
+    p.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke and not args.side:
+        args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 8, 1, 1
+    return args
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    sys.exit(side_main(a) if a.side else main(a))
