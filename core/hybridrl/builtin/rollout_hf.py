@@ -185,8 +185,8 @@ class HFEngine(RolloutEngine):
             logits_processor=LogitsProcessorList([recorder]),
             tokenizer=self.tokenizer if sampling.stop else None,
         )
+        recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
         new = seqs[:, P:].cpu()
-        recorder.collect(new[:, -1])
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(len(new), 0)
         out = RolloutOutput([], [], [])
         for row, lp in zip(new.tolist(), logprobs.tolist()):
