@@ -104,6 +104,7 @@ class LocalEngine:
             # the temperature and would not match the trainer's)
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=o.prefix_caching,
         )
         if self.on_cpu:
             if o.cpu_kv_cache_gb is not None:
@@ -120,6 +121,7 @@ class LocalEngine:
             if self.sleep_level:
                 kw["enable_sleep_mode"] = True
         kw |= o.engine_kwargs
+        self.prefix_caching = kw["enable_prefix_caching"]
         self.detokenize = not kw.get("skip_tokenizer_init", False)
         start = time.perf_counter()
         with self.threads():
@@ -207,8 +209,8 @@ class LocalEngine:
                     )
                 count += 1
                 del bucket
-        if "kv_cache" not in self.asleep:  # sleeping already dropped the KV cache and its prefixes
-            self.llm.reset_prefix_cache()
+        if self.prefix_caching and "kv_cache" not in self.asleep:  # asleep: the KV cache is gone already
+            self.llm.reset_prefix_cache()  # prompts cached with the old weights
         self.stats["vllm/sync_buckets"] = count
         self.stats["vllm/sync_mib"] = size / 2**20
 

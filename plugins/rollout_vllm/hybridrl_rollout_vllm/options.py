@@ -63,15 +63,23 @@ class VLLMOptions(Options):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra keyword arguments for vllm.LLM, passed as they are and overriding the "
-        "plugin's own choices (e.g. {max_num_seqs: 128, enable_prefix_caching: false, quantization: fp8}).",
+        "plugin's own choices (e.g. {max_num_seqs: 128, quantization: fp8}).",
     )
     update_bucket_mb: float = Field(
-        512,
+        2048,
         gt=0,
         description="Weight sync bucket size in MiB. The trainer's tensors are grouped into buckets of "
         "whole decoder layers of about this size and each bucket is loaded in one call, so the extra "
-        "memory a sync holds is at most one bucket plus one layer. In server mode: the size of each "
-        "safetensors shard written for the server.",
+        "memory a sync holds is at most one bucket plus one layer (with the single strategy the tensors "
+        "are the policy's own, and a bucket holds no copies). Fewer calls sync faster: 0.5B model on an "
+        "H200, 4 buckets of 512 MiB 0.16 s, 1 bucket 0.12 s. In server mode: the size of each safetensors "
+        "shard written for the server.",
+    )
+    prefix_caching: bool = Field(
+        False,
+        description="vLLM's prefix caching. The weights change at every step, so cached prompts are stale "
+        "after each sync and the cache must be reset then, a pass over every KV-cache block (0.08 s on an "
+        "H200 with 30% of its memory for KV cache); without it, the samples of a prompt each prefill it.",
     )
     sleep_level: Literal[0, 1, 2] = Field(
         1,

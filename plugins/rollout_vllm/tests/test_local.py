@@ -39,7 +39,9 @@ def make_engine(model_dir, run_dir, **options):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    e = make_engine(model_dir, tmp_path_factory.mktemp("run"))
+    # prefix caching on: a cache not reset after a sync would serve prompts computed with old weights,
+    # which the greedy comparisons below would catch (the e2e test runs the default, caching off)
+    e = make_engine(model_dir, tmp_path_factory.mktemp("run"), prefix_caching=True)
     yield e
     e.close()
 
@@ -190,11 +192,11 @@ def test_update_weights_then_greedy_equals_transformers(engine, model_dir, tok, 
     prompts = encode(tok, ["abc", "hello", "The quick brown fox"])
     before = vllm_greedy(engine, prompts, 16)
     model = perturbed(model_dir, seed=1 if bucket_mb == 512 else 2)
-    engine.options.update_bucket_mb = bucket_mb
+    default, engine.options.update_bucket_mb = engine.options.update_bucket_mb, bucket_mb
     try:
         engine.update_weights(model.state_dict().items())
     finally:
-        engine.options.update_bucket_mb = 512
+        engine.options.update_bucket_mb = default
     # embeddings, 2 layers, final norm, lm_head (tied, skipped by vLLM): 5 buckets of one unit each
     assert engine.stats["vllm/sync_buckets"] == (1 if bucket_mb == 512 else 5)
     after = vllm_greedy(engine, prompts, 16)
