@@ -246,18 +246,20 @@ def chunked_head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (B, T) of ``tokens`` and optionally entropies, from hidden states, in chunks.
 
-    Each chunk of tokens holds at most ``chunk_bytes`` of float32 logits; under autograd the
-    chunk is checkpointed, so its backward pass recomputes the logits rather than storing them.
+    Each chunk of tokens holds at most ``chunk_bytes`` of float32 logits; under autograd, when
+    there is more than one chunk, each is checkpointed, so its backward pass recomputes the
+    logits rather than storing them (on an H200, 7% more update time for 36 GiB less memory
+    with a 150k vocabulary and 16k response tokens).
     """
     B, T, H = hidden.shape
     flat, targets = hidden.reshape(B * T, H), tokens.reshape(B * T)
     size = max(1, chunk_bytes // (4 * head.out_features))
-    grad = torch.is_grad_enabled()
+    recompute = torch.is_grad_enabled() and B * T > size  # logits that fit one chunk are kept as usual
     logprobs, entropies = [], []
     for start in range(0, B * T, size):
         args = (flat[start : start + size], targets[start : start + size], head.weight, head.bias)
-        fn = _HeadChunk(temperature, with_entropy, entropy_grad and grad)
-        lp, ent = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
+        fn = _HeadChunk(temperature, with_entropy, entropy_grad and torch.is_grad_enabled())
+        lp, ent = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
         logprobs.append(lp)
         entropies.append(ent)
     entropy = torch.cat(entropies).reshape(B, T) if with_entropy else None
