@@ -44,12 +44,20 @@ def use_checkout(*plugins: str) -> None:
         import hybridrl  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(ROOT / "core"))
+    import importlib
+
+    from hybridrl import plugins as registry
+
+    pm = registry.get_plugin_manager()
     for name in plugins:
-        module = f"hybridrl_{name}"
         try:
-            __import__(module)
+            module = importlib.import_module(f"hybridrl_{name}")
         except ImportError:
             sys.path.insert(0, str(ROOT / "plugins" / name))
+            module = importlib.import_module(f"hybridrl_{name}")
+        if not pm.is_registered(module):  # not installed: no entry point registered it
+            pm.register(module, name=name)
+    registry.invalidate_registry()
 
 
 def byte_vocab(size: int) -> dict[str, int]:

@@ -87,10 +87,6 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             register("even_bytes", EvenBytes)
 
     pm = plugins.get_plugin_manager()
-    for name in ("algo_grpo", "rollout_vllm"):
-        module = sys.modules.get(f"hybridrl_{name}")
-        if module is not None and not pm.is_registered(module):
-            pm.register(module, name=name)
     pm.register(Bench(), name="bench")
     plugins.invalidate_registry()
 
@@ -160,8 +156,33 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
             sync()
             times.append(time.perf_counter() - start)
         out[f"{mib} MiB"] = {"median_s": statistics.median(times), "all_s": times,
-                             "buckets": trainer.engine.stats().get("vllm/sync_buckets")}  # fmt: skip
+                             "buckets": trainer.engine.stats.get("vllm/sync_buckets")}  # fmt: skip
         print(f"sync, buckets of {mib} MiB: {out[f'{mib} MiB']}", flush=True)
+    import torch
+
+    times = []
+    for _ in range(reps):  # the engine's dtype sent: the conversion happens before the engine's loaders
+        sync()
+        start = time.perf_counter()
+        tensors = trainer.strategy.full_tensors(trainer.policy)
+        trainer.engine.update_weights((n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors)
+        sync()
+        times.append(time.perf_counter() - start)
+    out["8192 MiB, bf16 sent"] = {"median_s": statistics.median(times), "all_s": times}
+    print(f"sync, bf16 sent: {out['8192 MiB, bf16 sent']}", flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    out["profile"] = text.getvalue()[-6000:]
+    print(out["profile"], flush=True)
     return out
 
 
