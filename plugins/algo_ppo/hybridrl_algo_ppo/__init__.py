@@ -178,7 +178,8 @@ class PPO(Algorithm):
         self.critic.eval()
         T = batch["responses"].shape[1]
         size = self.options.critic_micro_batch_size or len(batch)
-        parts = [response_values(self.critic, mb.input_ids, mb.attention_mask, T) for mb in batch.split(size)]
+        with self.ctx.strategy.autocast():  # the policy's precision (e.g. bf16 autocast on a GPU)
+            parts = [response_values(self.critic, mb.input_ids, mb.attention_mask, T) for mb in batch.split(size)]
         self.critic.train()
         return torch.cat(parts)
 
@@ -232,7 +233,8 @@ class PPO(Algorithm):
                 # ranks average gradients: scale to the loss over the global mini-batch (as the trainer does)
                 scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), agg)
                 for part in mb.split(micro):
-                    vpreds = response_values(self.critic, part.input_ids, part.attention_mask, T)
+                    with self.ctx.strategy.autocast():
+                        vpreds = response_values(self.critic, part.input_ids, part.attention_mask, T)
                     mask = part["response_mask"]
                     loss, clipfrac = PF.value_loss(
                         vpreds, part["returns"], part["values"], mask, o.cliprange_value, agg
