@@ -134,6 +134,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         row |= {f"{k}_s": m.get(f"timing/{k}", 0.0) for k in keep}
         row |= {k.split("/")[-1]: m[k] for k in THROUGHPUT if k in m}
         row["reward"] = m.get("reward/mean")
+        row["logprob_diff_mean"] = m.get("rollout/logprob_diff_mean")  # engine vs trainer, same weights
         result["steps"].append(row)
         print(f"[{result['side']}] step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if v), flush=True)
         dump_side(args, result)
