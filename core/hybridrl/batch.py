@@ -118,3 +118,27 @@ class Batch:
         batch["group_ids"] = torch.arange(B) // n
         batch["finish_reason"] = out.finish_reasons
         return batch
+
+
+def token_budget_split(batch: Batch, max_tokens: int) -> list[list[int]]:
+    """Row indices of micro-batches whose padded size fits ``max_tokens``, longest rows first.
+
+    The padded size of a micro-batch is its rows x (its longest prompt + its longest response),
+    the columns left once padding shared by every row is cut. Rows go in order of decreasing
+    length and a micro-batch closes when the next row would take it past the budget; a row
+    longer than the budget is a micro-batch of its own.
+    """
+    prompt = batch["prompt_mask"].sum(-1).tolist()
+    response = batch["response_mask"].sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lambda i: (-(prompt[i] + response[i]), i))
+    groups: list[list[int]] = []
+    width_p = width_r = 0
+    for i in order:
+        wp, wr = max(width_p, prompt[i]), max(width_r, response[i])
+        if groups and groups[-1] and (len(groups[-1]) + 1) * (wp + wr) <= max_tokens:
+            groups[-1].append(i)
+            width_p, width_r = wp, wr
+        else:
+            groups.append([i])
+            width_p, width_r = prompt[i], response[i]
+    return groups

@@ -109,6 +109,14 @@ class TrainerConfig(Strict):
     micro_batch_size: int | None = Field(
         None, gt=0, description="Responses per forward/backward (gradient accumulation); default: the mini-batch."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Instead of micro_batch_size: a token budget per forward/backward. Each mini-batch's "
+        "responses, longest first, fill micro-batches whose padded size (rows x (longest prompt + longest "
+        "response)) stays within it; a longer response goes alone. Less padding, steadier memory with mixed "
+        "lengths (verl's ppo_max_token_len_per_gpu). Single-process strategies only.",
+    )
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0
@@ -167,6 +175,11 @@ class RunConfig(Strict):
                 f"trainer.mini_batch_size={mini} does not divide the {total} responses of a step "
                 f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.n={self.rollout.n}); "
                 f"use a divisor of {total}."
+            )
+        if t.micro_batch_size and t.micro_batch_tokens:
+            raise ValueError(
+                "trainer.micro_batch_size and trainer.micro_batch_tokens both set; "
+                "choose one (a fixed number of responses, or a token budget)."
             )
         micro = t.micro_batch_size or mini
         if mini % micro:

@@ -18,7 +18,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, plugins
 from hybridrl import functional as F
-from hybridrl.batch import Batch
+from hybridrl.batch import Batch, token_budget_split
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, RunConfig, dump_config
 from hybridrl.flops import forward_flops, peak_flops
@@ -99,6 +99,11 @@ class Trainer:
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
+        if t.micro_batch_tokens and self.strategy.multi_process:  # ranks would run different numbers of passes
+            raise ConfigError(
+                f"trainer.micro_batch_tokens works with single-process strategies; sharding strategy "
+                f"'{cfg.sharding.strategy}' runs collectives in every pass. Use trainer.micro_batch_size."
+            )
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
         self.shaping = ShapingState()  # the rewards' running statistics, checkpointed
@@ -386,7 +391,7 @@ class Trainer:
         return metrics
 
     def _forward(self, model, batch: Batch, component: str) -> torch.Tensor:
-        size = self.config.trainer.micro_batch_size or len(batch)
+        groups = self.micro_batches(batch, self.config.trainer.micro_batch_size)
         T = batch["responses"].shape[1]
         device = self.strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
         with self.device_errors(component, model, device), self.strategy.autocast():
@@ -394,9 +399,20 @@ class Trainer:
                 response_logprobs(
                     model, mb.input_ids.to(device), mb.attention_mask.to(device), T, self.config.rollout.temperature
                 )[0]
-                for mb in batch.split(size)
+                for mb in (batch.select(g) for g in groups)
             ]
-        return torch.cat(parts).to(self.ctx.device)
+        out = torch.cat(parts).to(self.ctx.device)
+        rows = torch.tensor([i for g in groups for i in g], device=out.device)
+        return torch.empty_like(out).index_copy_(0, rows, out)  # back in the batch's order
+
+    def micro_batches(self, batch: Batch, size: int | None) -> list[list[int]]:
+        """Row indices of each forward (and backward) pass over ``batch``: consecutive rows
+        ``size`` at a time, or token-budget groups with ``trainer.micro_batch_tokens``."""
+        budget = self.config.trainer.micro_batch_tokens
+        if budget:
+            return token_budget_split(batch, budget)
+        size = size or len(batch)
+        return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
 
     def device_errors(self, component: str, model, inputs: torch.device):
         """Name the component and the devices when torch finds tensors on different ones."""
@@ -437,7 +453,7 @@ class Trainer:
                 mode = self.algorithm.loss_agg_mode
                 scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), mode)
                 finite = True
-                for part in mb.split(micro):
+                for part in (mb.select(g) for g in self.micro_batches(mb, micro)):
                     with self.device_errors("policy", self.policy, part.input_ids.device), self.strategy.autocast():
                         logprobs, entropy = response_logprobs(
                             self.policy,

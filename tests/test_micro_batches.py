@@ -1,0 +1,79 @@
+"""Token-budget micro-batches (trainer.micro_batch_tokens): fewer padded tokens, the same
+logprobs and gradients as one pass over the whole batch."""
+
+import pytest
+import torch
+
+from hybridrl.batch import Batch, token_budget_split
+from hybridrl.config import ConfigError, load_config
+from hybridrl.models import head_split
+from hybridrl.testing import SevensPlugin, fixed_batch
+from hybridrl.trainer import Trainer
+
+LENGTHS = [[2, 3, 4, 2], [14, 12, 10, 13], [5, 9, 1, 7], [11, 3, 8, 6]]  # 4 groups of 4 responses
+
+
+def masks(prompt_lens, response_lens):
+    batch = Batch()
+    P, T = max(prompt_lens), max(response_lens)
+    batch["prompt_mask"] = torch.tensor([[0] * (P - p) + [1] * p for p in prompt_lens])
+    batch["response_mask"] = torch.tensor([[1] * r + [0] * (T - r) for r in response_lens])
+    return batch
+
+
+def test_groups_fit_the_budget_longest_first_and_cover_every_row_once():
+    b = masks([3, 5, 4, 3, 2], [10, 2, 7, 1, 30])
+    groups = token_budget_split(b, 24)
+    # longest first: row 4 (32 tokens, over the budget: alone), row 0 (13) and row 2 (11) -> 2 x 13 = 26 > 24,
+    # so row 0 alone; row 2 (11) + row 1 (7): 2 x (5 + 7) = 24; + row 3: 3 x 12 = 36 > 24
+    assert groups == [[4], [0], [2, 1], [3]]
+    assert sorted(i for g in groups for i in g) == list(range(5))
+    assert token_budget_split(b, 10**6) == [[4, 0, 2, 1, 3]]
+
+
+def config(model, run_dir, **trainer):
+    return {
+        "model": {"path": model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+        "rollout": {"n": 4, "max_tokens": 16},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "trainer": {"prompts_per_step": 4, "run_dir": str(run_dir), "max_grad_norm": 1e6, **trainer},
+        "logging": {"loggers": []},
+    }
+
+
+def one_update(model, run_dir, **trainer):
+    """Reference logprobs and the gradients of one update on a fixed batch of mixed lengths."""
+    t = Trainer(load_config(data=config(model, run_dir, **trainer)))
+    t.setup()
+    batch = fixed_batch(t.tokenizer, LENGTHS)
+    t.compute_logprobs(batch)
+    t.algorithm.compute_advantages(batch)
+    grads = {}
+    t.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in t.policy.named_parameters()})
+    head_split(t.policy)  # its one-time two-token check is not a pass of the update
+    passes = []  # (padded) tokens of each forward pass of the update
+    t.policy.base_model.register_forward_pre_hook(
+        lambda m, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    t.update(batch, 1)
+    mask = batch["response_mask"].bool()
+    return batch["ref_logprobs"][mask], grads, passes
+
+
+def test_token_budget_gives_the_same_logprobs_and_gradients_with_less_padding(tiny_model, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    ref_lp, grads, passes = one_update(tiny_model, tmp_path / "whole")
+    ref_lp2, grads2, passes2 = one_update(tiny_model, tmp_path / "budget", micro_batch_tokens=64)
+    assert torch.allclose(ref_lp, ref_lp2, atol=1e-5)  # back in the batch's order
+    for name in grads:
+        assert torch.allclose(grads[name], grads2[name], rtol=1e-4, atol=1e-7), name
+    # several passes, each within the budget, fewer (padded) tokens through the model than one pass
+    assert len(passes) == 1 and len(passes2) > 2
+    assert max(passes2) <= 64 and sum(passes2) < passes[0]
+
+
+def test_token_budget_and_micro_batch_size_together_are_refused(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="micro_batch_size and trainer.micro_batch_tokens both set"):
+        load_config(data=config(tiny_model, tmp_path, micro_batch_size=4, micro_batch_tokens=64))
