@@ -1,5 +1,5 @@
-"""What the GPU comparison scripts share: the reference model, its prompts and reward, and
-putting this checkout's hybridrl on the path.
+"""What the GPU scripts share: the reference model, its prompts and rewards, putting this
+checkout's hybridrl on the path, and the table/JSON/exit scaffolding of the GRPO scripts.
 
 The reference model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM: 24 layers, hidden 896, 14 heads
 of 64 with 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings) with random weights built
@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN05 = dict(
@@ -35,6 +40,10 @@ QWEN05 = dict(
 TINY = dict(QWEN05, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, max_window_layers=2)  # fmt: skip
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROMPT_CHARS = 128
 
 
@@ -75,26 +84,35 @@ def byte_vocab(size: int) -> dict[str, int]:
     return vocab
 
 
-def build_model(folder: Path, shape: dict, dtype: str = "bfloat16") -> str:
-    """A random Qwen2ForCausalLM and a byte-level tokenizer of the model's vocabulary, saved once."""
-    if (folder / "READY").is_file():
-        return str(folder)
-    import torch
+def save_tokenizer(folder: Path, vocab_size: int, chat_template: str | None = None) -> dict[str, int]:
+    """Save the byte-level tokenizer of ``vocab_size`` ids to ``folder``; return its vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = byte_vocab(shape["vocab_size"])
+    vocab = byte_vocab(vocab_size)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
-    ).save_pretrained(folder)
+    kwargs = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    if chat_template:  # none: no chat_template key in tokenizer_config.json
+        kwargs["chat_template"] = chat_template
+    PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs).save_pretrained(folder)
     # the same vocabulary as vocab.json/merges.txt, for loaders that build a Qwen2 tokenizer from them
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
+    return vocab
+
+
+def build_model(folder: Path, shape: dict, dtype: str = "bfloat16", chat_template: str | None = None) -> str:
+    """A random Qwen2ForCausalLM and a byte-level tokenizer of the model's vocabulary, saved once."""
+    if (folder / "READY").is_file():
+        return str(folder)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = save_tokenizer(folder, shape["vocab_size"], chat_template)
     cfg = Qwen2Config(**shape, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(folder)
@@ -112,3 +130,99 @@ def even_byte_fraction(text: str) -> float:
     """The reward both frameworks use: the fraction of even bytes in a response."""
     data = text.encode("utf-8", "replace")
     return sum(b % 2 == 0 for b in data) / max(1, len(data))
+
+
+# -- the GRPO scripts (gpu_vllm_grpo.py, gpu_sglang_grpo.py) -------------------------------
+
+
+def bench_plugin(datasets: dict[str, type], rewards: dict[str, type]):
+    """A plugin object that registers these prompt sources and reward functions by name."""
+    from hybridrl.hookspecs import hookimpl
+
+    class Bench:
+        @hookimpl
+        def register_datasets(self, register):
+            for name, cls in datasets.items():
+                register(name, cls)
+
+        @hookimpl
+        def register_reward_functions(self, register):
+            for name, cls in rewards.items():
+                register(name, cls)
+
+    return Bench()
+
+
+def token_task_plugin():
+    """A plugin with the prompt source ``bench_sums`` (addition questions) and the reward
+    ``even_tokens`` (the fraction of even token ids in a response: about 0.5 at random, and
+    learnable). Import hybridrl first (use_checkout)."""
+    from pydantic import Field
+
+    from hybridrl.components import Options as BaseOptions
+    from hybridrl.components import PromptSource, RewardFunction
+
+    class Sums(PromptSource):
+        class Options(BaseOptions):
+            size: int = Field(4096, gt=0, description="Rows.")
+
+        def __len__(self):
+            return self.options.size
+
+        def __getitem__(self, i):
+            a, b = (i * 7919) % 1000, (i * 104729) % 1000
+            return {"question": f"What is {a} + {b}? Think step by step.", "answer": str(a + b)}
+
+    class EvenTokens(RewardFunction):
+        """Fraction of even token ids in the response: about 0.5 at random, learnable."""
+
+        def score(self, batch):
+            mask = batch["response_mask"].float()
+            even = (batch["responses"] % 2 == 0).float() * mask
+            return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+
+    return bench_plugin({"bench_sums": Sums}, {"even_tokens": EvenTokens})
+
+
+def out_path(given: str | None, name: str) -> Path:
+    """The JSON file: ``given`` (--out), else ``$OUT/name`` when OUT is set, else ``./name``."""
+    if given:
+        return Path(given)
+    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else Path(name)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def print_row(row: dict, columns: list[tuple[str, str, str]]) -> None:
+    """One table row of ``columns`` (header, key in row, format); the header before step 1."""
+    if row["step"] == 1:
+        print(" | ".join(name for name, _, _ in columns), flush=True)
+    cells = []
+    for name, key, fmt in columns:
+        value = row.get(key)
+        cells.append(fmt.format(value) if value is not None else f"{'-':>{len(name)}}")
+    print(" | ".join(cells), flush=True)
+
+
+def run_and_exit(main: Callable, args, result: dict, path: Path) -> NoReturn:
+    """Run ``main(args)``, record in ``result`` what failed, write it to ``path``, print its summary
+    and exit without waiting for the engine's threads and child processes."""
+    result["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result["argv"] = sys.argv[1:]
+    code = 0
+    try:
+        main(args)
+    except BaseException as e:  # noqa: BLE001 - record what failed, then exit non-zero
+        result["ok"] = False
+        result["errors"].append({"error": repr(e)[:2000], "traceback": traceback.format_exc()[-4000:]})
+        traceback.print_exc()
+        code = 1
+    write_json(result, path)
+    print("RESULT_JSON " + json.dumps(result.get("summary"), default=str), flush=True)
+    print(f"wrote {path}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -46,6 +46,9 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 for key, value in {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
@@ -55,22 +58,10 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "core"))
+sys.path.insert(0, str(common.ROOT / "core"))
 
-QWEN05 = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
-TINY = dict(QWEN05, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+QWEN05 = dict(common.QWEN05, rope_theta=1000000.0)
+TINY = dict(common.TINY, vocab_size=512, hidden_size=64, intermediate_size=128, rope_theta=1000000.0)
 
 # name -> (processes, strategy, model dtype, fsdp options)
 CONFIGS = {

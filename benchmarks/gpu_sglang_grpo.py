@@ -16,12 +16,12 @@ and ``plugins/*/`` on ``sys.path`` and registers the plugins itself. Nothing is 
     python benchmarks/gpu_sglang_grpo.py --smoke         # CPU check of the script itself (hf engine)
 
 The model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM, 24 layers, hidden 896, vocabulary
-151,936) with random weights built from its config, saved once under ``--workdir`` with a
-byte-level BPE tokenizer (256 byte tokens and ChatML specials); the reward is the fraction
-of even token ids in a response, which a random model can learn. The policy trains in
-float32 on the GPU beside the engine, which runs bfloat16 with the memory saver: sleep()
-releases the weights, KV cache and CUDA graphs, the update resumes the weights and loads the
-new ones over CUDA IPC, wake_up() resumes the KV cache and CUDA graphs.
+151,936) with random weights built from its config, saved once under ``--workdir`` with the
+byte-level tokenizer of common.py (one token a byte, ChatML specials and template); the reward
+is the fraction of even token ids in a response, which a random model can learn. The policy
+trains in float32 on the GPU beside the engine, which runs bfloat16 with the memory saver:
+sleep() releases the weights, KV cache and CUDA graphs, the update resumes the weights and
+loads the new ones over CUDA IPC, wake_up() resumes the KV cache and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 for key, value in {
     "TOKENIZERS_PARALLELISM": "false",
@@ -48,70 +49,30 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
-ROOT = Path(__file__).resolve().parent.parent
-QWEN05 = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    hidden_act="silu",
-    use_sliding_window=False,
-    max_window_layers=24,
-    attention_dropout=0.0,
-    initializer_range=0.02,
-)
-TINY = dict(QWEN05, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, max_window_layers=2)  # fmt: skip
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258 after the 256 bytes
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# --smoke runs the hf engine, so heads of 16 will do
+TINY = dict(common.TINY, vocab_size=512, hidden_size=64, intermediate_size=128)
 R: dict = {"errors": [], "steps": []}
 
 
 def out_path(args) -> Path:
-    if args.out:
-        return Path(args.out)
-    return Path(os.environ["OUT"]) / "sglang_grpo.json" if os.environ.get("OUT") else Path("sglang_grpo.json")
+    return common.out_path(args.out, "sglang_grpo.json")
 
 
 def dump(args) -> None:
-    path = out_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(R, indent=1, default=str) + "\n")
+    common.write_json(R, out_path(args))
 
 
 def import_hybridrl():
     """hybridrl and its two plugins, from the installed packages or from this checkout."""
     try:
-        import hybridrl_algo_grpo  # noqa: F401
-        import hybridrl_rollout_sglang  # noqa: F401
-
-        import hybridrl  # noqa: F401
-    except ImportError:
-        for sub in ("core", "plugins/algo_grpo", "plugins/rollout_sglang"):
-            sys.path.insert(0, str(ROOT / sub))
-    try:
         import pydantic  # noqa: F401
         import yaml  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"gpu_sglang_grpo: hybridrl needs {e.name}: pip install pydantic pyyaml") from None
-    import hybridrl_algo_grpo
-    import hybridrl_rollout_sglang
-
+    common.use_checkout("algo_grpo", "rollout_sglang")
     from hybridrl import plugins
 
-    pm = plugins.get_plugin_manager()
-    for name, module in (("grpo", hybridrl_algo_grpo), ("sglang", hybridrl_rollout_sglang)):
-        if not pm.is_registered(module) and not pm.has_plugin(name):
-            pm.register(module, name=name)
-    pm.register(bench_plugin(), name="bench")
+    plugins.get_plugin_manager().register(common.token_task_plugin(), name="bench")
     plugins.invalidate_registry()
 
 
@@ -119,26 +80,14 @@ def import_hybridrl():
 
 
 def build_model(folder: Path, cfg_kwargs: dict, device: str) -> str:
-    """A Qwen2ForCausalLM with random weights and a byte-level BPE tokenizer, saved once."""
+    """A Qwen2ForCausalLM with random weights, initialised on ``device``, with rope theta 1e6 and the
+    byte-level tokenizer of common.py, saved once."""
     if (folder / "READY").is_file():
         return str(folder)
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    for s in SPECIALS:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, chat_template=CHATML
-    ).save_pretrained(folder)
-
+    vocab = common.save_tokenizer(folder, cfg_kwargs["vocab_size"], common.CHATML)
     cfg = Qwen2Config(**cfg_kwargs, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
                       bos_token_id=None)  # fmt: skip
     try:
@@ -159,53 +108,7 @@ def build_model(folder: Path, cfg_kwargs: dict, device: str) -> str:
     return str(folder)
 
 
-# -- the task: prompts, a learnable reward, and the measurements --------------------------------------
-
-
-def bench_classes():
-    from pydantic import Field
-
-    from hybridrl.components import Options as BaseOptions
-    from hybridrl.components import PromptSource, RewardFunction
-
-    class Sums(PromptSource):
-        class Options(BaseOptions):
-            size: int = Field(4096, gt=0, description="Rows.")
-
-        def __len__(self):
-            return self.options.size
-
-        def __getitem__(self, i):
-            a, b = (i * 7919) % 1000, (i * 104729) % 1000
-            return {"question": f"What is {a} + {b}? Think step by step.", "answer": str(a + b)}
-
-    class EvenTokens(RewardFunction):
-        """Fraction of even token ids in the response: about 0.5 at random, learnable."""
-
-        def score(self, batch):
-            mask = batch["response_mask"].float()
-            even = (batch["responses"] % 2 == 0).float() * mask
-            return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
-
-    return Sums, EvenTokens
-
-
-def bench_plugin():
-    """The prompt source and the reward above, registered through the hooks like any plugin."""
-    from hybridrl.hookspecs import hookimpl
-
-    sums, even_tokens = bench_classes()
-
-    class BenchPlugin:
-        @hookimpl
-        def register_datasets(self, register):
-            register("bench_sums", sums)
-
-        @hookimpl
-        def register_reward_functions(self, register):
-            register("even_tokens", even_tokens)
-
-    return BenchPlugin()
+# -- the measurements ------------------------------------------------------------------------------
 
 
 def instrument(engine, record: dict, cuda: bool) -> None:
@@ -330,7 +233,7 @@ def main(args) -> None:
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-sglang").absolute()
     t = time.perf_counter()
     model_dir = build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"),
-                            TINY if args.smoke else QWEN05, "cuda" if cuda else "cpu")  # fmt: skip
+                            TINY if args.smoke else common.QWEN05, "cuda" if cuda else "cpu")  # fmt: skip
     R["build_model_s"] = round(time.perf_counter() - t, 2)
     cfg = config(args, model_dir, workdir)
     R["config"] = cfg
@@ -357,7 +260,7 @@ def main(args) -> None:
             for name in ("sleep", "wake_up", "generate", "update_weights"):  # unwrap for the next step
                 trainer.engine.__dict__.pop(name, None)
             dump(args)
-            print_row(R["steps"][-1])
+            common.print_row(R["steps"][-1], COLUMNS)
     finally:
         for logger in trainer.loggers:
             logger.close()
@@ -404,16 +307,6 @@ COLUMNS = [
 ]
 
 
-def print_row(row: dict) -> None:
-    if row["step"] == 1:
-        print(" | ".join(name for name, _, _ in COLUMNS), flush=True)
-    cells = []
-    for name, key, fmt in COLUMNS:
-        value = row.get(key)
-        cells.append(fmt.format(value) if value is not None else f"{'-':>{len(name)}}")
-    print(" | ".join(cells), flush=True)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4)
@@ -437,19 +330,4 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":  # SGLang spawns its scheduler processes, which re-import this file
     args = parse_args()
-    R["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    R["argv"] = sys.argv[1:]
-    code = 0
-    try:
-        main(args)
-    except BaseException as e:  # noqa: BLE001 - record what failed, then exit non-zero
-        R["ok"] = False
-        R["errors"].append({"error": repr(e)[:2000], "traceback": traceback.format_exc()[-4000:]})
-        traceback.print_exc()
-        code = 1
-    dump(args)
-    print("RESULT_JSON " + json.dumps(R.get("summary"), default=str), flush=True)
-    print(f"wrote {out_path(args)}", flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # do not wait on SGLang's child processes at interpreter exit
+    common.run_and_exit(main, args, R, out_path(args))  # os._exit: not waiting on SGLang's children

@@ -13,12 +13,12 @@ JSON (``--out``; default ``$OUT/vllm_grpo.json`` when ``OUT`` is set, else
 
 The model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM, 24 layers, hidden 896, vocabulary
 151,936) with random weights built from its config (nothing downloaded), saved under
-``--workdir`` with a byte-level tokenizer of 256 byte tokens and ChatML specials; prompts are
-token ids, and vLLM runs without its tokenizer (``skip_tokenizer_init``). The reward is the
-fraction of even token ids in a response, which a random model can learn. The policy trains
-in float32 beside the engine, which runs bfloat16. Needs hybridrl with the grpo and vllm
-plugins, installed or from this checkout (the script then puts ``core/`` and the two plugin
-folders on ``sys.path`` and registers them itself).
+``--workdir`` with the byte-level tokenizer of common.py (one token a byte, ChatML specials
+and template); prompts are token ids, and vLLM runs without its tokenizer
+(``skip_tokenizer_init``). The reward is the fraction of even token ids in a response, which
+a random model can learn. The policy trains in float32 beside the engine, which runs bfloat16.
+Needs hybridrl with the grpo and vllm plugins, installed or from this checkout (the script then
+puts ``core/`` and the two plugin folders on ``sys.path`` and registers them itself).
 """
 
 from __future__ import annotations
@@ -31,134 +31,33 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
-from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
-QWEN05 = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    hidden_act="silu",
-    use_sliding_window=False,
-    max_window_layers=24,
-)
-# --smoke: vLLM's CPU attention needs heads of 32 or more
-TINY = dict(QWEN05, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, max_window_layers=2)  # fmt: skip
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TINY = dict(common.TINY, vocab_size=512)  # --smoke: heads of 32 (vLLM's CPU attention), 512 ids
 R: dict = {"errors": [], "steps": []}
 
 
 def out_path(args) -> Path:
-    if args.out:
-        return Path(args.out)
-    return Path(os.environ["OUT"]) / "vllm_grpo.json" if os.environ.get("OUT") else Path("vllm_grpo.json")
+    return common.out_path(args.out, "vllm_grpo.json")
 
 
 def dump(args) -> None:
-    path = out_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(R, indent=1, default=str) + "\n")
-
-
-def build_model(folder: Path, cfg_kwargs: dict) -> str:
-    """A random Qwen2ForCausalLM (bfloat16) and a byte-level tokenizer, saved once."""
-    if (folder / "READY").is_file():
-        return str(folder)
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    for s in SPECIALS:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, chat_template=CHATML
-    ).save_pretrained(folder)
-    # the same vocabulary as vocab.json/merges.txt, for transformers versions that build a
-    # Qwen2 tokenizer from those files instead of tokenizer.json
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    cfg = Qwen2Config(**cfg_kwargs, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    (folder / "READY").write_text("ok")
-    return str(folder)
+    common.write_json(R, out_path(args))
 
 
 def register_plugins():
     """hybridrl, its grpo and vllm plugins, and this benchmark's prompts and reward."""
-    try:
-        import hybridrl_algo_grpo  # noqa: F401
-        import hybridrl_rollout_vllm  # noqa: F401
-    except ImportError:
-        for sub in ("core", "plugins/algo_grpo", "plugins/rollout_vllm"):
-            sys.path.insert(0, str(ROOT / sub))
-    import hybridrl_algo_grpo
-    import hybridrl_rollout_vllm
-    from pydantic import Field
-
+    common.use_checkout("algo_grpo", "rollout_vllm")
     from hybridrl import plugins
-    from hybridrl.components import Options as BaseOptions
-    from hybridrl.components import PromptSource, RewardFunction
-    from hybridrl.hookspecs import hookimpl
 
-    class Sums(PromptSource):
-        class Options(BaseOptions):
-            size: int = Field(4096, gt=0, description="Rows.")
-
-        def __len__(self):
-            return self.options.size
-
-        def __getitem__(self, i):
-            a, b = (i * 7919) % 1000, (i * 104729) % 1000
-            return {"question": f"What is {a} + {b}? Think step by step.", "answer": str(a + b)}
-
-    class EvenTokens(RewardFunction):
-        """Fraction of even token ids in the response: about 0.5 at random, learnable."""
-
-        def score(self, batch):
-            mask = batch["response_mask"].float()
-            even = (batch["responses"] % 2 == 0).float() * mask
-            return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
-
-    class Bench:
-        @hookimpl
-        def register_datasets(self, register):
-            register("bench_sums", Sums)
-
-        @hookimpl
-        def register_reward_functions(self, register):
-            register("even_tokens", EvenTokens)
-
-    pm = plugins.get_plugin_manager()
-    for name, module in (("grpo", hybridrl_algo_grpo), ("vllm", hybridrl_rollout_vllm)):
-        if not pm.is_registered(module) and not pm.has_plugin(name):
-            pm.register(module, name=name)
-    pm.register(Bench(), name="bench")
+    plugins.get_plugin_manager().register(common.token_task_plugin(), name="bench")
     plugins.invalidate_registry()
 
 
@@ -231,7 +130,8 @@ def main(args) -> None:
         R["gpu_total_gib"] = round(torch.cuda.mem_get_info()[1] / 2**30, 1)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-vllm").absolute()
     t = time.perf_counter()
-    model_dir = build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), TINY if args.smoke else QWEN05)
+    folder = workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped")
+    model_dir = common.build_model(folder, TINY if args.smoke else common.QWEN05, chat_template=common.CHATML)
     R["build_model_s"] = round(time.perf_counter() - t, 2)
     cfg = config(args, model_dir, workdir)
     R["config"] = cfg
@@ -256,7 +156,7 @@ def main(args) -> None:
                 record["free_end_of_step_gib"] = torch.cuda.mem_get_info()[0] / 2**30
             R["steps"].append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
             dump(args)
-            print_row(R["steps"][-1])
+            common.print_row(R["steps"][-1], COLUMNS)
     finally:
         for logger in trainer.loggers:
             logger.close()
@@ -308,16 +208,6 @@ COLUMNS = [
 ]
 
 
-def print_row(row: dict) -> None:
-    if row["step"] == 1:
-        print(" | ".join(name for name, _, _ in COLUMNS), flush=True)
-    cells = []
-    for name, key, fmt in COLUMNS:
-        value = row.get(key)
-        cells.append(fmt.format(value) if value is not None else f"{'-':>{len(name)}}")
-    print(" | ".join(cells), flush=True)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -342,19 +232,4 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
-    R["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    R["argv"] = sys.argv[1:]
-    code = 0
-    try:
-        main(args)
-    except BaseException as e:  # noqa: BLE001 - record what failed, then exit non-zero
-        R["ok"] = False
-        R["errors"].append({"error": repr(e)[:2000], "traceback": traceback.format_exc()[-4000:]})
-        traceback.print_exc()
-        code = 1
-    dump(args)
-    print("RESULT_JSON " + json.dumps(R.get("summary"), default=str), flush=True)
-    print(f"wrote {out_path(args)}", flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    common.run_and_exit(main, args, R, out_path(args))
