@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from hybridrl import distributed
 from hybridrl.batch import Batch
-from hybridrl.components import RolloutOutput
+from hybridrl.testing import fixed_batch
 
 LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
 
@@ -65,23 +65,6 @@ def config(model, run_dir, strategy="single", **sections):
     return data
 
 
-def fixed_batch(tokenizer, drop_group: int | None = None) -> Batch:
-    """This rank's share of a fixed 4-prompt x 4-response batch (all of it on one process)."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [tokenizer(f"What is {g} + {3 * g}?")["input_ids"] for g in range(4)]
-    responses = [torch.randint(3, len(tokenizer), (n,), generator=gen).tolist() for ls in LENGTHS for n in ls]
-    k = 4 // distributed.world_size()
-    groups = range(distributed.rank() * k, distributed.rank() * k + k)
-    mine = [r for g in groups for r in responses[4 * g : 4 * g + 4]]
-    out = RolloutOutput(mine, [[0.0] * len(r) for r in mine], ["length"] * len(mine))
-    batch = Batch.from_rollout([prompts[g] for g in groups], out, 4, tokenizer.pad_token_id)
-    batch["scores"] = torch.tensor([((4 * g + j) * 7 % 5) / 4 for g in groups for j in range(4)])
-    if drop_group is not None:
-        keep = [i for i in range(len(batch)) if groups[i // 4] != drop_group]
-        batch = batch.select(keep)
-    return batch
-
-
 def one_step(model, run_dir, strategy: str, case: dict) -> tuple[dict, dict]:
     """Full parameters after one update of the trainer on the fixed batch, and its metrics."""
     from hybridrl.config import load_config
@@ -93,7 +76,7 @@ def one_step(model, run_dir, strategy: str, case: dict) -> tuple[dict, dict]:
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
     trainer.optimizer = torch.optim.SGD(params, lr=LR)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
-    batch = fixed_batch(trainer.tokenizer, case.get("drop_group"))
+    batch = fixed_batch(trainer.tokenizer, LENGTHS, case.get("drop_group"))
     batch = distributed.even_out(batch, batch, trainer.tokenizer.pad_token_id).to(trainer.ctx.device)
     trainer.compute_logprobs(batch)
     trainer.algorithm.compute_advantages(batch)

@@ -6,6 +6,15 @@
 - ``register_plugin``: register a plugin object in code for one test;
 - ``SevensPlugin``: registers the reward ``sevens``, which a tiny random model learns in a few
   steps (for end-to-end tests whose reward must rise).
+
+Plain helpers, imported by the tests that need them:
+
+- ``fixed_batch(tokenizer, lengths)``: this rank's share of a fixed batch of prompts and random
+  responses, for comparing one update across ranks and strategies;
+- ``hf_greedy(model, prompts, max_tokens)``: argmax decoding with transformers, the reference for
+  an engine's greedy output;
+- ``perturbed(model_dir, seed)``: the model of a folder with seeded noise on every weight, for
+  weight-sync tests.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ import string
 import pytest
 import torch
 
-from hybridrl import plugins
-from hybridrl.components import RewardFunction
+from hybridrl import distributed, plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RewardFunction, RolloutOutput
 from hybridrl.hookspecs import hookimpl
 
 CHAT_TEMPLATE = (
@@ -108,3 +118,52 @@ class SevensPlugin:
     @hookimpl
     def register_reward_functions(self, register):
         register("sevens", SevensReward)
+
+
+def fixed_batch(tokenizer, lengths: list[list[int]], drop_group: int | None = None) -> Batch:
+    """This rank's share of a fixed batch (all of it on one process), the same on every run.
+
+    Group ``g`` is the prompt "What is g + 3g?" with ``len(lengths[g])`` responses of random token
+    ids, of ``lengths[g]`` tokens, and fixed scores in [0, 1]. The groups are split over the ranks
+    in order; ``drop_group`` then removes that group's rows (as DAPO's filter would), leaving its
+    rank fewer rows than the others.
+    """
+    n = len(lengths[0])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [tokenizer(f"What is {g} + {3 * g}?")["input_ids"] for g in range(len(lengths))]
+    responses = [torch.randint(3, len(tokenizer), (k,), generator=gen).tolist() for ls in lengths for k in ls]
+    k = len(lengths) // distributed.world_size()
+    groups = range(distributed.rank() * k, distributed.rank() * k + k)
+    mine = [r for g in groups for r in responses[n * g : n * g + n]]
+    out = RolloutOutput(mine, [[0.0] * len(r) for r in mine], ["length"] * len(mine))
+    batch = Batch.from_rollout([prompts[g] for g in groups], out, n, tokenizer.pad_token_id)
+    batch["scores"] = torch.tensor([((n * g + j) * 7 % 5) / 4 for g in groups for j in range(n)])
+    if drop_group is not None:
+        batch = batch.select([i for i in range(len(batch)) if groups[i // n] != drop_group])
+    return batch
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Argmax decoding with transformers, through EOS (as an engine's ignore_eos), no logit
+    processors: the ``max_tokens`` response ids of each prompt."""
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[len(p) :])
+    return out
+
+
+def perturbed(model_dir, seed: int, scale: float = 0.5):
+    """The model of ``model_dir`` (float32, CPU, eval) with every weight moved by seeded normal
+    noise times ``scale``."""
+    from hybridrl.models import load_causal_lm
+
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model

