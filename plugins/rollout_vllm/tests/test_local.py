@@ -188,19 +188,6 @@ def test_update_weights_then_greedy_equals_transformers(engine, model_dir, tok, 
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < LOGPROB_TOL
 
 
-def test_a_reload_call_that_splits_a_layer_corrupts_it(engine, model_dir, tok):
-    """Why buckets hold whole layers: vLLM finishes a fused module only when all its parts arrive."""
-    prompts = encode(tok, ["abc"])
-    model = perturbed(model_dir, seed=5)
-    llm = engine.backend.llm
-    for item in model.state_dict().items():  # one tensor per call: q, k and v arrive apart
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([item]), "is_checkpoint_format": True})
-    llm.reset_prefix_cache()
-    assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
-    engine.update_weights(model.state_dict().items())  # whole layers again: repaired
-    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
-
-
 def test_update_weights_through_the_bytes_path_of_worker_processes(engine, model_dir, tok):
     """The transport of multi-process engines (safetensors bytes to the worker extension), in-process."""
     prompts = encode(tok, ["abc", "xyz"])
@@ -235,6 +222,24 @@ def test_threads_are_given_back_to_the_trainer(engine, tok):
 
 
 # -- a whole GRPO run ---------------------------------------------------------------------
+
+
+# The last test on the shared engine on purpose: it leaves the engine's reload bookkeeping half-done.
+def test_a_reload_call_that_splits_a_layer_corrupts_it(engine, model_dir, tok):
+    """Why buckets hold whole layers: vLLM finishes a fused module only when all its parts arrive.
+
+    After split calls, a later whole-layer reload repairs the engine only some of the time
+    (vLLM 0.32, CPU), so nothing runs on this engine afterwards.
+    """
+    prompts = encode(tok, ["abc"])
+    model = perturbed(model_dir, seed=5)
+    engine.update_weights(model.state_dict().items())  # whole layers: right
+    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+    llm = engine.backend.llm
+    for item in model.state_dict().items():  # one tensor per call: q, k and v arrive apart
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([item]), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
 
 
 def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path, register_plugin):
