@@ -60,7 +60,6 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
     from hybridrl.components import Options as BaseOptions
     from hybridrl.components import PromptSource, RewardFunction
     from hybridrl.config import load_config
-    from hybridrl.hookspecs import hookimpl
     from hybridrl.trainer import Trainer
 
     class Prompts(PromptSource):
@@ -77,17 +76,8 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         def score(self, batch):
             return [common.even_byte_fraction(t) for t in batch["response_text"]]
 
-    class Bench:
-        @hookimpl
-        def register_datasets(self, register):
-            register("bench_prompts", Prompts)
-
-        @hookimpl
-        def register_reward_functions(self, register):
-            register("even_bytes", EvenBytes)
-
     pm = plugins.get_plugin_manager()
-    pm.register(Bench(), name="bench")
+    pm.register(common.bench_plugin({"bench_prompts": Prompts}, {"even_bytes": EvenBytes}), name="bench")
     plugins.invalidate_registry()
 
     rollout = {"engine": engine, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}

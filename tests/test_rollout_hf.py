@@ -103,12 +103,19 @@ def test_responses_end_at_the_first_eos_or_at_max_tokens(make_engine, cache):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_ignore_eos_generates_exactly_max_tokens(make_engine, cache):
+def test_ignore_eos_generates_exactly_max_tokens_from_the_unmasked_distribution(make_engine, tiny_model, cache):
     engine = make_engine(cache=cache)
-    out = engine.generate(
-        prompts(engine.tokenizer, ["x"]), SamplingParams(n=16, max_tokens=40, seed=0, ignore_eos=True)
-    )
+    p = prompts(engine.tokenizer, ["x"])
+    out = engine.generate(p, SamplingParams(n=16, max_tokens=40, seed=0, ignore_eos=True))
     assert [len(t) for t in out.token_ids] == [40] * 16 and set(out.finish_reasons) == {"length"}
+    eos = engine.tokenizer.eos_token_id
+    assert any(eos in t[:-1] for t in out.token_ids)  # EOS is sampled like any token, and generation goes on
+    # the recorded logprobs are those of the model's distribution, EOS included (not renormalised without it)
+    batch = Batch.from_rollout(p, out, 16, engine.tokenizer.pad_token_id)
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, 40)
+    assert (lp - batch["rollout_logprobs"]).abs().max().item() < 1e-4
 
 
 def test_update_weights_changes_generation(engine, tiny_model):

@@ -23,6 +23,7 @@ against the trainer's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -67,6 +68,18 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
     if policy_dtype == torch.float32 and device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return policy_dtype
+
+
+@contextlib.contextmanager
+def _no_default_eos(model, active: bool):
+    """Without EOS in its generation config, ``generate`` falls back to the model's own; clear it."""
+    saved = model.generation_config.eos_token_id
+    if active:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
 
 
 class HFEngine(RolloutEngine):
@@ -166,9 +179,10 @@ class HFEngine(RolloutEngine):
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_new_tokens=sampling.max_tokens,
-            min_new_tokens=sampling.max_tokens if sampling.ignore_eos else None,
             num_return_sequences=sampling.n,
-            eos_token_id=sorted(self.eos_ids),
+            # ignore_eos: no end-of-sequence at all (min_new_tokens would instead mask EOS out of the
+            # distribution, and the recorded logprobs would no longer be the model's)
+            eos_token_id=None if sampling.ignore_eos else sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             stop_strings=sampling.stop or None,
             cache_implementation="static" if self.static else None,
@@ -178,13 +192,14 @@ class HFEngine(RolloutEngine):
         recorder = _LogprobRecorder(sampling.temperature)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        seqs = self.model.generate(
-            input_ids=ids.to(self.ctx.device),
-            attention_mask=mask.to(self.ctx.device),
-            generation_config=gen,
-            logits_processor=LogitsProcessorList([recorder]),
-            tokenizer=self.tokenizer if sampling.stop else None,
-        )
+        with _no_default_eos(self.model, sampling.ignore_eos):
+            seqs = self.model.generate(
+                input_ids=ids.to(self.ctx.device),
+                attention_mask=mask.to(self.ctx.device),
+                generation_config=gen,
+                logits_processor=LogitsProcessorList([recorder]),
+                tokenizer=self.tokenizer if sampling.stop else None,
+            )
         recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
         new = seqs[:, P:].cpu()
         logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(len(new), 0)
