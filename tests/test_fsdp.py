@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from hybridrl import distributed
 from hybridrl.batch import Batch
-from hybridrl.testing import fixed_batch
+from hybridrl.testing import fixed_batch, small_model
 
 LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
 
@@ -197,24 +197,6 @@ def test_grpo_under_torchrun_logs_once_checkpoints_and_resumes_exactly(tiny_mode
 
 
 # -- in one process ---------------------------------------------------------------------------
-
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
-SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-
-
-def small_model(arch: str):
-    """A randomly initialised causal LM of a real transformers architecture, built from a config."""
-    import transformers
-
-    configs = {
-        "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
-        "llama": lambda: transformers.LlamaConfig(**SMALL),
-        "phi3": lambda: transformers.Phi3Config(**SMALL),
-        "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
-        "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, eos_token_id=2),
-    }
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(configs[arch]())
 
 
 @pytest.mark.parametrize("arch, block", [("qwen2", "Qwen2DecoderLayer"), ("llama", "LlamaDecoderLayer"),

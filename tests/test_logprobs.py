@@ -4,7 +4,14 @@ gradients as the textbook computation from full logits."""
 import pytest
 import torch
 
-from hybridrl.models import chunked_head_logprobs, head_split, load_causal_lm, response_logprobs
+from hybridrl.models import (
+    chunked_head_logprobs,
+    disable_dropout,
+    head_split,
+    load_causal_lm,
+    response_logprobs,
+)
+from hybridrl.testing import small_model
 
 
 def reference(model, ids, mask, T, temperature=1.0):
@@ -111,3 +118,35 @@ def test_batches_without_response_tokens_keep_their_shape_and_graph(model):
     assert lp.shape == ent.shape == (3, 9) and not lp[:, 1:].any() and lp.requires_grad
     lp, _ = response_logprobs(model, ids[:, :7], mask[:, :7], 0)
     assert lp.shape == (3, 0) and lp.requires_grad
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma", "gpt2"])
+def test_every_architecture_takes_the_chunked_path_with_the_same_values_and_gradients(arch):
+    model = disable_dropout(small_model(arch))  # GPT-2 has dropout 0.1: training passes would differ
+    assert head_split(model) is not None  # plain logits = output layer of the body's last hidden state
+    ids, mask = padded_batch(64)
+    resp = mask[:, -9:].bool()
+    want, _ = reference(model, ids, mask, 9)
+    model.zero_grad()
+    want[resp].sum().backward()
+    want_grad = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lp, _ = response_logprobs(model, ids, mask, 9)
+    lp[resp].sum().backward()
+    assert (lp[resp] - want[resp]).abs().max() < 1e-5
+    for n, p in model.named_parameters():  # relative to the tensor's largest gradient
+        assert (p.grad - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max(), n
+
+
+def test_disable_dropout_makes_training_passes_deterministic():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    gpt2 = small_model("gpt2").train()  # dropout modules (p = 0.1)
+    ids = torch.randint(3, 64, (2, 8))
+    assert not torch.equal(gpt2(input_ids=ids).logits, gpt2(input_ids=ids).logits)
+    disable_dropout(gpt2)
+    assert torch.equal(gpt2(input_ids=ids).logits, gpt2(input_ids=ids).logits)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)  # fmt: skip
+    qwen = disable_dropout(Qwen2ForCausalLM(cfg))  # attention dropout kept as a float by the attention module
+    assert all(m.attention_dropout == 0.0 for m in qwen.modules() if hasattr(m, "attention_dropout"))

@@ -50,6 +50,12 @@ class ModelConfig(Strict):
         "float32", description="Parameter dtype of the policy (and reference)."
     )
     trust_remote_code: bool = False
+    dropout: bool = Field(
+        False,
+        description="Keep the model's dropout active while training. Off by default (TRL's disable_dropout): "
+        "with dropout, the update's logprobs differ from those the responses were sampled with even before "
+        "the first optimizer step, and the importance ratios are noise.",
+    )
 
 
 class DataConfig(Section):

@@ -139,6 +139,17 @@ def find_blocks(model: torch.nn.Module, names: list[str] | None = None) -> list[
     return list(largest)
 
 
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Zero every dropout of ``model``: its ``nn.Dropout`` modules and the attention-dropout
+    probability that attention modules keep as a float (Llama, Qwen2...)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
 def enable_activation_checkpointing(model: torch.nn.Module, option: str) -> None:
     """The model's own gradient checkpointing, non-reentrant; a clear error where it has none."""
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -220,13 +231,13 @@ def _find_head_split(model):
         return None
     device = head.weight.device
     ids = torch.tensor([[0, 1]], device=device)
-    mask = torch.ones_like(ids)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(2, device=device)[None])
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1].float()
-            got = head(body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, -1]).float()
+        with torch.no_grad():  # called as response_logprobs calls them
+            want = model(**kwargs, use_cache=False).logits[:, -1].float()
+            got = head(body(**kwargs, use_cache=False).last_hidden_state[:, -1]).float()
     except Exception:  # noqa: BLE001 - an unusual body signature: the plain path works for every model
         return None
     finally:

@@ -14,7 +14,9 @@ Plain helpers, imported by the tests that need them:
 - ``hf_greedy(model, prompts, max_tokens)``: argmax decoding with transformers, the reference for
   an engine's greedy output;
 - ``perturbed(model_dir, seed)``: the model of a folder with seeded noise on every weight, for
-  weight-sync tests.
+  weight-sync tests;
+- ``small_model(arch)``: a random 3-layer causal LM of a real architecture (qwen2, llama, phi3,
+  gemma, gpt2), for tests that span architectures.
 """
 
 from __future__ import annotations
@@ -167,3 +169,23 @@ def perturbed(model_dir, seed: int, scale: float = 0.5):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def small_model(arch: str):
+    """A randomly initialised 3-layer causal LM of a real transformers architecture (``qwen2``,
+    ``llama``, ``phi3``, ``gemma``, ``gpt2``), built from a config: for tests that span architectures."""
+    import transformers
+
+    configs = {
+        "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+        "llama": lambda: transformers.LlamaConfig(**SMALL),
+        "phi3": lambda: transformers.Phi3Config(**SMALL),
+        "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, eos_token_id=2),
+    }
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(configs[arch]())

@@ -25,6 +25,7 @@ from hybridrl.flops import forward_flops, peak_flops
 from hybridrl.models import (
     DTYPES,
     check_model_path,
+    disable_dropout,
     load_causal_lm,
     load_tokenizer,
     resolve_model_path,
@@ -108,7 +109,10 @@ class Trainer:
         self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
         self.shaping = ShapingState()  # the rewards' running statistics, checkpointed
 
-        load = lambda: load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)  # noqa: E731
+        def load():
+            model = load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)
+            return model if cfg.model.dropout else disable_dropout(model)
+
         self.policy = self.strategy.wrap(load().train(), trainable=True)
         self.ref = None
         if self.algorithm.needs_reference:
