@@ -4,6 +4,8 @@ reference batch, for each way of running it.
 
     python benchmarks/gpu_update.py                  # every variant, on the GPU
     python benchmarks/gpu_update.py --smoke          # CPU check of the script (tiny model)
+    python benchmarks/gpu_update.py --device cpu --model DIR --prompts 4 --max-tokens 48 \
+        --only "fp32 (no autocast);fp32 + compile"   # another model, e.g. on the CPU
 
 The batch is the reference configuration's (see gpu_vs_trl.py): 64 responses of 256 tokens
 after prompts of 128, random token ids, GRPO with KL k3 (beta 0.04) against a reference model.
@@ -34,6 +36,7 @@ VARIANTS = {
     # name: (model options, sharding options, hybridrl.models head path on?)
     "fp32 (no autocast)": ({}, {"mixed_precision": "off"}, True),
     "bf16 autocast, full logits": ({}, {"mixed_precision": "bf16"}, False),
+    "fp32 + compile": ({}, {"mixed_precision": "off", "compile": True}, True),
     "bf16 autocast": ({}, {"mixed_precision": "bf16"}, True),
     "bf16 autocast + activation ckpt": ({}, {"mixed_precision": "bf16", "activation_checkpointing": True}, True),
     "bf16 autocast + compile": ({}, {"mixed_precision": "bf16", "compile": True}, True),
@@ -129,12 +132,17 @@ def main(args) -> int:
     import transformers
 
     common.use_checkout("algo_grpo")
-    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "update_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     args.workdir = str(Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute())
     shape = common.TINY if args.smoke else common.QWEN05
-    model_dir = common.build_model(Path(args.workdir) / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), shape)
+    model_dir = args.model or common.build_model(
+        Path(args.workdir) / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), shape
+    )
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
     (Path(args.workdir) / "prompts.jsonl").write_text(
         "".join(json.dumps({"question": common.prompt(i), "answer": "0"}) + "\n" for i in range(64))
     )
@@ -183,6 +191,9 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model")
+    p.add_argument("--device", default=None, help="default: cuda (--smoke: cpu)")
+    p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 16, 1, 1
