@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 
 
@@ -91,7 +94,7 @@ class HybridRL:
         for _ in range(k):
             start = time.perf_counter()
             m = self.trainer.step(self.next_step)
-            sync()
+            common.wait_for_gpu()
             times.append(time.perf_counter() - start)
             self.breakdown.append({s: m.get(f"timing/{s}", 0.0) for s in ("rollout", "logprobs", "update", "sync")})
             self.next_step += 1
@@ -104,7 +107,7 @@ class TRL:
     def __init__(self, args, model_path):
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
 
         data = Dataset.from_list(
             [
@@ -116,23 +119,16 @@ class TRL:
             ]
         )
         dtype = getattr(torch, args.dtype)
-        config = GRPOConfig(
-            output_dir=str(Path(args.workdir) / "trl"),
-            per_device_train_batch_size=args.prompts * args.n,
-            num_generations=args.n,
-            max_completion_length=args.max_tokens,
-            beta=0.04,
-            learning_rate=1e-6,
+        config = common.trl_grpo_config(
+            str(Path(args.workdir) / "trl"),
+            args.prompts,
+            args.n,
+            args.max_tokens,
             max_steps=10**6,
             logging_steps=10**6,
-            save_strategy="no",
-            report_to="none",
-            seed=0,
             use_cpu=args.device == "cpu",
             bf16=args.dtype == "bfloat16",
-            temperature=1.0,
             generation_kwargs={"min_new_tokens": args.max_tokens},
-            dataloader_num_workers=0,
         )
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(model_path)
@@ -142,11 +138,11 @@ class TRL:
 
         class Clock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                sync()
+                common.wait_for_gpu()
                 self.start = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
-                sync()
+                common.wait_for_gpu()
                 outer.times.append(time.perf_counter() - self.start)
                 if len(outer.times) >= outer.pause_after:
                     control.should_training_stop = True
@@ -170,11 +166,6 @@ class TRL:
     def _continue(self):
         self.trainer.args.max_steps = 10**6
         self.trainer.train()
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main():

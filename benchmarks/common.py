@@ -226,3 +226,34 @@ def run_and_exit(main: Callable, args, result: dict, path: Path) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def wait_for_gpu() -> None:
+    """Wait for queued GPU work, so that a timer stops when the work does (no-op on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trl_grpo_config(output_dir: str, prompts: int, n: int, max_tokens: int, **overrides):
+    """TRL's GRPOConfig with the hyper-parameters the hybridrl side of every comparison uses:
+    ``prompts`` x ``n`` completions of ``max_tokens`` tokens per step in one update, KL beta
+    0.04, lr 1e-6, temperature 1, seed 0; nothing saved or reported. ``overrides``: the rest
+    (steps, precision, the engine, how EOS is ignored)."""
+    from trl import GRPOConfig
+
+    base = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=prompts * n,
+        num_generations=n,
+        max_completion_length=max_tokens,
+        beta=0.04,
+        learning_rate=1e-6,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        temperature=1.0,
+        dataloader_num_workers=0,
+    )
+    return GRPOConfig(**(base | overrides))

@@ -97,14 +97,14 @@ def run_variant(args, model_dir: str, name: str, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.warmup + args.steps + 1):
         b = batch.select(list(range(len(batch))))
-        sync(device)
+        common.wait_for_gpu()
         start = time.perf_counter()
         trainer.compute_logprobs(b)
         trainer.algorithm.compute_advantages(b)
-        sync(device)
+        common.wait_for_gpu()
         mid = time.perf_counter()
         trainer.update(b, step)
-        sync(device)
+        common.wait_for_gpu()
         end = time.perf_counter()
         m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
         rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()}})
@@ -118,13 +118,6 @@ def run_variant(args, model_dir: str, name: str, device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
-
-
-def sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(args) -> int:

@@ -42,13 +42,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SIDES = ["trl-hf", "hybridrl-hf", "hybridrl-vllm", "trl-vllm"]
 
 
-def sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # -- hybridrl ------------------------------------------------------------------------------
 
 
@@ -116,10 +109,10 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         logger.open(args.warmup + args.steps, 0)
     keep = ("rollout", "logprobs", "update", "sync", "reward", "advantages")
     for step in range(1, args.warmup + args.steps + 1):
-        sync()
+        common.wait_for_gpu()
         start = time.perf_counter()
         m = trainer.step(step)
-        sync()
+        common.wait_for_gpu()
         row = {"step": step, "step_s": time.perf_counter() - start}
         row |= {f"{k}_s": m.get(f"timing/{k}", 0.0) for k in keep}
         row |= {k.split("/")[-1]: m[k] for k in THROUGHPUT if k in m}
@@ -141,10 +134,10 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
         trainer.engine.options.update_bucket_mb = mib
         times = []
         for _ in range(reps):
-            sync()
+            common.wait_for_gpu()
             start = time.perf_counter()
             trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
-            sync()
+            common.wait_for_gpu()
             times.append(time.perf_counter() - start)
         out[f"{mib} MiB"] = {"median_s": statistics.median(times), "all_s": times,
                              "buckets": trainer.engine.stats.get("vllm/sync_buckets")}  # fmt: skip
@@ -153,11 +146,11 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
 
     times = []
     for _ in range(reps):  # the engine's dtype sent: the conversion happens before the engine's loaders
-        sync()
+        common.wait_for_gpu()
         start = time.perf_counter()
         tensors = trainer.strategy.full_tensors(trainer.policy)
         trainer.engine.update_weights((n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors)
-        sync()
+        common.wait_for_gpu()
         times.append(time.perf_counter() - start)
     out["8192 MiB, bf16 sent"] = {"median_s": statistics.median(times), "all_s": times}
     print(f"sync, bf16 sent: {out['8192 MiB, bf16 sent']}", flush=True)
@@ -168,7 +161,7 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
     prof = cProfile.Profile()
     prof.enable()
     trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
-    sync()
+    common.wait_for_gpu()
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
@@ -193,7 +186,7 @@ def run_trl(args, vllm: bool, result: dict) -> None:
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     result["versions"]["trl"] = trl.__version__
     data = Dataset.from_list([{"prompt": common.prompt(i)} for i in range(1024)])
@@ -204,21 +197,14 @@ def run_trl(args, vllm: bool, result: dict) -> None:
     extra = {"use_cpu": True} if args.smoke else {}
     if vllm:
         extra |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_memory_utilization}
-    config = GRPOConfig(
-        output_dir=str(Path(args.workdir) / "trl"),
-        per_device_train_batch_size=args.prompts * args.n,
-        num_generations=args.n,
-        max_completion_length=args.max_tokens,
-        beta=0.04,
-        learning_rate=1e-6,
+    config = common.trl_grpo_config(
+        str(Path(args.workdir) / "trl"),
+        args.prompts,
+        args.n,
+        args.max_tokens,
         max_steps=args.warmup + args.steps,
         logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        temperature=1.0,
         generation_kwargs={"ignore_eos": True} if vllm else {"min_new_tokens": args.max_tokens},
-        dataloader_num_workers=0,
         **extra,
     )
     result["trl_defaults"] = {
@@ -231,11 +217,11 @@ def run_trl(args, vllm: bool, result: dict) -> None:
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
-            sync()
+            common.wait_for_gpu()
             self.start = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
-            sync()
+            common.wait_for_gpu()
             row = {"step": state.global_step, "step_s": time.perf_counter() - self.start}
             result["steps"].append(row)
             print(f"[{result['side']}] step {row['step']}: {row['step_s']:.3f} s", flush=True)
