@@ -150,3 +150,31 @@ def test_disable_dropout_makes_training_passes_deterministic():
                       num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)  # fmt: skip
     qwen = disable_dropout(Qwen2ForCausalLM(cfg))  # attention dropout kept as a float by the attention module
     assert all(m.attention_dropout == 0.0 for m in qwen.modules() if hasattr(m, "attention_dropout"))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_trainer_turns_dropout_off_unless_asked(tiny_model, tmp_path, keep, register_plugin):
+    import json
+    import shutil
+
+    from hybridrl.config import load_config
+    from hybridrl.testing import SevensPlugin
+    from hybridrl.trainer import Trainer
+
+    register_plugin(SevensPlugin(), name="sevens")
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"attention_dropout": 0.5}))
+    t = Trainer(load_config(data={
+        "model": {"path": str(folder), "dropout": keep},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "trainer": {"run_dir": str(tmp_path / "run")},
+        "logging": {"loggers": []},
+    }))  # fmt: skip
+    t.setup()
+    for model in (t.policy, t.ref):
+        rates = {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")}
+        assert rates == ({0.5} if keep else {0.0})
