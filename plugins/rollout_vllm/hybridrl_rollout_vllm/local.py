@@ -1,9 +1,11 @@
 """The in-process engine: ``vllm.LLM`` inside the training process (the colocated hybrid engine).
 
 Weights go from the trainer to the engine in place, without a restart or a file: each bucket of
-whole layers is handed to vLLM's ``reload_weights`` (through ``collective_rpc``), then the prefix
-cache is reset. Logprobs come from vLLM's ``processed_logprobs`` mode, i.e. of the
-temperature-scaled distribution, as the trainer computes them.
+whole layers goes through ``collective_rpc`` to the plugin's worker extension
+(:mod:`hybridrl_rollout_vllm.worker`), which loads it with the model's ``load_weights`` or with
+vLLM's ``reload_weights`` (option ``weight_sync``), then the prefix cache is reset. Logprobs come
+from vLLM's ``processed_logprobs`` mode, i.e. of the temperature-scaled distribution, as the
+trainer computes them.
 """
 
 from __future__ import annotations
@@ -130,6 +132,11 @@ class LocalEngine:
             finally:
                 torch.set_num_threads = _set_num_threads
         self.load_seconds = time.perf_counter() - start
+        try:
+            self.weight_sync = self._choose_weight_sync()
+        except Exception:
+            self.close()
+            raise
 
     # -- generation -------------------------------------------------------------------------
 
@@ -190,6 +197,13 @@ class LocalEngine:
 
     # -- weight sync ------------------------------------------------------------------------
 
+    def _choose_weight_sync(self) -> str:
+        """The ``weight_sync`` method for this engine: ``load_weights`` where the workers say it is
+        exact, else ``reload_weights`` ('auto'), or an error for an explicit ``load_weights``."""
+        per_worker = self.llm.collective_rpc("hybridrl_load_weights_blockers")
+        blockers = sorted({reason for reasons in per_worker for reason in reasons})
+        return choose_weight_sync(self.options.weight_sync, blockers)
+
     def update_weights(self, named_tensors) -> None:
         if "weights" in self.asleep:  # the weights' memory must be mapped before it is written
             self._wake(["weights"])
@@ -198,15 +212,11 @@ class LocalEngine:
         with self.threads(), _quiet_partial_reload():
             for bucket in buckets(named_tensors, limit):
                 size += sum(nbytes(t) for _, t in bucket)
-                if self.multiprocess:
+                if self.multiprocess:  # tensors do not survive the trip to other processes
                     from safetensors.torch import save
 
-                    payload = save(to_safetensors_dict(bucket))
-                    self.llm.collective_rpc("hybridrl_load_bucket", args=(payload,))
-                else:
-                    self.llm.collective_rpc(
-                        "reload_weights", kwargs={"weights_iterator": iter(bucket), "is_checkpoint_format": True}
-                    )
+                    bucket = save(to_safetensors_dict(bucket))
+                self.llm.collective_rpc("hybridrl_load", args=(bucket, self.weight_sync))
                 count += 1
                 del bucket
         if self.prefix_caching and "kv_cache" not in self.asleep:  # asleep: the KV cache is gone already
@@ -263,6 +273,22 @@ class LocalEngine:
             yield
         finally:
             _set_num_threads(before)
+
+
+def choose_weight_sync(choice: str, blockers: list[str]) -> str:
+    """``load_weights`` or ``reload_weights`` for the ``weight_sync`` option ``choice``, given why
+    ``load_weights`` would not be exact on this engine (``blockers``; empty when it is)."""
+    if not blockers:
+        return "reload_weights" if choice == "reload_weights" else "load_weights"
+    if choice == "load_weights":
+        raise ValueError(
+            f"{NAME}: weight_sync: load_weights would not be exact on this engine: {'; '.join(blockers)}. "
+            "The engine would keep computing with weights that load_weights does not reach. Use weight_sync: "
+            "reload_weights, or auto (which picks reload_weights here)."
+        )
+    if choice == "auto":
+        log.info("%s: weight sync through reload_weights; load_weights would not be exact: %s", NAME, blockers)
+    return "reload_weights"
 
 
 def check_cpu_head_size(model_path: str) -> None:

@@ -19,6 +19,7 @@ LOCAL_ONLY = (
     "sleep_level",
     "cpu_kv_cache_gb",
     "cpu_threads",
+    "weight_sync",
 )
 SERVER_ONLY = ("api_key", "served_model", "timeout", "retries", "server_weights", "server_weights_dir", "sync_every")
 
@@ -71,9 +72,20 @@ class VLLMOptions(Options):
         description="Weight sync bucket size in MiB. The trainer's tensors are grouped into buckets of "
         "whole decoder layers of about this size and each bucket is loaded in one call, so the extra "
         "memory a sync holds is at most one bucket plus one layer (with the single strategy the tensors "
-        "are the policy's own, and a bucket holds no copies). Fewer calls sync faster: 0.5B model on an "
-        "H200, 4 buckets of 512 MiB 0.16 s, 1 bucket 0.12 s. In server mode: the size of each safetensors "
-        "shard written for the server.",
+        "are the policy's own, and a bucket holds no copies). Fewer calls sync faster: reload_weights, "
+        "0.5B model on an H200, 4 buckets of 512 MiB 0.16 s, 1 bucket 0.12 s. In server mode: the size of "
+        "each safetensors shard written for the server.",
+    )
+    weight_sync: Literal["auto", "load_weights", "reload_weights"] = Field(
+        "auto",
+        description="How each weight-sync bucket is loaded into the engine. 'load_weights': the model's own "
+        "load_weights writes the trainer's tensors into vLLM's (fused) parameters in place, nothing more "
+        "(fast; exact only where vLLM computes with the parameters it loaded: unquantized dense models on "
+        "CUDA, or on CPU without packed GEMM weights); the engine refuses to start where it would not be "
+        "exact. 'reload_weights': vLLM's reload_weights, which also re-runs the post-processing after loading "
+        "(quantization, MoE kernel layouts, the CPU backend's packed weights); exact everywhere, slower. "
+        "'auto': load_weights where it is exact, else reload_weights (on CPU vLLM packs linear weights for "
+        "oneDNN, so reload_weights).",
     )
     prefix_caching: bool = Field(
         False,

@@ -20,9 +20,10 @@ def layer_of(name: str) -> str:
     """The unit a tensor must be loaded with: its decoder layer, or the tensor itself.
 
     vLLM fuses a layer's projections (q/k/v into qkv_proj, gate/up into gate_up_proj) and its
-    in-place reload only finishes a fused module when all its parts arrive in one call; a bucket
-    that ends inside a layer leaves the rest of that module uninitialised. So buckets never split
-    a layer.
+    in-place reload (``reload_weights``) only finishes a fused module when all its parts arrive in
+    one call; a bucket that ends inside a layer leaves the rest of that module uninitialised. So
+    buckets never split a layer. (The model's ``load_weights`` copies each part into its slice on
+    its own and would not need this; buckets respect layers for both methods.)
     """
     m = _LAYER.match(name)
     return m.group(1) if m else name

@@ -1,18 +1,103 @@
-"""Methods added to vLLM's workers (``worker_extension_cls``) for engines that run in other processes.
+"""Methods added to vLLM's workers (``worker_extension_cls``): the worker side of the weight sync.
 
-With tensor parallelism, or with VLLM_ENABLE_V1_MULTIPROCESSING=1, the workers live in other
-processes and tensors sent through ``collective_rpc`` do not survive the trip; a bucket travels
-as safetensors bytes instead and each worker loads it into its shard of the model.
+Every bucket goes through :meth:`WeightReceiver.hybridrl_load`. With the engine in the training
+process (vLLM's UniProcExecutor) the bucket arrives as the list of the trainer's tensors, by
+reference; with tensor parallelism, or with VLLM_ENABLE_V1_MULTIPROCESSING=1, the workers live
+in other processes where tensors sent through ``collective_rpc`` do not survive the trip, so the
+bucket travels as safetensors bytes and each worker loads it into its shard of the model.
+
+Two ways to load (the ``weight_sync`` option):
+
+* ``load_weights``: the model's own ``load_weights``; each vLLM parameter's ``weight_loader``
+  copies an HF tensor into its slice of the fused parameter (q/k/v_proj into qkv_proj,
+  gate/up_proj into gate_up_proj), converting the dtype. Nothing runs after loading, so this is
+  exact only where the engine computes with the very tensors that were loaded:
+  :meth:`WeightReceiver.hybridrl_load_weights_blockers` says where it is not.
+* ``reload_weights``: vLLM's layerwise reload, which restores each layer in checkpoint format,
+  loads it and re-runs the post-processing (quantization, CPU GEMM packing), then copies the
+  result into the tensors the engine uses. Exact everywhere, slower.
 """
 
 from __future__ import annotations
 
+import torch
+
+METHODS = ("load_weights", "reload_weights")
+# post-processing that leaves the loaded tensors as they are (CUDA) or that we check (CPU)
+PLAIN_QUANT_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+CHECKED_PLATFORMS = ("cuda", "cpu")
+
 
 class WeightReceiver:
-    def hybridrl_load_bucket(self, payload: bytes) -> int:
-        """Load one bucket of HF-named tensors in place; returns how many tensors it held."""
-        from safetensors.torch import load
+    def hybridrl_load(self, bucket: list[tuple[str, torch.Tensor]] | bytes, method: str) -> int:
+        """Load one bucket of HF-named tensors in place with ``method`` (one of ``METHODS``);
+        ``bucket`` is the tensors themselves or safetensors bytes. Returns how many tensors it held."""
+        if isinstance(bucket, bytes):
+            from safetensors.torch import load
 
-        tensors = load(payload)
-        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        return len(tensors)
+            bucket = list(load(bucket).items())
+        if method == "reload_weights":
+            self.reload_weights(weights_iterator=iter(bucket), is_checkpoint_format=True)
+        elif method == "load_weights":
+            from vllm.config import set_current_vllm_config
+
+            model = self.model_runner.get_model()
+            if not hasattr(self, "_hybridrl_tied"):
+                self._hybridrl_tied = tied_aliases(model)
+            # a tied alias (lm_head.weight) is its canonical tensor, which loads under its own name;
+            # vLLM 0.32's loader refuses a call that brings the alias without it
+            weights = [(name, t) for name, t in bucket if name not in self._hybridrl_tied]
+            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+                model.load_weights(weights=iter(weights))
+            self.model_runner.reset_encoder_cache()  # multimodal encoder outputs of the old weights
+        else:
+            raise ValueError(f"Unknown weight load method '{method}'. Available: {', '.join(METHODS)}.")
+        return len(bucket)
+
+    def hybridrl_load_weights_blockers(self) -> list[str]:
+        """Why ``load_weights`` would not be exact on this worker; an empty list when it is.
+
+        ``load_weights`` writes into the parameters the model has after loading. It misses any
+        state that post-processing derived from them: quantized or repacked weights, MoE kernel
+        layouts, MLA's absorbed matrices, and on CPU the GEMM weights that vLLM packs for oneDNN
+        (it then keeps empty parameters for the linear layers, and a packed copy of lm_head).
+        """
+        from vllm.platforms import current_platform
+
+        model_config = self.vllm_config.model_config
+        reasons = []
+        platform = next((p for p in CHECKED_PLATFORMS if getattr(current_platform, f"is_{p}")()), None)
+        if platform is None:
+            reasons.append(f"post-processing on {type(current_platform).__name__} is not checked (only CUDA and CPU)")
+        if model_config.quantization:
+            reasons.append(f"the model is quantized ({model_config.quantization})")
+        if self.vllm_config.lora_config is not None:
+            reasons.append("LoRA wraps the model's layers")
+        found: dict[str, list[str]] = {}
+        for name, module in self.model_runner.get_model().named_modules():
+            quant = getattr(module, "quant_method", None)
+            if quant is not None and type(quant).__name__ not in PLAIN_QUANT_METHODS:
+                why = f"{type(quant).__name__} processes weights after loading"
+            elif quant is None and callable(getattr(module, "process_weights_after_loading", None)):
+                if type(module).__name__ == "Attention":  # plain attention derives nothing from weights
+                    continue
+                why = f"{type(module).__name__} processes weights after loading"
+            elif platform == "cpu" and getattr(module, "cpu_linear", None) not in (None, torch.nn.functional.linear):
+                why = "vLLM's CPU backend packed the weights for its GEMM kernels after loading"
+            else:
+                continue
+            found.setdefault(why, []).append(name or type(module).__name__)
+        for why, names in found.items():
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            reasons.append(f"{why}: {names[0]}{more}")
+        return reasons
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters that are another parameter of the model (tied embeddings)."""
+    seen, aliases = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases

@@ -2,7 +2,8 @@
 
 vLLM's CPU attention needs a head size of 32 or more, so these tests use the tiny char-level
 Llama of hybridrl.testing built with hidden=128 (4 heads of 32) instead of the 64-wide
-``tiny_model`` fixture (heads of 16). One engine serves the whole module.
+``tiny_model`` fixture (heads of 16). One engine serves the whole module, and a second one
+(``plain_engine``) the tests of weight_sync: load_weights.
 """
 
 import json
@@ -44,6 +45,29 @@ def engine(model_dir, tmp_path_factory):
     e = make_engine(model_dir, tmp_path_factory.mktemp("run"), prefix_caching=True)
     yield e
     e.close()
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model_dir, tmp_path_factory):
+    """An engine whose linear layers compute with the parameters they loaded, as vLLM's do on CUDA.
+
+    vLLM's CPU backend packs linear weights for its GEMM kernels after loading, which rules out
+    weight_sync: load_weights on CPU; here that packing is replaced by torch's linear while the
+    engine starts, so load_weights can be checked against transformers on CPU too.
+    """
+    import vllm.model_executor.layers.utils as vllm_layer_utils
+
+    def plain_gemm(layer, remove_weight):
+        layer.cpu_linear = torch.nn.functional.linear
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_layer_utils, "dispatch_cpu_unquantized_gemm", plain_gemm)
+        e = make_engine(model_dir, tmp_path_factory.mktemp("run"), prefix_caching=True, weight_sync="load_weights")
+    yield e
+    e.close()
+
+
+ENGINES = {"reload_weights": "engine", "load_weights": "plain_engine"}  # weight_sync -> fixture
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +189,11 @@ def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine
         assert text.endswith("a") and "a" not in text[:-1]
 
 
+@pytest.mark.parametrize("sync", ENGINES)
 @pytest.mark.parametrize("bucket_mb", [512, 1e-4])  # one bucket; one per layer (~100-byte limit)
-def test_update_weights_then_greedy_equals_transformers(engine, model_dir, tok, bucket_mb):
+def test_update_weights_then_greedy_equals_transformers(request, model_dir, tok, bucket_mb, sync):
+    engine = request.getfixturevalue(ENGINES[sync])
+    assert engine.backend.weight_sync == sync  # the default engine: 'auto' picks reload_weights on CPU
     prompts = encode(tok, ["abc", "hello", "The quick brown fox"])
     before = vllm_greedy(engine, prompts, 16)
     model = perturbed(model_dir, seed=1 if bucket_mb == 512 else 2)
@@ -188,8 +215,10 @@ def test_update_weights_then_greedy_equals_transformers(engine, model_dir, tok, 
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < LOGPROB_TOL
 
 
-def test_update_weights_through_the_bytes_path_of_worker_processes(engine, model_dir, tok):
+@pytest.mark.parametrize("sync", ENGINES)
+def test_update_weights_through_the_bytes_path_of_worker_processes(request, model_dir, tok, sync):
     """The transport of multi-process engines (safetensors bytes to the worker extension), in-process."""
+    engine = request.getfixturevalue(ENGINES[sync])
     prompts = encode(tok, ["abc", "xyz"])
     model = perturbed(model_dir, seed=7)
     engine.backend.multiprocess = True
@@ -197,6 +226,29 @@ def test_update_weights_through_the_bytes_path_of_worker_processes(engine, model
         engine.update_weights(model.state_dict().items())
     finally:
         engine.backend.multiprocess = False
+    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+
+
+def test_load_weights_cannot_reach_the_weights_vllm_packs_on_cpu(engine, model_dir, tok):
+    """vLLM's CPU backend packs linear weights after loading, so 'auto' picks reload_weights there."""
+    from hybridrl_rollout_vllm.local import choose_weight_sync
+
+    blockers = engine.backend.llm.collective_rpc("hybridrl_load_weights_blockers")[0]
+    assert blockers == [
+        "vLLM's CPU backend packed the weights for its GEMM kernels after loading: model.embed_tokens and 9 more"
+    ]
+    assert choose_weight_sync("auto", blockers) == engine.backend.weight_sync == "reload_weights"
+    assert choose_weight_sync("auto", []) == "load_weights"
+    assert choose_weight_sync("reload_weights", []) == "reload_weights"
+    # The packed linear layers keep empty parameters: the model's load_weights fails on the first of
+    # them, after it wrote the embedding, and the engine is left with neither policy.
+    prompts = encode(tok, ["abc", "xyz"])
+    model = perturbed(model_dir, seed=11)
+    with pytest.raises(AttributeError, match="weight_loader"):
+        engine.backend.llm.collective_rpc("hybridrl_load", args=(list(model.state_dict().items()), "load_weights"))
+    engine.backend.llm.reset_prefix_cache()
+    assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
+    engine.update_weights(model.state_dict().items())  # reload_weights repairs it
     assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
 
 
@@ -240,6 +292,13 @@ def test_a_reload_call_that_splits_a_layer_corrupts_it(engine, model_dir, tok):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([item]), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
     assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
+
+
+# Closing an in-process engine tears down vLLM's process-wide parallel state, which breaks the
+# shared engines: after the last test that uses them.
+def test_load_weights_is_refused_at_start_where_it_would_not_be_exact(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="load_weights would not be exact on this engine: vLLM's CPU backend packed"):
+        make_engine(model_dir, tmp_path, weight_sync="load_weights")
 
 
 def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path, register_plugin):
