@@ -6,6 +6,7 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
+from hybridrl.builtin.rollout_hf import GROUPED_ATTENTION, _grouped_decode_attention
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
@@ -68,8 +69,13 @@ def assert_same_rollout(a, b):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("sampling", [dict(top_k=1), dict(temperature=1e-4), dict(temperature=1.0)])
+WARPED = dict(temperature=0.7, top_k=20, top_p=0.8)
+
+
+@pytest.mark.parametrize("sampling", [dict(top_k=1), dict(temperature=1e-4), dict(temperature=1.0), WARPED])
 def test_static_cache_samples_equal_dynamic_cache(make_engine, sampling):
+    """The static cache runs our decoding loop, the dynamic one transformers' generate: the same
+    seed gives the same samples, with generate's temperature, top-k and top-p."""
     dynamic, static = make_engine(cache="dynamic"), make_engine(cache="static", pad_prompts_to_multiple=16)
     p = prompts(dynamic.tokenizer, TEXTS)
     sp = SamplingParams(n=2, max_tokens=24, seed=3, **sampling)  # at temperature 1: same seed, same samples
@@ -85,7 +91,7 @@ def test_compiled_decoding_equals_eager(make_engine):
     out = compiled.generate(p, sp)
     assert len(out.token_ids) == 6
     assert_same_rollout(out, eager.generate(p, sp))
-    assert hasattr(compiled.model, "_compiled_call")  # generate took the compiled forward
+    assert compiled._compiled_step is not None  # the decoding loop took the compiled step
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -100,6 +106,40 @@ def test_responses_end_at_the_first_eos_or_at_max_tokens(make_engine, cache):
             assert ids[-1] == eos and eos not in ids[:-1]
         else:
             assert len(ids) == 40 and eos not in ids
+
+
+def test_decoding_stops_once_every_sequence_has_ended(make_engine):
+    """With every token an end token, each sequence ends at its first; the loop notices and stops."""
+    static, dynamic = make_engine(cache="static"), make_engine(cache="dynamic")
+    vocab = static.model.config.vocab_size
+    static.eos_ids = dynamic.eos_ids = set(range(vocab))
+    p = prompts(static.tokenizer, TEXTS)
+    out = static.generate(p, SamplingParams(n=2, max_tokens=40, seed=5))
+    assert [len(t) for t in out.token_ids] == [1] * 6 and set(out.finish_reasons) == {"stop"}
+    assert_same_rollout(out, dynamic.generate(p, SamplingParams(n=2, max_tokens=40, seed=5)))
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+def test_grouped_decode_attention_equals_sdpa(boolean):
+    """Decoding attention without copying KV heads: the same numbers as transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups, is_causal = 3, True
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    keep = torch.rand(2, 1, 1, 12) > 0.3
+    mask = keep if boolean else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    ours, _ = _grouped_decode_attention(Attention(), q, k, v, mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(Attention(), q, k, v, mask, scaling=0.3)
+    assert ours.shape == ref.shape == (2, 1, 6, 8)
+    assert (ours - ref).abs().max().item() < 1e-5
+
+
+def test_static_engine_decodes_with_grouped_attention(make_engine):
+    assert make_engine(cache="static").model.config._attn_implementation == GROUPED_ATTENTION
+    assert make_engine(cache="dynamic").model.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

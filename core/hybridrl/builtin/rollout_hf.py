@@ -24,6 +24,7 @@ against the trainer's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Literal
 
 import torch
@@ -35,6 +36,8 @@ from hybridrl.models import load_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
+FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended
+GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 
 class _LogprobRecorder:
@@ -58,6 +61,41 @@ class _LogprobRecorder:
         if self.prev is not None:
             self.steps.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1))
             self.prev = None
+
+
+def _grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, except for decoding (one query token per sequence): there the
+    query heads that share a KV head attend to the cache as it is. With a mask, transformers'
+    SDPA path first copies every KV head once per query head (the whole static cache, keys and
+    values, in every layer at every token), which was half the GPU time of decoding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    (B, H, q_len, D), kv_heads = query.shape, key.shape[1]
+    if q_len != 1 or dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    q = query.view(B, kv_heads, H // kv_heads, D)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (D**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:  # (B, 1, 1, L): boolean (attend) or additive
+        mask = attention_mask[:, :, -1:, : key.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)  # (B, KV heads, group, D)
+    return out.reshape(B, 1, H, D), None
+
+
+def use_grouped_decode_attention(model) -> bool:
+    """Switch an SDPA model to :func:`_grouped_decode_attention`; False where it cannot be."""
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        if model.config._attn_implementation != "sdpa":
+            return False
+        AttentionInterface.register(GROUPED_ATTENTION, _grouped_decode_attention)
+        AttentionMaskInterface.register(GROUPED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        model.set_attn_implementation(GROUPED_ATTENTION)
+    except (ImportError, AttributeError, ValueError, KeyError):
+        return False
+    return True
 
 
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -134,9 +172,14 @@ class HFEngine(RolloutEngine):
         self.model = load_causal_lm(ctx.model_path, dtype, ctx.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = ctx.tokenizer
+        if self.static:
+            use_grouped_decode_attention(self.model)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
         self.pad_id = self.tokenizer.pad_token_id
+        self._cache, self._cache_key, self._compiled_step = None, None, None
+        takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
     def _compile_config(self):
         """How generate compiles the decoding forward: its own default on CUDA (inductor,
@@ -164,8 +207,6 @@ class HFEngine(RolloutEngine):
         return out
 
     def _generate(self, prompts, sampling):
-        from transformers import GenerationConfig, LogitsProcessorList
-
         m = self.pad_multiple
         P = -(-max(len(p) for p in prompts) // m) * m
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
@@ -173,6 +214,105 @@ class HFEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             ids[i, P - len(p) :] = torch.tensor(p)
             mask[i, P - len(p) :] = 1
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        ids, mask = ids.to(self.ctx.device), mask.to(self.ctx.device)
+        decode = self._decode if self.static and not sampling.stop else self._generate_hf
+        new, logprobs = (t.cpu() for t in decode(ids, mask, sampling))
+        out = RolloutOutput([], [], [])
+        for row, lp in zip(new.tolist(), logprobs.tolist()):
+            end = None if sampling.ignore_eos else next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
+            if end is None and sampling.stop:
+                end = self._stop_end(row, sampling.stop)
+            out.token_ids.append(row[: end or len(row)])
+            out.logprobs.append(lp[: end or len(row)])
+            out.finish_reasons.append("stop" if end is not None else "length")
+        return out
+
+    def _warpers(self, sampling):
+        """generate's own sampling processors: temperature, then top-k, then top-p."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        warpers = LogitsProcessorList()
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k > 0:
+            warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(sampling.top_p))
+        return warpers
+
+    def _sample(self, logits, sampling, warpers):
+        """A token as ``generate`` samples it (warped scores, softmax, ``torch.multinomial``), and its
+        logprob under the temperature-scaled distribution the trainer scores."""
+        scores = logits.float()
+        logp = torch.log_softmax(scores / sampling.temperature, dim=-1)
+        token = torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), num_samples=1).squeeze(1)
+        return token, logp.gather(-1, token[:, None]).squeeze(1)
+
+    def _step(self, token, pos, full, sampling, warpers):
+        """One decoding step on the static cache: the next token and its logprob."""
+        inputs = self.model.prepare_inputs_for_generation(
+            token[:, None], past_key_values=self._cache, attention_mask=full, position_ids=pos, use_cache=True
+        )
+        return self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
+
+    def _decode(self, ids, mask, sampling):
+        """Our own sampling loop on the static KV cache. It samples as ``generate`` does (the same
+        tokens for the same seed) without its per-token overhead: compiled, a whole step (mask,
+        forward, sampling) is one graph (a CUDA graph on CUDA), and nothing waits for the device
+        except a check that every sequence has ended, every ``FINISHED_CHECK_EVERY`` tokens."""
+        model, n, T = self.model, sampling.n, sampling.max_tokens
+        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        (B, P), device = ids.shape, ids.device
+        cache = self._static_cache(B, P + T)
+        full = torch.cat([mask, mask.new_ones(B, T)], dim=1)  # future slots: hidden by causality
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        warpers = self._warpers(sampling)
+        if self.compile and self._compiled_step is None:
+            mode = "reduce-overhead" if device.type == "cuda" else "default"  # CUDA graphs
+            self._compiled_step = torch.compile(self._step, mode=mode, dynamic=False)
+        step = self._compiled_step if self.compile else self._step
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(B, T, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+
+        inputs = model.prepare_inputs_for_generation(
+            ids, past_key_values=cache, attention_mask=full, position_ids=pos, use_cache=True, is_first_iteration=True
+        )
+        token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
+        next_pos = pos[:, -1:] + 1
+        for t in range(T):  # prefill eager, like generate: its shapes change from call to call
+            token = torch.where(done, self.pad_id, token)
+            tokens[:, t], logprobs[:, t] = token, logprob.masked_fill(done, 0.0)
+            if not sampling.ignore_eos:
+                done |= torch.isin(token, eos)
+                if (t + 1) % FINISHED_CHECK_EVERY == 0 and bool(done.all()):
+                    tokens, logprobs = tokens[:, : t + 1], logprobs[:, : t + 1]
+                    break
+            if t + 1 < T:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read
+                token, logprob = step(token, next_pos + t, full, sampling, warpers)
+        return tokens, logprobs
+
+    def _static_cache(self, batch, length):
+        """One static cache per shape, reset and reused: compiled graphs keep its addresses."""
+        from transformers import StaticCache
+
+        key = (batch, length)
+        if self._cache_key != key:
+            self._cache = None  # free the old one first
+            self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+            self._cache_key = key
+        else:
+            self._cache.reset()
+        return self._cache
+
+    def _generate_hf(self, ids, mask, sampling):
+        """transformers ``generate``: stop strings, and the dynamic cache."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
         gen = GenerationConfig(
             do_sample=True,
             temperature=sampling.temperature,
@@ -190,29 +330,17 @@ class HFEngine(RolloutEngine):
             disable_compile=not self.compile,
         )
         recorder = _LogprobRecorder(sampling.temperature)
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
         with _no_default_eos(self.model, sampling.ignore_eos):
             seqs = self.model.generate(
-                input_ids=ids.to(self.ctx.device),
-                attention_mask=mask.to(self.ctx.device),
+                input_ids=ids,
+                attention_mask=mask,
                 generation_config=gen,
                 logits_processor=LogitsProcessorList([recorder]),
                 tokenizer=self.tokenizer if sampling.stop else None,
             )
         recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
-        new = seqs[:, P:].cpu()
-        logprobs = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(len(new), 0)
-        out = RolloutOutput([], [], [])
-        for row, lp in zip(new.tolist(), logprobs.tolist()):
-            end = None if sampling.ignore_eos else next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
-            if end is None and sampling.stop:
-                text_end = self._stop_end(row, sampling.stop)
-                end = text_end
-            out.token_ids.append(row[: end or len(row)])
-            out.logprobs.append(lp[: end or len(row)])
-            out.finish_reasons.append("stop" if end is not None else "length")
-        return out
+        new = seqs[:, ids.shape[1] :]
+        return new, torch.stack(recorder.steps, dim=1) if recorder.steps else torch.zeros(len(new), 0)
 
     def _stop_end(self, row, stops):
         """Length of ``row`` up to and including the token that completes a stop string."""
