@@ -1,24 +1,27 @@
-"""Rollout engine ``hf``: transformers ``generate`` on a copy of the policy in this process.
+"""Rollout engine ``hf``: a transformers copy of the policy in this process.
 
-Fast path (the default on CUDA): the engine's copy in bfloat16, a static KV cache
-(``cache_implementation="static"``: keys and values preallocated for prompt + ``max_tokens``)
-and compiled decoding. With a static cache, ``generate`` compiles the one-token decoding
-forward itself (``torch.compile``, mode ``reduce-overhead``: CUDA graphs on CUDA) and runs the
-prefill eagerly; we pass ``compile_config`` to turn this on (also on the CPU) and
-``disable_compile`` to turn it off. Only the model's forward is compiled: sampling and our
-logprob recorder (a logits processor) stay Python, on a float32 copy of the logits. To
-keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
-``pad_prompts_to_multiple`` tokens (generate keeps the largest cache length it has seen, so
-the cache takes few distinct lengths) and, when compiling, a short last chunk of prompts is
-filled up to ``batch_size`` with copies whose samples are dropped.
+Fast path (the default on CUDA): the engine's copy in bfloat16, a static KV cache (keys and
+values preallocated for prompt + ``max_tokens``) and our own decoding loop (``_decode``). The
+loop samples exactly as ``generate`` does (its temperature/top-k/top-p processors, softmax,
+``torch.multinomial``: the same tokens for the same seed) and records each token's logprob
+under the temperature-scaled distribution the trainer scores. Compiled, one decoding step (the
+attention mask, the forward, the sampling) is one graph, a CUDA graph on CUDA, and the host
+waits for the device only every ``FINISHED_CHECK_EVERY`` tokens to see whether every sequence
+has ended; the prefill runs eagerly. On the static cache the model's SDPA attention is swapped
+for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place. To keep the
+compiled graphs reusable from step to step, prompts are left-padded to a multiple of
+``pad_prompts_to_multiple`` tokens and, when compiling, a short last chunk of prompts is filled
+up to ``batch_size`` with copies whose samples are dropped.
+
+Stop strings and the dynamic cache (the CPU default) go through transformers ``generate``, with
+a logits processor that records the logprobs.
 
 Why not transformers' continuous batching (``generate_batch``): its ``return_logprobs`` gives
 the log of the sampled token's probability *after* top-k/top-p and the other processors,
 not the temperature-scaled distribution the trainer scores (``response_logprobs``); it drops
 the processors it does not support (``min_new_tokens``, which ``ignore_eos`` needs, and stop
 strings), switches the attention to its paged kernels, and its options were still changing
-between 5.x releases. Static cache + compile keeps ``generate``, whose logprobs the tests hold
-against the trainer's.
+between 5.x releases.
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ def _no_default_eos(model, active: bool):
 
 
 class HFEngine(RolloutEngine):
-    """transformers ``generate`` on a copy of the policy, with the logprob of each sampled token.
-    Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and compiled decoding
-    (CUDA graphs), with prompts padded to a multiple of 64 tokens so that the compiled graphs
+    """A transformers copy of the policy, with the logprob of each sampled token.
+    Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a compiled decoding
+    loop (a CUDA graph per token), with prompts padded to a multiple of 64 tokens so that the compiled graphs
     serve every step; the first steps are slower while it compiles (set compile: off for short
     runs). On the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's
     dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
@@ -139,9 +142,9 @@ class HFEngine(RolloutEngine):
         )
         compile: Literal["auto", "on", "off"] = Field(
             "auto",
-            description="Compile the decoding forward with torch.compile (with CUDA graphs on CUDA); needs "
-            "the static cache. 'auto': on with the static cache on CUDA, off elsewhere. The first steps "
-            "are slower while it compiles.",
+            description="Compile each decoding step (mask, forward, sampling) with torch.compile, as one "
+            "CUDA graph on CUDA; needs the static cache. 'auto': on with the static cache on CUDA, off "
+            "elsewhere. The first steps are slower while it compiles.",
         )
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
             "auto",
