@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""The built-in ``hf`` rollout engine on the reference configuration: its own decoding loop on
+the static cache against transformers ``generate``, in speed, in the tokens they sample and in
+how exactly their logprobs match the trainer's.
+
+    python benchmarks/gpu_hf_engine.py               # on the GPU: 8 prompts x 8 samples x 256 tokens
+    python benchmarks/gpu_hf_engine.py --smoke       # CPU check of the script (tiny model)
+
+The engine is ``rollout.engine: hf`` with ``compile: on`` and ``cache: static``, on the
+Qwen2.5-0.5B-shaped random model of common.py: prompts of 128 tokens, temperature 1, EOS
+ignored (responses of exactly ``--max-tokens`` tokens), seed 0 for every call. On the static
+cache the engine decodes with its own loop (``HFEngine._decode``); ``generate`` is the path it
+takes for stop strings (``HFEngine._generate_hf``). Each engine serves both paths, one block of
+calls after the other: ``--warmup`` calls per path first (they compile), then ``--rounds``
+rounds of ``--calls`` timed calls per path, the GPU synchronised around each. Reported per path:
+the median seconds per rollout and tokens/s, its time over the decoding loop's (``time ratio``),
+the fraction of tokens that are the same as the decoding loop's for the same seed, and the mean and max absolute
+difference between the engine's logprobs and the trainer's (``hybridrl.models.response_logprobs``
+of a float32 policy on the same tokens). This runs for the bfloat16 engine (the default on
+CUDA) and for a float32 copy (``dtype: float32``), where the logprobs should match the
+trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+PATHS = ("decode", "generate")  # the engine's own loop on the static cache; transformers generate
+R: dict = {"errors": [], "engines": {}}
+COLUMNS = [
+    ("engine  ", "dtype", "{:<8}"),
+    ("path    ", "path", "{:<8}"),
+    ("warm-up s", "warmup_s", "{:>9.2f}"),
+    ("s/rollout", "median_s", "{:>9.3f}"),
+    ("tokens/s", "tokens_per_s", "{:>8,.0f}"),
+    ("time ratio", "over_decode", "{:>10.2f}"),
+    ("same tokens", "same_token_fraction", "{:>11.3f}"),
+    ("lp diff mean", "logprob_diff_mean", "{:>12.2e}"),
+    ("lp diff max", "logprob_diff_max", "{:>11.2e}"),
+]
+
+
+@contextlib.contextmanager
+def decoding_path(engine, path: str):
+    """Let ``engine`` decode through ``path`` inside the block: 'decode' is what it does on the
+    static cache; 'generate' binds its ``_generate_hf`` in place of ``_decode`` on this instance."""
+    if path == "generate":
+        engine._decode = engine._generate_hf
+    try:
+        yield engine
+    finally:
+        vars(engine).pop("_decode", None)
+
+
+def timed_rollout(engine, prompts, sampling):
+    common.wait_for_gpu()
+    start = time.perf_counter()
+    out = engine.generate(prompts, sampling)
+    common.wait_for_gpu()
+    return time.perf_counter() - start, out
+
+
+def same_token_fraction(a, b) -> float:
+    """The fraction of positions where two rollouts of the same prompts sampled the same token."""
+    same = sum(x == y for ra, rb in zip(a.token_ids, b.token_ids) for x, y in zip(ra, rb))
+    return same / max(1, sum(map(len, a.token_ids)))
+
+
+def logprob_diff(policy, prompts, out, n: int, pad_id: int, device) -> tuple[float, float]:
+    """Mean and max |engine logprob - trainer logprob| over the response tokens of ``out``."""
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.models import response_logprobs
+
+    batch = Batch.from_rollout(prompts, out, n, pad_id)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        lp, _ = response_logprobs(
+            policy, batch.input_ids.to(device), batch.attention_mask.to(device), mask.shape[1], 1.0
+        )
+    diff = (lp.float().cpu() - batch["rollout_logprobs"]).abs()[mask]
+    return diff.mean().item(), diff.max().item()
+
+
+def run_engine(args, ctx, dtype: str, policy, prompts, sampling) -> dict:
+    """Warm-up, then alternating timed blocks of both paths on one engine; its rows of the table."""
+    from hybridrl import plugins
+
+    cls = plugins.lookup("rollout engine", "hf")
+    engine = cls(cls.Options(compile="on", cache="static", dtype=dtype), ctx)
+    res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": []} for p in PATHS}
+    last = {}
+    try:
+        for path in PATHS:
+            with decoding_path(engine, path):
+                for _ in range(args.warmup):
+                    res[path]["warmup_calls_s"].append(timed_rollout(engine, prompts, sampling)[0])
+        for _ in range(args.rounds):
+            for path in PATHS:
+                with decoding_path(engine, path):
+                    for _ in range(args.calls):
+                        seconds, last[path] = timed_rollout(engine, prompts, sampling)
+                        res[path]["calls_s"].append(seconds)
+    finally:
+        engine.close()
+    tokens = len(prompts) * sampling.n * sampling.max_tokens
+    for path, r in res.items():
+        r["warmup_s"] = sum(r["warmup_calls_s"])
+        r["median_s"] = statistics.median(r["calls_s"])
+        r["tokens_per_s"] = tokens / r["median_s"]
+        r["over_decode"] = r["median_s"] / res["decode"]["median_s"]
+        r["same_token_fraction"] = same_token_fraction(last["decode"], last[path])
+        mean, worst = logprob_diff(policy, prompts, last[path], sampling.n, ctx.tokenizer.pad_token_id, ctx.device)
+        r["logprob_diff_mean"], r["logprob_diff_max"] = mean, worst
+    return res
+
+
+def main(args) -> None:
+    import torch
+    import transformers
+
+    common.use_checkout()
+    from hybridrl.components import RunContext, SamplingParams
+    from hybridrl.models import load_causal_lm, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_hf_engine: no CUDA GPU visible; --smoke runs the CPU check of the script.")
+    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
+    model_dir = args.model or common.build_model(
+        workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), common.TINY if args.smoke else common.QWEN05
+    )
+    R["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    R["machine"] = platform.machine() + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+    R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__}  # fmt: skip
+    R["config"] = {
+        "model": model_dir,
+        "device": str(device),
+        "prompts": args.prompts,
+        "prompt_tokens": args.prompt_chars,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "seed": 0,
+        "engine": {"compile": "on", "cache": "static"},
+        "dtypes": args.dtypes,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "calls": args.calls,
+    }
+    tokenizer = load_tokenizer(model_dir)
+    ctx = RunContext(model_dir, tokenizer, device, torch.float32, 0, workdir / "run")
+    prompts = [tokenizer(common.prompt(i, args.prompt_chars))["input_ids"] for i in range(args.prompts)]
+    sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    policy = load_causal_lm(model_dir, torch.float32, device).eval()  # the trainer's side of the logprobs
+    step = 0
+    for dtype in args.dtypes.split(","):
+        R["engines"][dtype] = run_engine(args, ctx, dtype, policy, prompts, sampling)
+        common.write_json(R, common.out_path(args.out, "hf_engine.json"))
+        for row in R["engines"][dtype].values():
+            step += 1
+            common.print_row({"step": step, **row}, COLUMNS)
+    R["summary"] = {
+        f"{dtype}_{key}": float(f"{R['engines'][dtype][path][field]:.4g}")
+        for dtype in R["engines"]
+        for key, path, field in (
+            ("decode_s", "decode", "median_s"),
+            ("generate_s", "generate", "median_s"),
+            ("generate_over_decode", "generate", "over_decode"),
+            ("same_token_fraction", "generate", "same_token_fraction"),
+            ("decode_logprob_diff_max", "decode", "logprob_diff_max"),
+        )
+    }
+    R["ok"] = True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-chars", type=int, default=common.PROMPT_CHARS, help="prompt length (one token a byte)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per path first (they compile)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of timed calls, the paths alternating")
+    p.add_argument("--calls", type=int, default=2, help="timed calls per path and round")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="engine dtypes, ','-separated")
+    p.add_argument("--workdir", default=None, help="where the model is built (default: the temp dir)")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT/hf_engine.json or ./hf_engine.json)")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, small sizes")
+    p.add_argument("--device", default=None, help="default: cuda (--smoke: cpu)")
+    p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_tokens, args.prompt_chars = 2, 2, 16, 32
+        args.warmup, args.rounds, args.calls = 1, 2, 1
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    common.run_and_exit(main, args, R, common.out_path(args.out, "hf_engine.json"))
