@@ -40,6 +40,11 @@ VARIANTS = {
     "bf16 autocast": ({}, {"mixed_precision": "bf16"}, True),
     "bf16 autocast + activation ckpt": ({}, {"mixed_precision": "bf16", "activation_checkpointing": True}, True),
     "bf16 autocast + compile": ({}, {"mixed_precision": "bf16", "compile": True}, True),
+    "bf16 autocast + compile, logits recomputed": (
+        {},
+        {"mixed_precision": "bf16", "compile": True, "keep_logits_gib": 0},
+        True,
+    ),
     "bf16 weights": ({"dtype": "bfloat16"}, {"mixed_precision": "off"}, True),
     "bf16 autocast + compile, full logits": ({}, {"mixed_precision": "bf16", "compile": True}, False),
     "bf16 weights + compile": ({"dtype": "bfloat16"}, {"mixed_precision": "off", "compile": True}, True),

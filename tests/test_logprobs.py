@@ -178,3 +178,43 @@ def test_the_trainer_turns_dropout_off_unless_asked(tiny_model, tmp_path, keep, 
     for model in (t.policy, t.ref):
         rates = {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")}
         assert rates == ({0.5} if keep else {0.0})
+
+
+@pytest.mark.parametrize("keep_bytes", [2**30, 0], ids=["kept", "recomputed"])
+def test_fused_output_layer_gives_the_same_values_and_gradients(model, keep_bytes):
+    """The compiled chunk (sharding compile) against the eager one: logits kept for the backward
+    pass, or (a budget of 0 bytes) recomputed chunk by chunk."""
+    ids, _ = padded_batch(model.config.vocab_size)
+    hidden = torch.randn(3, 6, model.config.hidden_size) * 3
+    tokens = ids[:, :6]
+    head = model.get_output_embeddings()
+
+    def run(**kw):
+        h = hidden.clone().requires_grad_()
+        head.zero_grad()
+        lp, ent = chunked_head_logprobs(h, head, tokens, 0.7, with_entropy=True, entropy_grad=True, **kw)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, head.weight.grad.clone()
+
+    want = run()
+    got = run(fused=True, keep_bytes=keep_bytes, chunk_bytes=4 * head.out_features * 5)  # 5 tokens a chunk
+    assert want[0].std() > 0.1 and want[1].std() > 0.01  # sharpened head: values that differ per token
+    for w, g in zip(want, got):
+        assert torch.allclose(w, g, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(model, monkeypatch):
+    from hybridrl import models
+
+    calls = []
+    real = models._fused_chunk()
+    monkeypatch.setattr(models, "_fused_chunk", lambda: lambda *a: calls.append(a[3].shape) or real(*a))
+    ids, mask = padded_batch(model.config.vocab_size)
+    want, _ = response_logprobs(model, ids, mask, 9)
+    models.fuse_output_layer(model, 2**30)
+    try:
+        got, _ = response_logprobs(model, ids, mask, 9)
+    finally:
+        del model._hybridrl_fused_head
+    assert calls == [(3 * 6, model.config.hidden_size)]  # one chunk: the 6 kept response columns of 3 rows
+    assert torch.allclose(got, want, atol=1e-5)

@@ -117,9 +117,11 @@ class Trainer:
         self.ref = None
         if self.algorithm.needs_reference:
             self.ref = self.strategy.wrap_reference(load().eval().requires_grad_(False))
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay
-        )
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        # one fused kernel per step on a GPU (as transformers' Trainer defaults to); sharded
+        # parameters (DTensors) keep torch's default multi-tensor implementation
+        fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
         warmup = max(1, t.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
@@ -458,6 +460,9 @@ class Trainer:
                 scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), mode)
                 finite = True
                 for part in (mb.select(g) for g in self.micro_batches(mb, micro)):
+                    # host syncs wait for queued GPU work: this one before the forward pass, the
+                    # others after the backward pass, so that the two run without a pause between
+                    weight = scale * F.micro_batch_weight(part["response_mask"], mb["response_mask"], mode)
                     with self.device_errors("policy", self.policy, part.input_ids.device), self.strategy.autocast():
                         logprobs, entropy = response_logprobs(
                             self.policy,
@@ -468,22 +473,21 @@ class Trainer:
                             with_entropy=True,
                             entropy_grad=self.algorithm.needs_entropy_grad,
                         )
-                    if "old_logprobs" not in part:  # one update: the sampling policy is being updated
+                    sampling_policy = "old_logprobs" not in part  # one update: the sampling policy is being updated
+                    if sampling_policy:
                         part["old_logprobs"] = logprobs.detach()
-                        for k, v in mismatch_metrics(
-                            part["rollout_logprobs"], logprobs.detach(), part["response_mask"]
-                        ).items():
-                            stats[k].append(v)
                     loss, m = self.algorithm.loss(part, logprobs, entropy)
+                    (loss * weight).backward()  # a non-finite loss's gradients are dropped below
                     if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
                         value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
                         self.nonfinite(step, f"the loss of algorithm '{self.config.algorithm.name}' is {value}")
                         finite = False
                         break
-                    weight = scale * F.micro_batch_weight(
-                        part["response_mask"], mb["response_mask"], self.algorithm.loss_agg_mode
-                    )
-                    (loss * weight).backward()
+                    if sampling_policy:
+                        for k, v in mismatch_metrics(
+                            part["rollout_logprobs"], part["old_logprobs"], part["response_mask"]
+                        ).items():
+                            stats[k].append(v)
                     stats["actor/entropy"].append(F.masked_mean(entropy, part["response_mask"]).item())
                     for k, v in m.items():
                         stats[k].append(float(v))
