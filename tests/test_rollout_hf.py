@@ -6,7 +6,7 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
-from hybridrl.builtin.rollout_hf import GROUPED_ATTENTION, _grouped_decode_attention
+from hybridrl.builtin.rollout_hf import GROUPED_ATTENTION, _FusedGroup, _grouped_decode_attention
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
@@ -185,6 +185,51 @@ def test_lower_precision_copy_converts_synced_weights(make_engine, tiny_model):
     for name, t in policy.state_dict().items():
         assert torch.equal(engine.model.state_dict()[name], t.to(torch.bfloat16))
     assert len(engine.generate(prompts(engine.tokenizer, ["abc"]), SamplingParams(max_tokens=4)).token_ids) == 1
+
+
+def matmuls_of_compiled_forward(model, ids) -> int:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(lambda x: model(x).logits), ids)
+    return sum("\n".join(code).count(f"extern_kernels.{op}(") for op in ("mm", "addmm", "bmm"))
+
+
+def test_fused_projections_run_one_matmul_per_group_with_the_same_outputs(make_engine):
+    plain, fused = make_engine(cache="static", fuse_projections="off"), make_engine(cache="static")
+    layers = plain.model.config.num_hidden_layers
+    assert sum(isinstance(m, _FusedGroup) for m in fused.model.modules()) == 2 * layers  # attention + MLP
+    assert list(fused.model.state_dict()) == list(plain.model.state_dict())  # same names to sync
+    ids = torch.randint(0, plain.model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(fused.model(ids).logits, plain.model(ids).logits, atol=1e-5)
+    # q/k/v: 3 -> 1 and gate/up: 2 -> 1 per layer; o, down and the output layer stay
+    assert matmuls_of_compiled_forward(plain.model, ids) - matmuls_of_compiled_forward(fused.model, ids) == 3 * layers
+    sp = SamplingParams(n=2, max_tokens=12, seed=0)
+    p = prompts(plain.tokenizer, TEXTS)
+    assert fused.generate(p, sp).token_ids == plain.generate(p, sp).token_ids
+
+
+def test_fused_projections_follow_synced_weights(make_engine, tiny_model):
+    plain, fused = make_engine(cache="static", fuse_projections="off"), make_engine(cache="static")
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for t in policy.parameters():
+            t.add_(0.5 * torch.randn_like(t))
+    for engine in (plain, fused):
+        engine.update_weights(policy.state_dict().items())
+    attn = fused.model.model.layers[0].self_attn
+    group = attn.hybridrl_fused_q_proj
+    want = torch.cat([policy.model.layers[0].self_attn.get_submodule(n).weight for n in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(group.weight, want)  # the layers' parameters are views of the concatenation
+    ids = torch.randint(0, policy.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(fused.model(ids).logits, policy(ids).logits, atol=1e-4)
+    sp = SamplingParams(n=2, max_tokens=12, seed=0)
+    p = prompts(plain.tokenizer, TEXTS)
+    assert fused.generate(p, sp).token_ids == plain.generate(p, sp).token_ids
 
 
 def test_update_weights_rejects_unknown_names(engine):

@@ -63,6 +63,7 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
     compiled = strategy(tiny_model, tmp_path, compile=True)
     model = compiled.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers)
+    assert model._hybridrl_fused_head == 8 * 2**30  # the output layer's compiled chunk, keep_logits_gib 8
     lp2, grads2 = loss_and_grads(model, compiled)
     assert torch.allclose(lp, lp2, atol=1e-5)
     for n in grads:

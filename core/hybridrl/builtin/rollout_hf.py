@@ -101,6 +101,88 @@ def use_grouped_decode_attention(model) -> bool:
     return True
 
 
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read one input
+
+
+class _FusedGroup(torch.nn.Module):
+    """Linear layers that read the same input, as one matrix multiplication.
+
+    Holds their weights (and biases) concatenated; each layer's own parameters become views of
+    them, so that the state dict keeps its names and loading a weight in place updates the
+    concatenation. The first layer called computes every output and keeps them until the
+    others of the group have taken theirs, for that same input tensor (any other input is
+    computed on its own).
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        super().__init__()
+        self.register_buffer("weight", torch.cat([lin.weight for lin in linears]), persistent=False)
+        has_bias = linears[0].bias is not None
+        self.register_buffer("bias", torch.cat([lin.bias for lin in linears]) if has_bias else None, persistent=False)
+        self.bounds, start = [], 0
+        for lin in linears:
+            rows = lin.out_features
+            self.bounds.append((start, start + rows))
+            lin.weight = torch.nn.Parameter(self.weight[start : start + rows], requires_grad=False)
+            if has_bias:
+                lin.bias = torch.nn.Parameter(self.bias[start : start + rows], requires_grad=False)
+            start += rows
+        self.input = self.output = None
+        self.pending = 0
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self.input is not x:
+            self.input, self.output = x, torch.nn.functional.linear(x, self.weight, self.bias)
+            self.pending = len(self.bounds)
+        lo, hi = self.bounds[index]
+        out = self.output[..., lo:hi]
+        self.pending -= 1
+        if self.pending == 0:  # every layer of the group has its output: keep nothing alive
+            self.input = self.output = None
+        return out
+
+
+class _FusedPart(torch.nn.Module):
+    """One linear layer of a :class:`_FusedGroup`; its parameters are views of the group's."""
+
+    def __init__(self, linear: torch.nn.Linear, group: _FusedGroup, index: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        object.__setattr__(self, "group", group)  # not a submodule: the parent owns it once
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(self.index, x)
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Compute each attention's q/k/v projections, and each MLP's gate and up projections, as one
+    matrix multiplication (:data:`FUSED_GROUPS`, the Llama/Qwen/Mistral names); in decoding, with
+    a few dozen rows, each multiplication costs about the same whatever its width. Returns the
+    number of groups fused; modules whose layers differ in input size, dtype or bias are left."""
+    fused = 0
+    for module in list(model.modules()):
+        for names in FUSED_GROUPS:
+            linears = [getattr(module, n, None) for n in names]
+            if not all(type(lin) is torch.nn.Linear for lin in linears):
+                continue
+            first = linears[0]
+            if any(
+                lin.in_features != first.in_features
+                or lin.weight.dtype != first.weight.dtype
+                or (lin.bias is None) != (first.bias is None)
+                for lin in linears
+            ):
+                continue
+            group = _FusedGroup(linears)
+            module.add_module(f"hybridrl_fused_{names[0]}", group)
+            for i, (name, lin) in enumerate(zip(names, linears)):
+                setattr(module, name, _FusedPart(lin, group, i))
+            fused += 1
+    return fused
+
+
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the engine's copy: ``choice``, or for 'auto' bfloat16 on a CUDA GPU that
     supports it when the policy is float32, else the policy's."""
@@ -152,6 +234,12 @@ class HFEngine(RolloutEngine):
             "supports it when the policy is float32, else the policy's. A lower precision than the "
             "policy's shows up in rollout/logprob_diff_*.",
         )
+        fuse_projections: Literal["auto", "on", "off"] = Field(
+            "auto",
+            description="Run each layer's q/k/v projections, and its gate and up projections, as one "
+            "matrix multiplication each in the engine's copy (fewer, wider kernels per decoding step). "
+            "'auto': on with the static cache.",
+        )
         pad_prompts_to_multiple: int = Field(
             0,
             ge=0,
@@ -177,6 +265,8 @@ class HFEngine(RolloutEngine):
         self.tokenizer = ctx.tokenizer
         if self.static:
             use_grouped_decode_attention(self.model)
+        if o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static):
+            fuse_projections(self.model)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
         self.pad_id = self.tokenizer.pad_token_id
