@@ -138,8 +138,9 @@ def test_grouped_decode_attention_equals_sdpa(boolean):
 
 
 def test_static_engine_decodes_with_grouped_attention(make_engine):
-    assert make_engine(cache="static").model.config._attn_implementation == GROUPED_ATTENTION
-    assert make_engine(cache="dynamic").model.config._attn_implementation == "sdpa"
+    static, dynamic = make_engine(cache="static"), make_engine(cache="dynamic")
+    assert static.grouped_attention and static.model.config._attn_implementation == GROUPED_ATTENTION
+    assert not dynamic.grouped_attention and dynamic.model.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -199,7 +200,8 @@ def matmuls_of_compiled_forward(model, ids) -> int:
 def test_fused_projections_run_one_matmul_per_group_with_the_same_outputs(make_engine):
     plain, fused = make_engine(cache="static", fuse_projections="off"), make_engine(cache="static")
     layers = plain.model.config.num_hidden_layers
-    assert sum(isinstance(m, _FusedGroup) for m in fused.model.modules()) == 2 * layers  # attention + MLP
+    assert plain.fused_groups == 0 and fused.fused_groups == 2 * layers  # attention + MLP of each layer
+    assert sum(isinstance(m, _FusedGroup) for m in fused.model.modules()) == 2 * layers
     assert list(fused.model.state_dict()) == list(plain.model.state_dict())  # same names to sync
     ids = torch.randint(0, plain.model.config.vocab_size, (2, 7))
     with torch.no_grad():

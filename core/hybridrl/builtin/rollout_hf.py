@@ -8,7 +8,9 @@ under the temperature-scaled distribution the trainer scores. Compiled, one deco
 attention mask, the forward, the sampling) is one graph, a CUDA graph on CUDA, and the host
 waits for the device only every ``FINISHED_CHECK_EVERY`` tokens to see whether every sequence
 has ended; the prefill runs eagerly. On the static cache the model's SDPA attention is swapped
-for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place. To keep the
+for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each
+layer's q/k/v and gate/up projections run as one matrix multiplication each
+(:func:`fuse_projections`). To keep the
 compiled graphs reusable from step to step, prompts are left-padded to a multiple of
 ``pad_prompts_to_multiple`` tokens and, when compiling, a short last chunk of prompts is filled
 up to ``batch_size`` with copies whose samples are dropped.
@@ -263,10 +265,10 @@ class HFEngine(RolloutEngine):
         self.model = load_causal_lm(ctx.model_path, dtype, ctx.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = ctx.tokenizer
-        if self.static:
-            use_grouped_decode_attention(self.model)
-        if o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static):
-            fuse_projections(self.model)
+        # what the fast path changed in the engine's copy, for tests and logs
+        self.grouped_attention = self.static and use_grouped_decode_attention(self.model)
+        fuse = o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static)
+        self.fused_groups = fuse_projections(self.model) if fuse else 0
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
         self.pad_id = self.tokenizer.pad_token_id
