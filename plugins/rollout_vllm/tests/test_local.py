@@ -280,18 +280,21 @@ def test_threads_are_given_back_to_the_trainer(engine, tok):
 def test_a_reload_call_that_splits_a_layer_corrupts_it(engine, model_dir, tok):
     """Why buckets hold whole layers: vLLM finishes a fused module only when all its parts arrive.
 
-    After split calls, a later whole-layer reload repairs the engine only some of the time
-    (vLLM 0.32, CPU), so nothing runs on this engine afterwards.
+    Sent one tensor per call, a new policy does not reach the engine: depending on vLLM's
+    bookkeeping the fused modules keep their old weights or get a mix. After split calls, a
+    later whole-layer reload repairs the engine only some of the time (vLLM 0.32, CPU), so
+    nothing runs on this engine afterwards.
     """
     prompts = encode(tok, ["abc"])
-    model = perturbed(model_dir, seed=5)
-    engine.update_weights(model.state_dict().items())  # whole layers: right
-    assert vllm_greedy(engine, prompts, 12) == hf_greedy(model, prompts, 12)
+    old, new = perturbed(model_dir, seed=5), perturbed(model_dir, seed=6)
+    assert hf_greedy(old, prompts, 12) != hf_greedy(new, prompts, 12)  # greedy output tells them apart
+    engine.update_weights(old.state_dict().items())  # whole layers: right
+    assert vllm_greedy(engine, prompts, 12) == hf_greedy(old, prompts, 12)
     llm = engine.backend.llm
-    for item in model.state_dict().items():  # one tensor per call: q, k and v arrive apart
+    for item in new.state_dict().items():  # one tensor per call: q, k and v arrive apart
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([item]), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
-    assert vllm_greedy(engine, prompts, 12) != hf_greedy(model, prompts, 12)
+    assert vllm_greedy(engine, prompts, 12) != hf_greedy(new, prompts, 12)
 
 
 # Closing an in-process engine tears down vLLM's process-wide parallel state, which breaks the
