@@ -1,5 +1,6 @@
 """What the GPU scripts share: the reference model, its prompts and rewards, putting this
-checkout's hybridrl on the path, and the table/JSON/exit scaffolding of the GRPO scripts.
+checkout's hybridrl on the path, and the setup, step loop, summary and table/JSON/exit scaffolding
+of the GRPO scripts.
 
 The reference model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM: 24 layers, hidden 896, 14 heads
 of 64 with 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings) with random weights built
@@ -11,10 +12,14 @@ produces), so engines that detokenize (TRL's vLLM, transformers) handle random s
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
+import platform
+import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -53,8 +58,6 @@ def use_checkout(*plugins: str) -> None:
         import hybridrl  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(ROOT / "core"))
-    import importlib
-
     from hybridrl import plugins as registry
 
     pm = registry.get_plugin_manager()
@@ -182,6 +185,124 @@ def token_task_plugin():
             return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
 
     return bench_plugin({"bench_sums": Sums}, {"even_tokens": EvenTokens})
+
+
+# what both keep of Trainer.step's metrics; each adds its engine's
+GRPO_KEEP = (
+    "reward/mean",
+    "throughput/rollout_tokens_per_s",
+    "timing/rollout",
+    "timing/update",
+    "timing/sync",
+    "timing/step",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
+)
+
+
+def start_grpo(result: dict, script: str, cuda: bool, plugins: tuple[str, ...], engine: str | None) -> None:
+    """Check that a CUDA GPU is visible (``cuda``: not --smoke), import hybridrl with ``plugins``
+    and the benchmark's prompts and reward (token_task_plugin), and record in ``result`` the
+    versions (``engine``'s too, a module imported by name, unless None) and the GPU's name."""
+    import torch
+
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: no CUDA GPU visible; --smoke runs the CPU check of the script.")
+    try:
+        import pydantic  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"{script}: hybridrl needs {e.name}: pip install pydantic pyyaml") from None
+    use_checkout(*plugins)
+    from hybridrl import plugins as registry
+
+    registry.get_plugin_manager().register(token_task_plugin(), name="bench")
+    registry.invalidate_registry()
+    import transformers
+
+    result["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
+                          "transformers": transformers.__version__}  # fmt: skip
+    if engine:
+        result["versions"][engine] = importlib.import_module(engine).__version__
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name(0)
+
+
+def setup_trainer(result: dict, cfg: dict, name: str):
+    """A hybridrl Trainer of the config dict ``cfg`` (recorded in ``result``), after its setup(),
+    which loads the policy and starts the engine (timed: ``setup_s``)."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    result["config"] = cfg
+    trainer = Trainer(load_config(data=cfg), name=name)
+    t = time.perf_counter()
+    trainer.setup()
+    result["setup_s"] = round(time.perf_counter() - t, 2)
+    return trainer
+
+
+Hook = Callable[[int, dict], None]
+
+
+def run_steps(
+    trainer,
+    steps: int,
+    keep: tuple[str, ...],
+    result: dict,
+    path: Path,
+    columns: list,
+    before: Hook | None = None,
+    after: Hook | None = None,
+    close: Callable[[], None] | None = None,
+) -> None:
+    """Steps 1 to ``steps`` of ``trainer``, with its loggers opened and closed as Trainer.train
+    does (its checkpoint at the end is not wanted here). Each step's record: the step, what
+    ``before(step, record)`` adds, the metrics named in ``keep`` and what ``after(step, record)``
+    adds, floats rounded to 5 places; it goes to ``result["steps"]``, ``result`` is written to
+    ``path`` and the row printed (print_row). At the end, failed or not, the loggers are closed
+    and the engine too, by ``close()`` where given."""
+    for logger in trainer.loggers:
+        logger.open(steps, 0)
+    try:
+        for step in range(1, steps + 1):
+            record: dict = {"step": step}
+            if before:
+                before(step, record)
+            metrics = trainer.step(step)
+            record |= {k: metrics[k] for k in keep if k in metrics}
+            if after:
+                after(step, record)
+            result["steps"].append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
+            write_json(result, path)
+            print_row(result["steps"][-1], columns)
+    finally:
+        for logger in trainer.loggers:
+            logger.close()
+        (close or trainer.engine.close)()
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    """The median of ``key`` over the rows that have it, to 4 places; None if none has it."""
+    values = [r[key] for r in rows if key in r]
+    return round(statistics.median(values), 4) if values else None
+
+
+def grpo_summary(steps: list[dict], **engine: float | None) -> dict:
+    """Medians over the steps after the first (which warms up kernels) of what every engine
+    reports, with the ``engine``'s own figures after the weight sync, and the extremes."""
+    later = steps[1:] or steps
+    return {
+        "steps_in_median": len(later),
+        "rollout_tokens_per_s": median(later, "throughput/rollout_tokens_per_s"),
+        "weight_sync_s": median(later, "timing/sync"),
+        **engine,
+        "logprob_diff_mean": median(later, "rollout/logprob_diff_mean"),
+        "logprob_diff_max": max((s.get("rollout/logprob_diff_max", 0.0) for s in steps), default=None),
+        "step_s": median(later, "timing/step"),
+        "reward_first": steps[0].get("reward/mean") if steps else None,
+        "reward_last": steps[-1].get("reward/mean") if steps else None,
+    }
 
 
 def out_path(given: str | None, name: str) -> Path:

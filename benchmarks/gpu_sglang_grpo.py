@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -60,20 +58,6 @@ def out_path(args) -> Path:
 
 def dump(args) -> None:
     common.write_json(R, out_path(args))
-
-
-def import_hybridrl():
-    """hybridrl and its two plugins, from the installed packages or from this checkout."""
-    try:
-        import pydantic  # noqa: F401
-        import yaml  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"gpu_sglang_grpo: hybridrl needs {e.name}: pip install pydantic pyyaml") from None
-    common.use_checkout("algo_grpo", "rollout_sglang")
-    from hybridrl import plugins
-
-    plugins.get_plugin_manager().register(common.token_task_plugin(), name="bench")
-    plugins.invalidate_registry()
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -197,17 +181,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
     }
 
 
-KEEP = (
-    "reward/mean",
-    "throughput/rollout_tokens_per_s",
-    "timing/rollout",
-    "timing/update",
-    "timing/sync",
-    "timing/step",
-    "rollout/logprob_diff_mean",
-    "rollout/logprob_diff_max",
-    "response_length/mean",
-)
+KEEP = common.GRPO_KEEP + ("response_length/mean",)
 
 
 def main(args) -> None:
@@ -215,58 +189,32 @@ def main(args) -> None:
     import torch
 
     cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("gpu_sglang_grpo: no CUDA GPU visible; --smoke runs the CPU check of the script.")
-    import_hybridrl()
-    import transformers
-
-    from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer
-
-    R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__}  # fmt: skip
-    if cuda:
-        import sglang
-
-        R["versions"]["sglang"] = sglang.__version__
-        R["gpu"] = torch.cuda.get_device_name(0)
+    common.start_grpo(R, "gpu_sglang_grpo", cuda, ("algo_grpo", "rollout_sglang"), engine="sglang" if cuda else None)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-sglang").absolute()
     t = time.perf_counter()
     model_dir = build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"),
                             TINY if args.smoke else common.QWEN05, "cuda" if cuda else "cpu")  # fmt: skip
     R["build_model_s"] = round(time.perf_counter() - t, 2)
-    cfg = config(args, model_dir, workdir)
-    R["config"] = cfg
-    trainer = Trainer(load_config(data=cfg), name="bench-sglang")
-    t = time.perf_counter()
-    trainer.setup()  # loads the policy, starts the engine
-    R["setup_s"] = round(time.perf_counter() - t, 2)
+    trainer = common.setup_trainer(R, config(args, model_dir, workdir), "bench-sglang")
     if cuda:
         R["free_after_setup_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     dump(args)
-    for logger in trainer.loggers:  # as Trainer.train does (its checkpoint at the end is not wanted here)
-        logger.open(args.steps, 0)
-    try:
-        for step in range(1, args.steps + 1):
-            record: dict = {"step": step}
-            instrument(trainer.engine, record, cuda)
-            metrics = trainer.step(step)
-            for k in KEEP:
-                if k in metrics:
-                    record[k] = metrics[k]
-            if record.get("generate_s"):
-                record["generate_tokens_per_s"] = record["generated_tokens"] / record["generate_s"]
-            R["steps"].append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
-            for name in ("sleep", "wake_up", "generate", "update_weights"):  # unwrap for the next step
-                trainer.engine.__dict__.pop(name, None)
-            dump(args)
-            common.print_row(R["steps"][-1], COLUMNS)
-    finally:
-        for logger in trainer.loggers:
-            logger.close()
+
+    def before(step: int, record: dict) -> None:
+        instrument(trainer.engine, record, cuda)
+
+    def after(step: int, record: dict) -> None:
+        if record.get("generate_s"):
+            record["generate_tokens_per_s"] = record["generated_tokens"] / record["generate_s"]
+        for name in ("sleep", "wake_up", "generate", "update_weights"):  # unwrap for the next step
+            trainer.engine.__dict__.pop(name, None)
+
+    def close() -> None:
         t = time.perf_counter()
         trainer.engine.close()
         R["close_s"] = round(time.perf_counter() - t, 2)
+
+    common.run_steps(trainer, args.steps, KEEP, R, out_path(args), COLUMNS, before, after, close)
     R["summary"] = summarize(R["steps"])
     R["total_s"] = round(time.perf_counter() - t0, 1)
     R["ok"] = True
@@ -275,21 +223,13 @@ def main(args) -> None:
 def summarize(steps: list[dict]) -> dict:
     """Medians over the steps after the first (which warms up kernels), and the extremes."""
     later = steps[1:] or steps
-    med = lambda k: round(statistics.median(s[k] for s in later if k in s), 4) if any(k in s for s in later) else None  # noqa: E731
-    return {
-        "steps_in_median": len(later),
-        "rollout_tokens_per_s": med("throughput/rollout_tokens_per_s"),
-        "generate_tokens_per_s": med("generate_tokens_per_s"),
-        "weight_sync_s": med("timing/sync"),
-        "sleep_s": med("sleep_s"),
-        "wake_up_s": med("wake_up_s"),
-        "released_gib": med("released_gib"),
-        "logprob_diff_mean": med("rollout/logprob_diff_mean"),
-        "logprob_diff_max": max((s.get("rollout/logprob_diff_max", 0.0) for s in steps), default=None),
-        "step_s": med("timing/step"),
-        "reward_first": steps[0].get("reward/mean") if steps else None,
-        "reward_last": steps[-1].get("reward/mean") if steps else None,
-    }
+    return common.grpo_summary(
+        steps,
+        generate_tokens_per_s=common.median(later, "generate_tokens_per_s"),
+        sleep_s=common.median(later, "sleep_s"),
+        wake_up_s=common.median(later, "wake_up_s"),
+        released_gib=common.median(later, "released_gib"),
+    )
 
 
 COLUMNS = [

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -50,15 +48,6 @@ def out_path(args) -> Path:
 
 def dump(args) -> None:
     common.write_json(R, out_path(args))
-
-
-def register_plugins():
-    """hybridrl, its grpo and vllm plugins, and this benchmark's prompts and reward."""
-    common.use_checkout("algo_grpo", "rollout_vllm")
-    from hybridrl import plugins
-
-    plugins.get_plugin_manager().register(common.token_task_plugin(), name="bench")
-    plugins.invalidate_registry()
 
 
 def config(args, model_dir: str, workdir: Path) -> dict:
@@ -92,75 +81,38 @@ def config(args, model_dir: str, workdir: Path) -> dict:
     }
 
 
-KEEP = (
-    "reward/mean",
-    "throughput/rollout_tokens_per_s",
-    "timing/rollout",
-    "timing/update",
-    "timing/sync",
-    "timing/step",
-    "rollout/logprob_diff_mean",
-    "rollout/logprob_diff_max",
-    "vllm/sleep_s",
-    "vllm/sleep_freed_gib",
-    "vllm/wake_s",
-    "vllm/sync_buckets",
-    "vllm/sync_mib",
-)
+KEEP = common.GRPO_KEEP + ("vllm/sleep_s", "vllm/sleep_freed_gib", "vllm/wake_s", "vllm/sync_buckets", "vllm/sync_mib")
 
 
 def main(args) -> None:
     t0 = time.perf_counter()
     import torch
-    import transformers
 
     cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("gpu_vllm_grpo: no CUDA GPU visible; --smoke runs the CPU check of the script.")
-    register_plugins()
-    import vllm
-
-    from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer
-
-    R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "vllm": vllm.__version__}  # fmt: skip
+    common.start_grpo(R, "gpu_vllm_grpo", cuda, ("algo_grpo", "rollout_vllm"), engine="vllm")
     if cuda:
-        R["gpu"] = torch.cuda.get_device_name(0)
         R["gpu_total_gib"] = round(torch.cuda.mem_get_info()[1] / 2**30, 1)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-vllm").absolute()
     t = time.perf_counter()
     folder = workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped")
     model_dir = common.build_model(folder, TINY if args.smoke else common.QWEN05, chat_template=common.CHATML)
     R["build_model_s"] = round(time.perf_counter() - t, 2)
-    cfg = config(args, model_dir, workdir)
-    R["config"] = cfg
-    trainer = Trainer(load_config(data=cfg), name="bench-vllm")
-    t = time.perf_counter()
-    trainer.setup()  # loads the policy, starts the engine
-    R["setup_s"] = round(time.perf_counter() - t, 2)
+    trainer = common.setup_trainer(R, config(args, model_dir, workdir), "bench-vllm")
     R["engine_load_s"] = round(trainer.engine.backend.load_seconds, 2)
     if cuda:
         R["free_after_setup_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     dump(args)
-    for logger in trainer.loggers:
-        logger.open(args.steps, 0)
-    try:
-        for step in range(1, args.steps + 1):
-            if step > args.steps - args.level2_steps and not args.smoke:
-                trainer.engine.backend.sleep_level = 2
-            record: dict = {"step": step, "sleep_level": trainer.engine.backend.sleep_level}
-            metrics = trainer.step(step)
-            record |= {k: metrics[k] for k in KEEP if k in metrics}
-            if cuda:
-                record["free_end_of_step_gib"] = torch.cuda.mem_get_info()[0] / 2**30
-            R["steps"].append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
-            dump(args)
-            common.print_row(R["steps"][-1], COLUMNS)
-    finally:
-        for logger in trainer.loggers:
-            logger.close()
-        trainer.engine.close()
+
+    def before(step: int, record: dict) -> None:
+        if step > args.steps - args.level2_steps and not args.smoke:
+            trainer.engine.backend.sleep_level = 2
+        record["sleep_level"] = trainer.engine.backend.sleep_level
+
+    def after(step: int, record: dict) -> None:
+        if cuda:
+            record["free_end_of_step_gib"] = torch.cuda.mem_get_info()[0] / 2**30
+
+    common.run_steps(trainer, args.steps, KEEP, R, out_path(args), COLUMNS, before, after)
     R["summary"] = summarize(R["steps"])
     R["total_s"] = round(time.perf_counter() - t0, 1)
     R["ok"] = True
@@ -169,28 +121,16 @@ def main(args) -> None:
 def summarize(steps: list[dict]) -> dict:
     """Medians over the steps after the first (which warms up kernels), per sleep level."""
     later = steps[1:] or steps
-
-    def med(key, rows=later):
-        values = [s[key] for s in rows if key in s]
-        return round(statistics.median(values), 4) if values else None
-
-    level2 = [s for s in later if s["sleep_level"] == 2]
     level1 = [s for s in later if s["sleep_level"] == 1]
-    return {
-        "steps_in_median": len(later),
-        "rollout_tokens_per_s": med("throughput/rollout_tokens_per_s"),
-        "weight_sync_s": med("timing/sync"),
-        "sleep_s_level1": med("vllm/sleep_s", level1),
-        "freed_gib_level1": med("vllm/sleep_freed_gib", level1),
-        "sleep_s_level2": med("vllm/sleep_s", level2),
-        "freed_gib_level2": med("vllm/sleep_freed_gib", level2),
-        "wake_s": med("vllm/wake_s"),
-        "logprob_diff_mean": med("rollout/logprob_diff_mean"),
-        "logprob_diff_max": max((s.get("rollout/logprob_diff_max", 0.0) for s in steps), default=None),
-        "step_s": med("timing/step"),
-        "reward_first": steps[0].get("reward/mean") if steps else None,
-        "reward_last": steps[-1].get("reward/mean") if steps else None,
-    }
+    level2 = [s for s in later if s["sleep_level"] == 2]
+    return common.grpo_summary(
+        steps,
+        sleep_s_level1=common.median(level1, "vllm/sleep_s"),
+        freed_gib_level1=common.median(level1, "vllm/sleep_freed_gib"),
+        sleep_s_level2=common.median(level2, "vllm/sleep_s"),
+        freed_gib_level2=common.median(level2, "vllm/sleep_freed_gib"),
+        wake_s=common.median(later, "vllm/wake_s"),
+    )
 
 
 COLUMNS = [
