@@ -280,6 +280,7 @@ def under_torchrun(monkeypatch, world: int):
         ("single", {}, "sharding.strategy 'single' trains on one process, but torchrun started 2"),
         ("fsdp", {"prompts_per_step": 3}, "trainer.prompts_per_step=3 does not divide by the 2 ranks"),
         ("fsdp", {"mini_batch_size": 3}, "trainer.mini_batch_size=3 does not divide by the 2 ranks"),
+        ("fsdp", {"micro_batch_tokens": 512}, "trainer.micro_batch_tokens works with single-process strategies"),
     ],
 )
 def test_config_that_cannot_split_over_ranks_is_refused(tiny_model, tmp_path, monkeypatch, strategy, trainer, message):

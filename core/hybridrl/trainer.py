@@ -100,11 +100,6 @@ class Trainer:
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
-        if t.micro_batch_tokens and self.strategy.multi_process:  # ranks would run different numbers of passes
-            raise ConfigError(
-                f"trainer.micro_batch_tokens works with single-process strategies; sharding strategy "
-                f"'{cfg.sharding.strategy}' runs collectives in every pass. Use trainer.micro_batch_size."
-            )
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards]
         self.shaping = ShapingState()  # the rewards' running statistics, checkpointed
@@ -135,8 +130,14 @@ class Trainer:
         world = distributed.env_world()[1]
         try:
             device = distributed.resolve_device(t.device)
+            multi_process = plugins.lookup("sharding strategy", cfg.sharding.strategy).multi_process
+            if t.micro_batch_tokens and multi_process:  # ranks would run different numbers of passes
+                raise ConfigError(
+                    f"trainer.micro_batch_tokens works with single-process strategies; sharding strategy "
+                    f"'{cfg.sharding.strategy}' runs collectives in every pass. Use trainer.micro_batch_size."
+                )
             if world > 1:
-                if not plugins.lookup("sharding strategy", cfg.sharding.strategy).multi_process:
+                if not multi_process:
                     raise ConfigError(
                         f"sharding.strategy '{cfg.sharding.strategy}' trains on one process, but torchrun started "
                         f"{world} (WORLD_SIZE={world}): their models would drift apart. Set sharding.strategy=fsdp, "
