@@ -196,6 +196,25 @@ def test_grpo_under_torchrun_logs_once_checkpoints_and_resumes_exactly(tiny_mode
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
 
 
+def test_dynamic_sampling_refill_under_torchrun(tiny_model, tmp_path):
+    """Ranks keep different numbers of groups each round; they generate the same number of rounds
+    (or hang) and, unless the rounds run out, each trains on its share of prompts_per_step."""
+    import yaml
+
+    data = config(tiny_model, tmp_path / "run", "fsdp", algorithm={"dynamic_sampling": True}, trainer={"steps": 3})
+    data["rollout"]["refill_rounds"] = 3
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    proc = torchrun(["-m", "hybridrl.cli", "train", str(cfg)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics_rows(tmp_path / "run")
+    rounds = [r["rollout/rounds"] for r in rows]
+    trained = [round(r["batch/trained_fraction"] * k * 16) for r, k in zip(rows, rounds)]  # 4 prompts x n=4
+    assert len(rows) == 3 and all(1 <= k <= 4 for k in rounds)
+    assert all(n == 16 for n, k in zip(trained, rounds) if k < 4)  # stopped early: every rank had its share
+    assert all(n <= 16 for n in trained)
+
+
 # -- in one process ---------------------------------------------------------------------------
 
 

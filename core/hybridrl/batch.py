@@ -64,6 +64,10 @@ class Batch:
     def keys(self) -> list[str]:
         return [*self.tensors, *self.lists]
 
+    def groups(self) -> int:
+        """How many prompts (distinct ``group_ids``) the batch answers."""
+        return int(torch.unique(self["group_ids"]).numel())
+
     def select(self, index: torch.Tensor | list[int]) -> Batch:
         index = torch.as_tensor(index, dtype=torch.long)
         idx = index.tolist()
@@ -88,6 +92,23 @@ class Batch:
     @property
     def attention_mask(self) -> torch.Tensor:  # (B, P + T)
         return torch.cat([self["prompt_mask"], self["response_mask"]], dim=1)
+
+    @classmethod
+    def cat(cls, batches: list[Batch], pad_id: int) -> Batch:
+        """The rows of ``batches`` one after the other; every batch has the same entries. Prompts
+        are left-padded to the longest, response columns right-padded to the longest."""
+        nonempty = [b for b in batches if len(b)] or batches[:1]
+        keys = set(nonempty[0].keys())
+        for b in nonempty[1:]:
+            if set(b.keys()) != keys:
+                raise ValueError(f"Batch.cat: entries differ: {sorted(keys ^ set(b.keys()))}.")
+        P = max(b["prompts"].shape[1] for b in nonempty)
+        T = max(b["responses"].shape[1] for b in nonempty)
+        parts = [pad_responses(pad_prompts(b, P, pad_id), T, pad_id) for b in nonempty]
+        return cls(
+            {k: torch.cat([b.tensors[k].to(v.device) for b in parts]) for k, v in parts[0].tensors.items()},
+            {k: [x for b in parts for x in b.lists[k]] for k in parts[0].lists},
+        )
 
     @classmethod
     def from_rollout(cls, prompts: list[list[int]], out: RolloutOutput, n: int, pad_id: int) -> Batch:
@@ -118,6 +139,50 @@ class Batch:
         batch["group_ids"] = torch.arange(B) // n
         batch["finish_reason"] = out.finish_reasons
         return batch
+
+
+PROMPT_COLUMNS = ("prompts", "prompt_mask")
+
+
+def pad_prompts(batch: Batch, width: int, pad_id: int) -> Batch:
+    """``batch`` with its prompts left-padded to ``width`` columns (``prompts`` with ``pad_id``)."""
+    P = batch["prompts"].shape[1]
+    if P >= width:
+        return batch
+    tensors = dict(batch.tensors)
+    for key, fill in zip(PROMPT_COLUMNS, (pad_id, 0)):
+        v = tensors[key]
+        tensors[key] = torch.cat([torch.full((v.shape[0], width - P), fill, dtype=v.dtype, device=v.device), v], 1)
+    return type(batch)(tensors, dict(batch.lists))
+
+
+def pad_responses(batch: Batch, width: int, pad_id: int) -> Batch:
+    """``batch`` with its response columns right-padded to ``width``: every tensor of shape
+    (B, T, ...) other than the prompts (``responses`` with ``pad_id``, the others with 0)."""
+    T = batch["responses"].shape[1]
+    if T >= width:
+        return batch
+    tensors = dict(batch.tensors)
+    for key, v in batch.tensors.items():
+        if key in PROMPT_COLUMNS or v.dim() < 2 or v.shape[1] != T:
+            continue
+        fill = pad_id if key == "responses" else 0
+        extra = torch.full((v.shape[0], width - T, *v.shape[2:]), fill, dtype=v.dtype, device=v.device)
+        tensors[key] = torch.cat([v, extra], dim=1)
+    return type(batch)(tensors, dict(batch.lists))
+
+
+def first_groups(batch: Batch, k: int) -> Batch:
+    """The rows of the first ``k`` groups (``group_ids``, in order of appearance)."""
+    seen: dict[int, None] = {}
+    for g in batch["group_ids"].tolist():
+        if len(seen) == k:
+            break
+        seen.setdefault(g)
+    if len(seen) == len(torch.unique(batch["group_ids"])):
+        return batch
+    keep = torch.isin(batch["group_ids"], torch.tensor(list(seen), dtype=batch["group_ids"].dtype))
+    return batch.select(torch.nonzero(keep.cpu()).squeeze(-1))
 
 
 def token_budget_split(batch: Batch, max_tokens: int) -> list[list[int]]:

@@ -82,6 +82,13 @@ class RolloutConfig(Section):
     max_tokens: int = Field(64, gt=0, description="Maximum response length.")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
+    refill_rounds: int = Field(
+        0,
+        ge=0,
+        description="When the algorithm's filter drops groups (GRPO's dynamic_sampling), draw and generate up to "
+        "this many more rounds of prompts_per_step prompts until prompts_per_step groups are kept, and train on "
+        "that many (verl's DAPO recipe: max_num_gen_batches). 0: train on what is left.",
+    )
 
 
 class RewardConfig(Section):

@@ -268,6 +268,8 @@ def even_out(batch, source, pad_id: int):
     other than the prompts are right-padded to the largest T (``responses`` with ``pad_id``).
     Identity on one process.
     """
+    from hybridrl.batch import pad_responses
+
     if world_size() == 1:
         return batch
     B, T = len(batch), batch["responses"].shape[1]
@@ -290,14 +292,7 @@ def even_out(batch, source, pad_id: int):
                 {key: v + pad[key] for key, v in batch.lists.items()},
             )
             batch["padding_row"] = flags
-    if T < width:
-        for key, v in list(batch.tensors.items()):
-            if key in ("prompts", "prompt_mask") or v.dim() < 2 or v.shape[1] != T:
-                continue
-            fill = pad_id if key == "responses" else 0
-            extra = torch.full((v.shape[0], width - T, *v.shape[2:]), fill, dtype=v.dtype, device=v.device)
-            batch.tensors[key] = torch.cat([v, extra], dim=1)
-    return batch
+    return pad_responses(batch, width, pad_id)
 
 
 def drop_padding(batch):

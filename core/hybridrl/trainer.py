@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, plugins
 from hybridrl import functional as F
-from hybridrl.batch import Batch, token_budget_split
+from hybridrl.batch import Batch, first_groups, token_budget_split
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, RunConfig, dump_config
 from hybridrl.flops import forward_flops, peak_flops
@@ -276,35 +277,35 @@ class Trainer:
         metrics: dict[str, float] = {}
         engine = f"rollout engine '{r.engine}'"
 
-        with timer("rollout"):
-            # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
-            rows = distributed.my_share([self.data[i] for i in self.prompts.take(t.prompts_per_step)])
-            prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer) for row in rows))
-            sampling = SamplingParams(
-                n=r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                max_tokens=r.max_tokens,
-                stop=r.stop,
-                seed=distributed.rollout_seed(t.seed, step),
-                ignore_eos=r.ignore_eos,
-            )
-            with stage_errors(engine, "generate"):
-                self.engine.wake_up()
-                out = self.engine.generate(list(prompt_ids), sampling)
-        rollout = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
-        rollout["group_ids"] = rollout["group_ids"] + distributed.rank() * len(rows)  # unique over ranks
-        rollout["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(rollout))]
-        rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-        col = cfg.data.answer_column
-        rollout["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(rollout))]
-        rollout["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(rollout))]
-        rollout["messages"] = [prompt_messages(rows[i // r.n], cfg.data) for i in range(len(rollout))]
-
-        with timer("reward"):
-            metrics |= self.score(rollout)
-            batch = self.algorithm.filter_batch(rollout)
+        sampling = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            stop=r.stop,
+            seed=distributed.rollout_seed(t.seed, step),
+            ignore_eos=r.ignore_eos,
+        )
+        with timer("rollout"), stage_errors(engine, "generate"):
+            self.engine.wake_up()
+        rounds, round_metrics = [], defaultdict(list)
+        for round_ in range(1 + r.refill_rounds):
+            with timer("rollout"):
+                rounds.append(self.rollout_round(round_, replace(sampling, seed=sampling.seed + 10_000_019 * round_)))
+            with timer("reward"):
+                for k, v in self.score(rounds[-1]).items():  # each round is scored as it comes
+                    round_metrics[k].append(v)
+                rollout = Batch.cat(rounds, self.tokenizer.pad_token_id) if round_ else rounds[0]
+                batch = self.algorithm.filter_batch(rollout)  # all rounds: its metrics cover them all
+            share = t.prompts_per_step // distributed.world_size()
+            if round_ == r.refill_rounds or distributed.all_ranks(batch.groups() >= share):
+                break  # every rank kept its share of groups (always, when the algorithm drops none)
+        metrics |= {k: sum(v) / len(v) for k, v in round_metrics.items()}  # rounds are the same size
+        if len(rounds) > 1:  # the statistics of all the rounds' responses together
+            metrics |= self.reward_stats(rollout)
+            batch = first_groups(batch, share)
+        metrics["rollout/rounds"] = len(rounds)
         with stage_errors(engine, "sleep"):
             self.engine.sleep()
         # ranks take the same branches: the update and the sync are collective under torchrun
@@ -350,6 +351,26 @@ class Trainer:
 
     # -- stages -----------------------------------------------------------------------------
 
+    def rollout_round(self, round_: int, sampling: SamplingParams) -> Batch:
+        """Draw the step's prompts (``trainer.prompts_per_step``, this rank's share of them) and
+        generate ``rollout.n`` responses to each: the rollout batch, text columns included."""
+        cfg, r = self.config, self.config.rollout
+        # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
+        rows = distributed.my_share([self.data[i] for i in self.prompts.take(cfg.trainer.prompts_per_step)])
+        prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer) for row in rows))
+        with stage_errors(f"rollout engine '{r.engine}'", "generate"):
+            out = self.engine.generate(list(prompt_ids), sampling)
+        rollout = Batch.from_rollout(list(prompt_ids), out, r.n, self.tokenizer.pad_token_id)
+        first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
+        rollout["group_ids"] = rollout["group_ids"] + first
+        rollout["prompt_text"] = [prompt_texts[i // r.n] for i in range(len(rollout))]
+        rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        col = cfg.data.answer_column
+        rollout["answer"] = [rows[i // r.n].get(col) if col else None for i in range(len(rollout))]
+        rollout["metadata"] = [rows[i // r.n].get("metadata") for i in range(len(rollout))]
+        rollout["messages"] = [prompt_messages(rows[i // r.n], cfg.data) for i in range(len(rollout))]
+        return rollout
+
     def score(self, batch: Batch) -> dict[str, float]:
         total = torch.zeros(len(batch))
         metrics = {}
@@ -364,12 +385,8 @@ class Trainer:
                 bad = int((~torch.isfinite(s)).sum())
                 print(f"warning: reward '{rc.label}' returned NaN/Inf for {bad} responses", file=sys.stderr)
             batch[f"reward/{rc.label}"] = s
-            every = distributed.all_gather_cat(s)  # the statistics of the whole step, on every rank
-            metrics[f"reward/{rc.label}/mean"] = every.mean().item()
-            metrics[f"reward/{rc.label}/std"] = every.std().item() if len(every) > 1 else 0.0
-            metrics[f"reward/{rc.label}/min"] = every.min().item()
-            metrics[f"reward/{rc.label}/max"] = every.max().item()
-            if rc.shaping.active and torch.isfinite(every).all():  # NaN/Inf: left to the step's guard
+            every = distributed.all_gather_cat(s) if rc.shaping.active else None  # the same on every rank
+            if every is not None and torch.isfinite(every).all():  # NaN/Inf: left to the step's guard
                 shaped = self.shaping.apply(rc.label, every, distributed.all_gather_cat(lengths), rc.shaping)
                 sizes = distributed.all_gather_cat(torch.tensor([len(s)]))
                 start = int(sizes[: distributed.rank()].sum())
@@ -377,13 +394,21 @@ class Trainer:
                 metrics[f"reward/{rc.label}/shaped_mean"] = shaped.mean().item()
             total += rc.weight * s
         batch["scores"] = total
-        every = distributed.all_gather_cat(total)  # the statistics of the whole step, on every rank
-        metrics |= {
-            "reward/mean": every.mean().item(),
-            "reward/std": every.std().item() if len(every) > 1 else 0.0,
-            "reward/min": every.min().item(),
-            "reward/max": every.max().item(),
-        }
+        return metrics | self.reward_stats(batch)
+
+    def reward_stats(self, batch: Batch) -> dict[str, float]:
+        """Mean, std, min and max of each reward (before shaping) and of the combined score, over
+        the responses of every rank."""
+        metrics = {}
+        for key in [f"reward/{rc.label}" for rc, _ in self.rewards] + ["scores"]:
+            every = distributed.all_gather_cat(batch[key])  # the statistics of the whole step, on every rank
+            name = "reward" if key == "scores" else key
+            metrics |= {
+                f"{name}/mean": every.mean().item(),
+                f"{name}/std": every.std().item() if len(every) > 1 else 0.0,
+                f"{name}/min": every.min().item(),
+                f"{name}/max": every.max().item(),
+            }
         return metrics
 
     @torch.no_grad()
