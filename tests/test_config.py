@@ -1,8 +1,13 @@
 """Config validation: errors name the key and list the valid choices."""
 
+from pathlib import Path
+
 import pytest
 
+from hybridrl import plugins
 from hybridrl.config import ConfigError, apply_overrides, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BASE = {
     "model": {"path": "unused"},
@@ -103,3 +108,16 @@ def test_config_file_errors(tmp_path):
 def test_missing_plugin_key_names_section_and_plugin():
     with pytest.raises(ConfigError, match=r"Missing required key 'data.path' for dataset 'hf'"):
         load({"data": {"source": "hf"}})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_is_valid(path):
+    """Every key of the examples exists and every plugin they name is installed (no model loaded)."""
+    cfg = load_config(path)
+    for kind, name in [
+        ("rollout engine", cfg.rollout.engine),
+        ("algorithm", cfg.algorithm.name),
+        ("sharding strategy", cfg.sharding.strategy),
+        *[("reward function", r.function) for r in cfg.rewards],
+    ]:
+        assert plugins.lookup(kind, name)
