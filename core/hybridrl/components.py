@@ -146,7 +146,11 @@ class Algorithm(Component):
         return False
 
     def filter_batch(self, batch: Batch) -> Batch:
-        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal)."""
+        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal).
+
+        With ``rollout.refill_rounds`` the trainer calls it again on every round of the step
+        together, so decide each group from its own rows; the last call's metrics are the step's.
+        """
         return batch
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
