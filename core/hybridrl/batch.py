@@ -174,15 +174,12 @@ def pad_responses(batch: Batch, width: int, pad_id: int) -> Batch:
 
 def first_groups(batch: Batch, k: int) -> Batch:
     """The rows of the first ``k`` groups (``group_ids``, in order of appearance)."""
-    seen: dict[int, None] = {}
-    for g in batch["group_ids"].tolist():
-        if len(seen) == k:
-            break
-        seen.setdefault(g)
-    if len(seen) == len(torch.unique(batch["group_ids"])):
+    ids = batch["group_ids"]
+    first = list(dict.fromkeys(ids.tolist()))[:k]
+    if len(first) == batch.groups():
         return batch
-    keep = torch.isin(batch["group_ids"], torch.tensor(list(seen), dtype=batch["group_ids"].dtype))
-    return batch.select(torch.nonzero(keep.cpu()).squeeze(-1))
+    keep = torch.isin(ids, torch.tensor(first, dtype=ids.dtype, device=ids.device))
+    return batch.select(torch.nonzero(keep).squeeze(-1).cpu())
 
 
 def token_budget_split(batch: Batch, max_tokens: int) -> list[list[int]]:

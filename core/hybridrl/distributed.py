@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybridrl.batch import pad_responses
+
 _owned = False  # whether setup() created the process group (and teardown() should destroy it)
 
 
@@ -268,8 +270,6 @@ def even_out(batch, source, pad_id: int):
     other than the prompts are right-padded to the largest T (``responses`` with ``pad_id``).
     Identity on one process.
     """
-    from hybridrl.batch import pad_responses
-
     if world_size() == 1:
         return batch
     B, T = len(batch), batch["responses"].shape[1]

@@ -290,6 +290,7 @@ class Trainer:
         with timer("rollout"), stage_errors(engine, "generate"):
             self.engine.wake_up()
         rounds, round_metrics = [], defaultdict(list)
+        share = t.prompts_per_step // distributed.world_size()  # groups each rank trains on
         for round_ in range(1 + r.refill_rounds):
             with timer("rollout"):
                 rounds.append(self.rollout_round(round_, replace(sampling, seed=sampling.seed + 10_000_019 * round_)))
@@ -298,7 +299,6 @@ class Trainer:
                     round_metrics[k].append(v)
                 rollout = Batch.cat(rounds, self.tokenizer.pad_token_id) if round_ else rounds[0]
                 batch = self.algorithm.filter_batch(rollout)  # all rounds: its metrics cover them all
-            share = t.prompts_per_step // distributed.world_size()
             if round_ == r.refill_rounds or distributed.all_ranks(batch.groups() >= share):
                 break  # every rank kept its share of groups (always, when the algorithm drops none)
         metrics |= {k: sum(v) / len(v) for k, v in round_metrics.items()}  # rounds are the same size

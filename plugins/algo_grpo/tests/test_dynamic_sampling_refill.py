@@ -59,5 +59,3 @@ def test_refill_trains_on_a_full_batch_of_varied_groups(tiny_model, tmp_path, re
         assert r["dynamic_sampling/kept_fraction"] == r["dynamic_sampling/kept_groups"] / (
             r["rollout/rounds"] * PROMPTS
         )
-    # the reward statistics cover every round: uniform groups score exactly 1, kept ones their length
-    assert all(r["reward/min"] <= 1.0 for r in refill)
