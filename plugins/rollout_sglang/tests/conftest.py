@@ -46,9 +46,12 @@ ENGINE_KEYS = {
     "model_path", "skip_tokenizer_init", "mem_fraction_static", "tp_size", "dtype", "random_seed",
     "enable_memory_saver", "log_level", "context_length", "attention_backend", "base_gpu_id",
     "cuda_graph_max_bs_decode", "cuda_graph_max_bs", "enable_deterministic_inference", "disable_cuda_graph",
-    "enable_weights_cpu_backup",
+    "enable_weights_cpu_backup", "trust_remote_code",
 }  # fmt: skip
 TAGS = {"weights", "kv_cache", "cuda_graph"}
+# what SGLang takes from generation_config.json for the fields a request leaves out, with its default
+# --sampling-defaults model (sglang/srt/configs/model_config.py, get_default_sampling_params)
+MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class ContractSGLang:
@@ -58,6 +61,9 @@ class ContractSGLang:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
+        gen = Path(model_path) / "generation_config.json"
+        file = json.loads(gen.read_text()) if gen.is_file() else {}
+        self.model_defaults = {k: file[k] for k in MODEL_DEFAULT_KEYS if k in file}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if with_tokenizer else None
         self.generator = torch.Generator().manual_seed(seed)
@@ -74,6 +80,7 @@ class ContractSGLang:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         rows = [input_ids] if single else input_ids
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
+        params = [{**self.model_defaults, **p} for p in params]
         if len(params) != len(rows):
             raise ValueError(f"{len(params)} sampling_params for {len(rows)} prompts.")
         for p in params:

@@ -64,6 +64,7 @@ def test_engine_arguments_follow_the_options(make_engine, sglang_module, tiny_mo
         "random_seed": 0,
         "enable_memory_saver": True,
         "log_level": "warning",
+        "trust_remote_code": False,  # model.trust_remote_code
         "context_length": 512,
         "attention_backend": "triton",
         "cuda_graph_max_bs_decode": 256,
@@ -74,7 +75,7 @@ def test_engine_kwargs_may_not_override_what_the_plugin_sets(make_engine):
     from hybridrl_rollout_sglang import SGLangEngine
 
     class Ctx:
-        model_path, seed, device = "/m", 0, torch.device("cuda:1")
+        model_path, seed, device, trust_remote_code = "/m", 0, torch.device("cuda:1"), False
 
     options = SGLangEngine.Options(engine_kwargs={"enable_deterministic_inference": True})
     assert engine_kwargs(options, Ctx)["base_gpu_id"] == 1  # colocated with the policy's GPU
@@ -244,3 +245,14 @@ def test_every_option_is_documented():
     fields = SGLangEngine.Options.model_fields
     assert all(f.description for f in fields.values()), [k for k, f in fields.items() if not f.description]
     assert json.dumps(SGLangEngine.Options.model_json_schema())  # the docs generator can render it
+
+
+def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_module, tiny_model):
+    """Contract test: the fake, as SGLang with its default --sampling-defaults model, takes every
+    field a request leaves out from generation_config.json (top_k 5, min_p 0.2,
+    repetition_penalty 1.8, temperature 0.3); the plugin leaves none out."""
+    from hybridrl.testing import SAMPLING_GENERATION_CONFIG, sampler_check
+
+    diff, distinct = sampler_check(make_engine(), tiny_model)
+    assert diff < 1e-4
+    assert distinct > SAMPLING_GENERATION_CONFIG["top_k"]

@@ -176,4 +176,4 @@ def test_model_facts_of_the_tiny_model(tiny_model):
     from transformers import AutoTokenizer
 
     eos, tied = protocol.model_facts(tiny_model, AutoTokenizer.from_pretrained(tiny_model))
-    assert eos == {1} and tied is True
+    assert eos == {0, 1} and tied is True  # the tokenizer's EOS and the generation_config's end ids

@@ -107,6 +107,7 @@ class LocalEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=o.prefix_caching,
+            trust_remote_code=ctx.trust_remote_code,
         )
         if self.on_cpu:
             if o.cpu_kv_cache_gb is not None:
@@ -181,9 +182,15 @@ class LocalEngine:
 
         base = dict(
             n=s.n,
+            # every field that shapes the distribution, set: nothing may come from the model folder's
+            # generation_config (vLLM reads it for the defaults of requests that leave fields unset)
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
             ignore_eos=getattr(s, "ignore_eos", False),

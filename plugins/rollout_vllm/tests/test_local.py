@@ -18,7 +18,14 @@ from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import SevensPlugin, build_tiny_model, hf_greedy, perturbed
+from hybridrl.testing import (
+    SAMPLING_GENERATION_CONFIG,
+    SevensPlugin,
+    build_tiny_model,
+    hf_greedy,
+    perturbed,
+    sampler_check,
+)
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -166,23 +173,31 @@ def test_top_k_logprobs_are_of_the_renormalised_distribution_and_warned(engine, 
         assert torch.allclose(torch.tensor(got), expected, atol=LOGPROB_TOL)
 
 
+def test_sampler_is_the_config_not_the_generation_config(engine, model_dir):
+    """The model folder's generation_config.json sets top_k 5, min_p 0.2, repetition_penalty 1.8 and
+    temperature 0.3; the engine samples from softmax(z / 0.7) over the whole vocabulary all the same."""
+    diff, distinct = sampler_check(engine, model_dir)
+    assert diff < LOGPROB_TOL
+    assert distinct > SAMPLING_GENERATION_CONFIG["top_k"]
+
+
 def test_responses_end_at_eos_or_max_tokens(engine, tok):
     out = engine.generate(encode(tok, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0))
-    eos = tok.eos_token_id
-    assert set(out.finish_reasons) == {"stop", "length"}  # ~1% EOS per token: both occur in 64 samples
+    eos = {0, 1}  # the end ids of the model's generation_config: <|im_end|> and the padding token
+    assert set(out.finish_reasons) == {"stop", "length"}  # ~2% end ids per token: both occur in 64 samples
     for ids, reason in zip(out.token_ids, out.finish_reasons):
         if reason == "stop":
-            assert ids[-1] == eos and eos not in ids[:-1]
+            assert ids[-1] in eos and not eos & set(ids[:-1])
         else:
-            assert len(ids) == 40 and eos not in ids
+            assert len(ids) == 40 and not eos & set(ids)
     fixed = engine.generate(encode(tok, ["x"]), SamplingParams(n=64, max_tokens=40, seed=0, ignore_eos=True))
     assert set(fixed.finish_reasons) == {"length"} and {len(t) for t in fixed.token_ids} == {40}
-    assert any(eos in t for t in fixed.token_ids)  # generated past EOS
+    assert any(eos & set(t) for t in fixed.token_ids)  # generated past EOS
 
 
 def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine, tok):
     out = engine.generate(encode(tok, ["x"]), SamplingParams(n=16, max_tokens=40, stop=["a"], seed=0))
-    stopped = [ids for ids, r in zip(out.token_ids, out.finish_reasons) if r == "stop" and ids[-1] != tok.eos_token_id]
+    stopped = [ids for ids, r in zip(out.token_ids, out.finish_reasons) if r == "stop" and ids[-1] not in (0, 1)]
     assert stopped, "no sample hit the stop string"
     for ids in stopped:
         text = tok.decode(ids)

@@ -25,7 +25,14 @@ from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
 from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
-from hybridrl.testing import SevensPlugin, build_tiny_model, hf_greedy, perturbed
+from hybridrl.testing import (
+    SAMPLING_GENERATION_CONFIG,
+    SevensPlugin,
+    build_tiny_model,
+    hf_greedy,
+    perturbed,
+    sampler_check,
+)
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -122,6 +129,15 @@ def test_generate_groups_samples_and_matches_trainer_logprobs(server, model_dir,
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < LOGPROB_TOL
 
 
+def test_sampler_is_the_config_not_the_generation_config(server, model_dir, tmp_path):
+    """The server reads the model folder's generation_config.json (top_k 5, min_p 0.2,
+    repetition_penalty 1.8, temperature 0.3) for every field a request leaves out; the engine leaves
+    none out."""
+    diff, distinct = sampler_check(make_engine(model_dir, tmp_path, base_url=server), model_dir)
+    assert diff < LOGPROB_TOL
+    assert distinct > SAMPLING_GENERATION_CONFIG["top_k"]
+
+
 def test_responses_include_the_eos_token(server, model_dir, tmp_path):
     engine = make_engine(model_dir, tmp_path, base_url=server)
     tok = load_tokenizer(model_dir)
@@ -129,7 +145,7 @@ def test_responses_include_the_eos_token(server, model_dir, tmp_path):
     assert set(out.finish_reasons) == {"stop", "length"}
     for ids, reason in zip(out.token_ids, out.finish_reasons):
         if reason == "stop":
-            assert ids[-1] == tok.eos_token_id
+            assert ids[-1] in {0, 1}  # the end ids of the model's generation_config
         else:
             assert len(ids) == 40
 
