@@ -45,9 +45,7 @@ VARIANTS = {
         {"mixed_precision": "bf16", "compile": True, "keep_logits_gib": 0},
         True,
     ),
-    "bf16 weights": ({"dtype": "bfloat16"}, {"mixed_precision": "off"}, True),
     "bf16 autocast + compile, full logits": ({}, {"mixed_precision": "bf16", "compile": True}, False),
-    "bf16 weights + compile": ({"dtype": "bfloat16"}, {"mixed_precision": "off", "compile": True}, True),
 }
 
 
@@ -71,7 +69,8 @@ def run_variant(args, model_dir: str, name: str, device) -> dict:
     import torch
 
     from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer, update_throughput
+    from hybridrl.metrics import update_throughput
+    from hybridrl.trainer import Trainer
 
     model_opts, sharding, head = VARIANTS[name]
     cfg = {

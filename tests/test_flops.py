@@ -4,8 +4,8 @@ import torch
 
 from hybridrl.batch import Batch
 from hybridrl.flops import PEAK_BF16, forward_flops, peak_flops
+from hybridrl.metrics import update_throughput
 from hybridrl.models import load_causal_lm
-from hybridrl.trainer import update_throughput
 
 
 def test_forward_flops_of_the_tiny_llama_by_hand(tiny_model):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from hybridrl import distributed
-from hybridrl.batch import Batch
+from hybridrl.batch import Batch, even_out
 from hybridrl.testing import fixed_batch, small_model
 
 LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
@@ -36,6 +36,11 @@ CASES = {
         "algorithm": {"name": "grpo", "loss_agg_mode": "seq-mean-token-mean"},
         "sharding": {"mode": "shard_grad_op"},
         "trainer": {"max_grad_norm": 1e6},
+        "drop_group": 3,
+    },
+    "sum_norm_padding_micro_batch": {  # rank 1's second micro-batch holds only padding rows
+        "algorithm": {"name": "grpo", "loss_agg_mode": "seq-mean-token-sum-norm"},
+        "trainer": {"micro_batch_size": 4, "max_grad_norm": 1e6},
         "drop_group": 3,
     },
     "sum_norm_clipped_hybrid": {  # clipping active: the norm must be the global one
@@ -77,7 +82,7 @@ def one_step(model, run_dir, strategy: str, case: dict) -> tuple[dict, dict]:
     trainer.optimizer = torch.optim.SGD(params, lr=LR)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
     batch = fixed_batch(trainer.tokenizer, LENGTHS, case.get("drop_group"))
-    batch = distributed.even_out(batch, batch, trainer.tokenizer.pad_token_id).to(trainer.ctx.device)
+    batch = even_out(batch, batch).to(trainer.ctx.device)
     trainer.compute_logprobs(batch)
     trainer.algorithm.compute_advantages(batch)
     metrics = trainer.update(batch, step=1)
@@ -130,6 +135,39 @@ def test_one_fsdp_step_on_two_ranks_equals_single(tiny_model, tmp_path):
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
         assert got_metrics["actor/grad_norm"] == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4), name
+        # token statistics over both ranks, padding rows and padding-only micro-batches weighing nothing
+        for key in ("actor/entropy", "actor/ppo_kl", "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
+            assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), (name, key)
+
+
+def metrics_worker(out: str) -> None:
+    """Under torchrun: reduce known per-rank values the way the step does; rank 0 writes the result."""
+    from hybridrl.metrics import WeightedStats, reduce_metrics
+
+    distributed.setup(torch.device("cpu"))
+    r = distributed.rank()
+    step = reduce_metrics(
+        {"rollout/logprob_diff_max": [0.1, 0.3][r], "response_length/min": [4.0, 2.0][r], "reward/mean": [1.0, 2.0][r]}
+    )
+    stats = WeightedStats()
+    if r == 0:
+        stats.add({"actor/entropy": 1.0, "rollout/logprob_diff_max": 0.5}, weight=3)
+        stats.add({"actor/entropy": 2.0, "rollout/logprob_diff_max": 0.2}, weight=1)
+    else:  # a micro-batch of padding rows: no tokens
+        stats.add({"actor/entropy": 0.0, "rollout/logprob_diff_max": 0.0}, weight=0)
+    weighted = stats.result()
+    if r == 0:
+        torch.save({"step": step, "weighted": weighted}, out)
+    distributed.teardown()
+
+
+def test_metrics_of_two_ranks_take_max_min_and_token_weights(tmp_path):
+    out = tmp_path / "metrics.pt"
+    proc = torchrun([__file__, "metrics", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+    assert got["step"] == {"rollout/logprob_diff_max": 0.3, "response_length/min": 2.0, "reward/mean": 1.5}
+    assert got["weighted"] == {"actor/entropy": pytest.approx((3 * 1.0 + 1 * 2.0) / 4), "rollout/logprob_diff_max": 0.5}
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:
@@ -278,8 +316,11 @@ def test_fsdp_options_that_cannot_work_are_named(tmp_path):
     from hybridrl.components import RunContext
 
     ctx = RunContext("", None, torch.device("cpu"), torch.bfloat16, 0, tmp_path)
-    with pytest.raises(ValueError, match="bf16 keeps float32 master weights, but model.dtype is bfloat16"):
-        FSDPStrategy(FSDPStrategy.Options(mixed_precision="bf16"), ctx)
+    with pytest.raises(ValueError, match="bfloat16 with sharding.mixed_precision: off .* no float32 master copy"):
+        FSDPStrategy(FSDPStrategy.Options(mixed_precision="off"), ctx)
+    from hybridrl.models import compute_dtype
+
+    assert compute_dtype("auto", torch.bfloat16, ctx.device, "x") == torch.bfloat16  # float32 masters, bf16 compute
     ctx.dtype = torch.float32
     with pytest.raises(ValueError, match=r"sharding.offload .* the policy is on cpu \(trainer.device\)"):
         FSDPStrategy(FSDPStrategy.Options(offload=True), ctx)
@@ -386,3 +427,5 @@ def test_contract_cuda_device_message_is_translated():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:4])
+if __name__ == "__main__" and sys.argv[1:2] == ["metrics"]:
+    metrics_worker(sys.argv[2])

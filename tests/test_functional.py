@@ -34,7 +34,7 @@ def test_masked_var_needs_two_values():
         ("token-mean", (1 + 3 + 5) / 3),
         ("seq-mean-token-sum", ((1 + 3) + 5) / 2),
         ("seq-mean-token-mean", ((1 + 3) / 2 + 5 / 1) / 2),
-        ("seq-mean-token-sum-norm", ((1 + 3) + 5) / 3),  # divided by T = 3
+        ("seq-mean-token-sum-norm", ((1 + 3) + 5) / (2 * 3)),  # divided by N x L, L = T = 3 when not set
     ],
 )
 def test_agg_loss_modes(mode, expected):
@@ -99,9 +99,40 @@ def test_micro_batch_weights_make_accumulation_exact(mode):
     torch.manual_seed(0)
     loss = torch.rand(4, 5)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).float()
-    full = F.agg_loss(loss, mask, mode)
+    agg = F.LossAggregation(mode, 8)
+    full = agg(loss, mask)
+    # each part weighted by its normaliser over the whole one, as hybridrl.update.run_update does
     acc = sum(
-        F.agg_loss(loss[i : i + 2], mask[i : i + 2], mode) * F.micro_batch_weight(mask[i : i + 2], mask, mode)
-        for i in (0, 2)
+        agg(loss[i : i + 2], mask[i : i + 2]) * agg.normaliser(mask[i : i + 2]) / agg.normaliser(mask) for i in (0, 2)
     )
     assert acc.item() == pytest.approx(full.item())
+
+
+def on_policy_expected_gradient(kind: str, logits: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """E_{y ~ pi}[grad k(y)] exactly, over a categorical pi = softmax(logits): the sampling
+    distribution is a weight (no gradient through it), as when the loss is differentiated."""
+    logits = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(logits, -1)
+    per_token = F.kl_penalty(logp, ref_logp, kind)  # the estimate for each possible token y
+    (logp.exp().detach() * per_token).sum().backward()
+    return logits.grad
+
+
+def test_kl_loss_gradients_on_policy_k1_is_zero_k2_and_k3_pull():
+    """Why k1 and abs are refused as KL loss terms (arXiv:2506.09477): on-policy, k1's expected
+    gradient is 0; k2's is the gradient of KL(pi || ref), k3's that of KL(ref || pi)."""
+    logits = torch.tensor([1.0, -0.5, 0.3, 2.0])
+    ref_logp = torch.log_softmax(torch.tensor([0.0, 1.0, -1.0, 0.5]), -1)
+
+    assert on_policy_expected_gradient("k1", logits, ref_logp).abs().max() < 1e-6
+
+    def true_gradient(divergence):
+        x = logits.clone().requires_grad_(True)
+        divergence(torch.log_softmax(x, -1)).backward()
+        return x.grad
+
+    reverse = true_gradient(lambda logp: (logp.exp() * (logp - ref_logp)).sum())  # KL(pi || ref)
+    forward = true_gradient(lambda logp: (ref_logp.exp() * (ref_logp - logp)).sum())  # KL(ref || pi)
+    torch.testing.assert_close(on_policy_expected_gradient("k2", logits, ref_logp), reverse)
+    torch.testing.assert_close(on_policy_expected_gradient("k3", logits, ref_logp), forward)
+    assert reverse.abs().max() > 0.1 and forward.abs().max() > 0.1

@@ -209,11 +209,24 @@ class EmptyEngine(RolloutEngine):
             pass
 
 
+class ClosingReward(RewardFunction):
+    """Counts its close() calls, as reward_hf's models and HTTP sessions release themselves there."""
+
+    closed = 0
+
+    def score(self, batch):
+        return [0.0] * len(batch["response_text"])
+
+    def close(self):
+        type(self).closed += 1
+
+
 class TestPlugins:
     @hookimpl
     def register_reward_functions(self, register):
         register("nan", NaNReward)
         register("broken", BrokenReward)
+        register("closing", ClosingReward)
 
     @hookimpl
     def register_rollout_engines(self, register):
@@ -246,6 +259,20 @@ def test_nan_reward_is_skipped_when_configured(tiny_model, tmp_path, register_pl
 def trainer_state(trainer, data):
     trainer.setup()  # train() calls setup again; this copy is the initial policy
     return trainer.policy.state_dict()
+
+
+def test_rewards_are_closed_when_training_ends_or_fails(tiny_model, tmp_path, register_plugin):
+    register_plugin(TestPlugins(), name="test-plugins")
+    ClosingReward.closed = 0
+    data = config(tiny_model, tmp_path / "run", steps=1)
+    data["rewards"] = [{"function": "closing"}, {"function": "closing", "name": "again"}]
+    Trainer(load_config(data=data)).train()
+    assert ClosingReward.closed == 2
+    data["rewards"].append({"function": "broken", "name": "judge"})
+    data["trainer"]["run_dir"] = str(tmp_path / "failing")
+    with pytest.raises(StageError):
+        Trainer(load_config(data=data)).train()
+    assert ClosingReward.closed == 4
 
 
 def test_failing_reward_is_named(tiny_model, tmp_path, register_plugin):

@@ -68,3 +68,54 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
     assert torch.allclose(lp, lp2, atol=1e-5)
     for n in grads:
         assert torch.allclose(grads[n], grads2[n], rtol=1e-4, atol=1e-6), n
+
+
+def bf16_run(model, run_dir, **sharding):
+    from hybridrl.config import load_config
+
+    return load_config(
+        data={
+            "model": {"path": model, "dtype": "bfloat16"},
+            "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+            "rollout": {"n": 4, "max_tokens": 8},
+            "rewards": [{"function": "format", "pattern": "7"}],
+            "algorithm": {"name": "grpo", "kl_coef": 0.01},
+            "sharding": {"strategy": "single", **sharding},
+            "trainer": {"steps": 1, "prompts_per_step": 2, "lr": 1e-6, "run_dir": str(run_dir)},
+            "logging": {"loggers": []},
+        }
+    )
+
+
+def test_bfloat16_policy_trains_on_float32_master_weights(tiny_model, tmp_path, register_plugin):
+    """model.dtype bfloat16: an AdamW step of 1e-6 is far below half a bfloat16 ulp at |w| = 0.02
+    (about 4e-5), so bfloat16 weights would not move; the policy keeps float32 master weights and
+    computes in bfloat16, and one step moves nearly all of them."""
+    from hybridrl.hookspecs import hookimpl
+    from hybridrl.trainer import Trainer
+
+    class Snapshot:
+        @hookimpl
+        def on_train_start(self, trainer):
+            self.before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+            self.compute_dtype = trainer.strategy.compute_dtype
+            self.ref_dtype = next(trainer.ref.parameters()).dtype
+
+    snap = register_plugin(Snapshot(), name="snapshot")
+    trainer = Trainer(bf16_run(tiny_model, tmp_path / "run"))
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in snap.before.values())
+    assert snap.compute_dtype == torch.bfloat16
+    assert snap.ref_dtype == torch.bfloat16  # frozen copies keep model.dtype
+    changed = sum(int((p.detach() != snap.before[n]).sum()) for n, p in trainer.policy.named_parameters())
+    assert changed / sum(p.numel() for p in snap.before.values()) > 0.9
+
+
+def test_bfloat16_without_autocast_is_refused_before_the_model_loads(tiny_model, tmp_path, monkeypatch):
+    from hybridrl import trainer as trainer_module
+    from hybridrl.config import ConfigError
+    from hybridrl.trainer import Trainer
+
+    monkeypatch.setattr(trainer_module, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match="mixed_precision: off.*no float32 master copy.*mixed_precision: auto"):
+        Trainer(bf16_run(tiny_model, tmp_path / "run", mixed_precision="off")).setup()

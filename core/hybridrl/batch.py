@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridrl import distributed
 from hybridrl.components import RolloutOutput
 
 
@@ -204,3 +205,48 @@ def token_budget_split(batch: Batch, max_tokens: int) -> list[list[int]]:
             groups.append([i])
             width_p, width_r = prompt[i], response[i]
     return groups
+
+
+# -- padding rows: every rank the same number of rows --------------------------------------
+
+
+def even_out(batch: Batch, source: Batch) -> Batch:
+    """Give this rank's batch as many rows as every other rank's.
+
+    Ranks must run the same number of forward/backward passes (each one is collective under
+    FSDP). A rank with fewer rows (an algorithm's filter dropped some) gets padding rows: copies
+    of a row of ``batch`` (of ``source`` when it has none) with an empty ``response_mask``, a group
+    of their own (negative ``group_ids``) and ``padding_row`` True, so they add nothing to a
+    masked loss and count as no response in any normaliser. Identity on one process.
+    """
+    if distributed.world_size() == 1:
+        return batch
+    B = len(batch)
+    rows = int(distributed.all_reduce([B], "max")[0])
+    if B == rows:
+        return batch
+    k = rows - B
+    pad = (batch if B else source).select([0] * k)
+    pad["response_mask"] = torch.zeros_like(pad["response_mask"])
+    pad["group_ids"] = -1 - torch.arange(k, dtype=pad["group_ids"].dtype)
+    pad["padding_row"] = torch.ones(k, dtype=torch.bool)
+    if B == 0:
+        return pad
+    batch = batch.select(list(range(B)))  # a copy, so that the flag column can be added
+    if "padding_row" not in batch:
+        batch["padding_row"] = torch.zeros(B, dtype=torch.bool)
+    return Batch.cat([batch, pad], pad_id=0)  # the same widths: nothing is padded
+
+
+def drop_padding(batch: Batch) -> Batch:
+    """The batch without the padding rows of :func:`even_out`."""
+    if "padding_row" not in batch:
+        return batch
+    return batch.select(torch.nonzero(~batch["padding_row"].bool().cpu()).squeeze(-1))
+
+
+def real_rows(batch: Batch) -> int:
+    """Rows of a batch that are not padding rows added by :func:`even_out`."""
+    if "padding_row" in batch:
+        return int((~batch["padding_row"].bool()).sum())
+    return len(batch)

@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybridrl.functional import LossAggregation
+
 if TYPE_CHECKING:
     from hybridrl.batch import Batch
+    from hybridrl.update import Trainable
 
 
 class Options(BaseModel):
@@ -40,6 +43,8 @@ class RunContext:
     strategy: Any = None  # the run's ShardingStrategy, set once it is built (to wrap extra models)
     local_rank: int = 0  # the rank within its node: the GPU index under torchrun
     trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
+    dropout: bool = False  # model.dropout: keep dropout active in the models that train
+    response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
 
     @property
     def is_main(self) -> bool:
@@ -123,9 +128,9 @@ class RewardFunction(Component):
 class Algorithm(Component):
     """Turns rewards into advantages and gives the policy loss of a minibatch."""
 
-    #: how the loss reduces tokens (see hybridrl.functional.agg_loss); the trainer uses it to
-    #: weigh micro-batches so that gradient accumulation is exact.
-    loss_agg_mode: str = "token-mean"
+    #: how :meth:`loss` reduces tokens (its mode and normaliser); the trainer weighs micro-batches
+    #: and ranks with it so that the update's gradient is that of the loss over the mini-batch.
+    loss_aggregation: LossAggregation = LossAggregation("token-mean")
 
     @property
     def needs_reference(self) -> bool:
@@ -154,9 +159,14 @@ class Algorithm(Component):
         """
         return batch
 
-    def update(self, batch: Batch, step: int) -> dict[str, float]:
-        """Train the algorithm's own models (a critic) after the policy update; returns metrics."""
-        return {}
+    def trained_models(self) -> list[Trainable]:
+        """Models the algorithm trains besides the policy (PPO's critic), each with its loss.
+
+        The trainer trains them after the policy, on the same batch, with the same update loop
+        (:func:`hybridrl.update.run_update`): mini- and micro-batches, loss weighting across
+        micro-batches and ranks, clipping, ``trainer.on_nonfinite``.
+        """
+        return []
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
         """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks.

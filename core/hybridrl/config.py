@@ -15,11 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
+from hybridrl.errors import ConfigError
 from hybridrl.shaping import ShapingOptions
-
-
-class ConfigError(ValueError):
-    """The config is invalid; the message names the key and the valid choices."""
 
 
 class Strict(BaseModel):
@@ -47,7 +44,10 @@ class ModelConfig(Strict):
         None, description="GGUF file name inside path; converted once to a plain HF folder in the cache."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of the policy (and reference)."
+        "float32",
+        description="Dtype the model is loaded and computed in. The frozen copies (reference, rollout engine) "
+        "keep it; a trained model (the policy, a critic) keeps float32 master weights and computes in it under "
+        "autocast, since an optimizer step far below a bfloat16 ulp would change no weight.",
     )
     trust_remote_code: bool = False
     dropout: bool = Field(

@@ -22,8 +22,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridrl.batch import pad_responses
-
 _owned = False  # whether setup() created the process group (and teardown() should destroy it)
 
 
@@ -257,83 +255,6 @@ def check_divisible(prompts_per_step: int, mini_batch_size: int | None, world: i
 def rollout_seed(seed: int, step: int) -> int:
     """The sampling seed of a step on this rank: ranks never draw identical samples."""
     return seed * 100_003 + step + 1_000_003 * rank()
-
-
-def even_out(batch, source, pad_id: int):
-    """Give this rank's batch as many rows and response columns as every other rank's.
-
-    Ranks must run the same number of forward/backward passes (each one is collective under
-    FSDP) and share the padded response length T (``seq-mean-token-sum-norm`` divides by it).
-    A rank with fewer rows (an algorithm's filter dropped some) gets padding rows: copies of a
-    row with an empty ``response_mask``, a group of their own (negative ``group_ids``) and
-    ``padding_row`` True, so they add nothing to a masked loss. Tensors of shape (B, T, ...)
-    other than the prompts are right-padded to the largest T (``responses`` with ``pad_id``).
-    Identity on one process.
-    """
-    if world_size() == 1:
-        return batch
-    B, T = len(batch), batch["responses"].shape[1]
-    rows, width = (int(x) for x in all_reduce([B, T], "max"))
-    cls = type(batch)
-    if B < rows:
-        k = rows - B
-        pad = (batch if B else source).select([0] * k)
-        pad["response_mask"] = torch.zeros_like(pad["response_mask"])
-        pad["group_ids"] = -1 - torch.arange(k, dtype=pad["group_ids"].dtype)
-        if B == 0:
-            batch = pad
-            batch["padding_row"] = torch.ones(k, dtype=torch.bool)
-        else:
-            before = batch.get("padding_row", torch.zeros(B, dtype=torch.bool))
-            flags = torch.cat([before, torch.ones(k, dtype=torch.bool)])
-            tensors = {key: v for key, v in batch.tensors.items() if key != "padding_row"}
-            batch = cls(
-                {key: torch.cat([v, pad[key].to(v.device)]) for key, v in tensors.items()},
-                {key: v + pad[key] for key, v in batch.lists.items()},
-            )
-            batch["padding_row"] = flags
-    return pad_responses(batch, width, pad_id)
-
-
-def drop_padding(batch):
-    """The batch without the padding rows of :func:`even_out`."""
-    if "padding_row" not in batch:
-        return batch
-    return batch.select(torch.nonzero(~batch["padding_row"].bool().cpu()).squeeze(-1))
-
-
-def real_rows(batch) -> int:
-    """Rows of a batch that are not padding rows added by :func:`even_out`."""
-    if "padding_row" in batch:
-        return int((~batch["padding_row"].bool()).sum())
-    return len(batch)
-
-
-def loss_scale(mb_mask: torch.Tensor, n_real: int, mode: str) -> float:
-    """Factor on a rank's mini-batch loss so that FSDP's gradient average over ranks equals the
-    gradient of the loss over the GLOBAL mini-batch.
-
-    :param mb_mask: (B, T) response mask of this rank's mini-batch (padding rows all zero).
-    :param n_real: responses of the mini-batch that are not padding rows.
-    :param mode: the loss aggregation (hybridrl.functional.agg_loss).
-
-    The trainer already weighs micro-batches so that a rank's accumulated gradient is that of
-    its mini-batch loss with the local normaliser (local tokens for ``token-mean``, the local
-    row count for the ``seq-mean`` modes). Ranks average gradients, so the global loss needs
-    ``world x local normaliser / global normaliser``; for ``seq-mean-token-sum-norm`` (a constant
-    normaliser, the padded length, equal on every rank) it is the world size.
-    """
-    world = world_size()
-    if world == 1:
-        return 1.0
-    if mode == "seq-mean-token-sum-norm":
-        return float(world)
-    if mode == "token-mean":
-        local, real = float(mb_mask.sum()), float(mb_mask.sum())
-    else:
-        local, real = float(mb_mask.shape[0]), float(n_real)
-    total = sum_over_ranks(real)
-    return world * local / total if total > 0 else 0.0
 
 
 def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

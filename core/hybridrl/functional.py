@@ -7,10 +7,13 @@ or bool tensor, 1 on real response tokens. Conventions follow volcengine/verl's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3")
+KL_LOSS_KINDS = ("k2", "k3")  # estimators whose gradient, on-policy, pulls the policy towards the reference
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -40,25 +43,76 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a (B, T) loss to a scalar.
+@dataclass(frozen=True)
+class LossAggregation:
+    """How a (B, T) token loss becomes a scalar (``loss_agg_mode``), and what it divides by.
 
-    - ``token-mean``: sum over all tokens / number of tokens.
-    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum.
-    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean.
-    - ``seq-mean-token-sum-norm``: sum of token sums / T (Dr. GRPO's constant normaliser).
+    Every mode is a masked sum divided by a normaliser; ``normaliser`` says which, so that the
+    trainer can weigh micro-batches and ranks to get the loss of the whole mini-batch:
+
+    - ``token-mean``: sum_i sum_t m l / sum_i sum_t m (tokens);
+    - ``seq-mean-token-sum``: sum_i sum_t m l / N (responses);
+    - ``seq-mean-token-mean``: sum_i (sum_t m l / sum_t m) / N;
+    - ``seq-mean-token-sum-norm``: sum_i sum_t m l / (N x L), L a constant (Dr. GRPO, Liu et al. 2025,
+      arXiv:2503.20783; TRL's ``dr_grpo`` divides by the responses times ``max_completion_length``).
+      ``norm_length`` is L; the trainer sets it to ``rollout.max_tokens`` unless the algorithm's
+      options give one; left unset it is the padded width T (verl's ``agg_loss`` default).
     """
-    mask = mask.to(loss.dtype)
-    if mode == "token-mean":
-        return masked_mean(loss, mask)
-    seq_sums = (loss * mask).sum(-1)  # (B,)
-    if mode == "seq-mean-token-sum":
-        return seq_sums.mean()
-    if mode == "seq-mean-token-mean":
-        return (seq_sums / mask.sum(-1).clamp(min=1e-8)).mean()
-    if mode == "seq-mean-token-sum-norm":
-        return seq_sums.sum() / mask.shape[-1]
-    raise ValueError(f"Unknown loss aggregation mode '{mode}'. Available: {', '.join(AGG_MODES)}.")
+
+    mode: str = "token-mean"
+    norm_length: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in AGG_MODES:
+            raise ValueError(f"Unknown loss aggregation mode '{self.mode}'. Available: {', '.join(AGG_MODES)}.")
+
+    def __call__(self, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) loss and mask -> the scalar loss of these rows."""
+        mask = mask.to(loss.dtype)
+        if self.mode == "seq-mean-token-mean":
+            numerator = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1e-8)).sum()
+        else:
+            numerator = (loss * mask).sum()
+        return numerator / max(self.normaliser(mask), 1e-8)
+
+    def normaliser(self, mask: torch.Tensor, rows: int | None = None) -> float:
+        """What the loss of ``mask``'s rows is divided by: tokens, responses, or responses x L.
+
+        ``rows``: the responses to count, when some rows of ``mask`` are padding rows (empty masks
+        that count as no response); default all of them.
+        """
+        if self.mode == "token-mean":
+            return float(mask.sum())
+        rows = mask.shape[0] if rows is None else rows
+        if self.mode == "seq-mean-token-sum-norm":
+            return float(rows * (self.norm_length or mask.shape[-1]))
+        return float(rows)
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str | LossAggregation = "token-mean") -> torch.Tensor:
+    """Reduce a (B, T) loss to a scalar with a :class:`LossAggregation` (or its mode's name)."""
+    return (mode if isinstance(mode, LossAggregation) else LossAggregation(mode))(loss, mask)
+
+
+def check_kl_loss_kind(kind: str) -> str:
+    """``kind`` if its gradient as a loss term regularises towards the reference, else an error saying why.
+
+    With x = log pi - log pi_ref and tokens sampled from pi (on-policy), the expected gradient of
+    k1 = x is E[grad log pi] = 0: it adds noise and no pull; abs = |x| gives sign(x) grad log pi,
+    which is not the gradient of any divergence. k2 = x^2 / 2 has the expected gradient of
+    KL(pi || pi_ref) and k3 that of KL(pi_ref || pi) (Tang & Munos 2025, arXiv:2506.09477): both pull.
+    """
+    if kind in KL_LOSS_KINDS:
+        return kind
+    why = (
+        "its expected gradient on-policy is E[grad log pi] = 0 (noise, no pull towards the reference)"
+        if kind == "k1"
+        else "its gradient sign(x) grad log pi is not that of a divergence"
+    )
+    raise ValueError(
+        f"KL estimator '{kind}' as a loss term: {why}. Use k3 (verl's low_var_kl) or k2; k1 is for a KL "
+        "penalty in the reward (ppo's use_kl_in_reward), where no gradient flows through it."
+    )
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -87,7 +141,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float = 3.0,
-    agg_mode: str = "token-mean",
+    agg_mode: str | LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual clip for negative advantages; all tensors (B, T).
 
@@ -123,21 +177,6 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     """log softmax(logits)[tokens]: (..., V), (...) -> (...), computed in float32."""
     logits = logits.float()
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def micro_batch_weight(micro_mask: torch.Tensor, mini_mask: torch.Tensor, mode: str) -> float:
-    """Factor for a micro-batch's loss so that accumulated gradients equal the mini-batch's.
-
-    token-mean weighs by tokens, the seq-mean modes by sequences, and the constant-normaliser
-    mode sums (its normaliser does not depend on the micro-batch).
-    """
-    if mode == "token-mean":
-        return float(micro_mask.sum() / mini_mask.sum().clamp(min=1))
-    if mode == "seq-mean-token-sum-norm":
-        return 1.0
-    if mode in AGG_MODES:
-        return micro_mask.shape[0] / mini_mask.shape[0]
-    raise ValueError(f"Unknown loss aggregation mode '{mode}'. Available: {', '.join(AGG_MODES)}.")
 
 
 def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

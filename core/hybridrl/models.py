@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from hybridrl import functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 CONVERSION = 2  # bump when convert_gguf writes something different, so cached folders are rebuilt
 
 
@@ -119,6 +120,44 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_re
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device)
+
+
+def compute_dtype(mixed_precision: str, dtype: torch.dtype, device: torch.device, option: str) -> torch.dtype | None:
+    """The dtype trained models compute in under autocast (None: their float32 parameters').
+
+    Trained models keep float32 master weights (:func:`master_weights`): with model.dtype bfloat16,
+    an AdamW step of 1e-6 is far below half an ulp of a weight of 0.02 (about 4e-5) and no weight
+    would ever move. So a 16-bit ``model.dtype`` is the compute dtype, and ``mixed_precision``
+    (``option`` names it in errors): ``bf16`` computes in bfloat16; ``auto`` in a 16-bit model.dtype,
+    else in bfloat16 on a CUDA GPU that has it, else float32; ``off`` in float32, refused with a
+    16-bit model.dtype, whose weights would need float32 masters it would not use.
+    """
+    from hybridrl.errors import ConfigError
+
+    low = dtype in LOW_PRECISION
+    name = str(dtype).removeprefix("torch.")
+    if mixed_precision == "off":
+        if low:
+            raise ConfigError(
+                f"model.dtype {name} with {option}: off would train {name} weights with no float32 master copy: "
+                f"an optimizer step below half a {name} ulp (lr 1e-6 on weights near 0.02) changes nothing. Set "
+                f"{option}: auto (float32 master weights computed in {name}), or model.dtype: float32."
+            )
+        return None
+    if mixed_precision == "bf16":
+        return torch.bfloat16
+    if low:
+        return dtype
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def master_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with float32 parameters and buffers where it has 16-bit ones (a trained model)."""
+    if any(p.dtype in LOW_PRECISION for p in model.parameters()):
+        model.float()
+    return model
 
 
 def find_blocks(model: torch.nn.Module, names: list[str] | None = None) -> list[torch.nn.Module]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import sys
@@ -19,10 +18,18 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, plugins
 from hybridrl import functional as F
-from hybridrl.batch import Batch, first_groups, token_budget_split
+from hybridrl.batch import Batch, drop_padding, even_out, first_groups
 from hybridrl.components import RunContext, SamplingParams
-from hybridrl.config import ConfigError, RunConfig, dump_config
-from hybridrl.flops import forward_flops, peak_flops
+from hybridrl.config import RunConfig, dump_config
+from hybridrl.errors import ConfigError, Interrupted, NonFiniteError, StageError, stage_errors  # noqa: F401
+from hybridrl.metrics import (
+    WeightedStats,
+    batch_metrics,
+    mismatch_metrics,
+    reduce_metrics,
+    sample_rows,
+    update_throughput,
+)
 from hybridrl.models import (
     DTYPES,
     check_model_path,
@@ -33,18 +40,7 @@ from hybridrl.models import (
     response_logprobs,
 )
 from hybridrl.shaping import ShapingState
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or Inf reached rewards, advantages, the loss or the gradient."""
-
-
-class Interrupted(Exception):
-    """The run stopped on Ctrl-C or SIGTERM after saving a checkpoint."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+from hybridrl.update import Trainable, micro_batches, mini_batch_rows, run_update
 
 
 class Trainer:
@@ -85,6 +81,8 @@ class Trainer:
             world_size=distributed.world_size(),
             local_rank=distributed.env_world()[2],
             trust_remote_code=cfg.model.trust_remote_code,
+            dropout=cfg.model.dropout,
+            response_tokens=cfg.rollout.max_tokens,
         )
         self.data = self._build("dataset", cfg.data.source, cfg.data.options)
         check_columns(self.data, cfg)
@@ -195,6 +193,8 @@ class Trainer:
             self.pm.hook.on_train_end(trainer=self, metrics=metrics)
             for logger in self.loggers:
                 logger.close()
+            for _, fn in self.rewards:
+                fn.close()
             self.engine.close()
             distributed.teardown()
         return metrics
@@ -316,7 +316,7 @@ class Trainer:
             self.nonfinite(step, "the combined reward is NaN/Inf")
         trained = len(batch)
         if not skip:
-            batch = distributed.even_out(batch, rollout, self.tokenizer.pad_token_id).to(self.ctx.device)
+            batch = even_out(batch, rollout).to(self.ctx.device)
             with timer("logprobs"):
                 metrics |= self.compute_logprobs(batch)
             with timer("advantages"):
@@ -327,7 +327,6 @@ class Trainer:
         if not skip:
             with timer("update"):
                 metrics |= self.update(batch, step)
-                metrics |= self.algorithm.update(batch, step)
         # also after a skipped update: an engine may have released its weights in sleep()
         with timer("sync"), stage_errors(engine, "update_weights"):
             self.engine.update_weights(self.strategy.full_tensors(self.policy))
@@ -338,11 +337,11 @@ class Trainer:
         metrics["timing/step"] = sum(timer.times.values())
         if not skip:
             metrics |= update_throughput(self.policy, batch, t.epochs, timer.times["update"], self.ctx.device)
-        metrics = distributed.reduce_metrics(metrics)  # one value per metric over all ranks
+        metrics = reduce_metrics(metrics)  # one value per metric over all ranks
         self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=rollout if skip else batch)
         samples = None
         if t.sample_every and step % t.sample_every == 0:
-            mine = sample_rows(rollout if skip else distributed.drop_padding(batch), self.rewards)
+            mine = sample_rows(rollout if skip else drop_padding(batch), [rc.label for rc, _ in self.rewards])
             samples = distributed.gather_lists(mine)  # every rank's, on rank 0
         for logger in self.loggers:
             logger.log(step, metrics)
@@ -418,13 +417,17 @@ class Trainer:
         metrics = {}
         if not self._on_policy(len(batch)) or self.algorithm.needs_old_logprobs:
             batch["old_logprobs"] = self._forward(self.policy, batch, "policy")
-            metrics |= mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
+            stats = WeightedStats()
+            mask = batch["response_mask"]
+            stats.add(mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], mask), float(mask.sum()))
+            metrics |= stats.result()
         if self.ref is not None:
             batch["ref_logprobs"] = self._forward(self.ref, batch, "reference model")
         return metrics
 
     def _forward(self, model, batch: Batch, component: str) -> torch.Tensor:
-        groups = self.micro_batches(batch, self.config.trainer.micro_batch_size)
+        t = self.config.trainer
+        groups = micro_batches(batch, t.micro_batch_size, t.micro_batch_tokens)
         T = batch["responses"].shape[1]
         device = self.strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
         with self.device_errors(component, model, device), self.strategy.autocast():
@@ -437,15 +440,6 @@ class Trainer:
         out = torch.cat(parts).to(self.ctx.device)
         rows = torch.tensor([i for g in groups for i in g], device=out.device)
         return torch.empty_like(out).index_copy_(0, rows, out)  # back in the batch's order
-
-    def micro_batches(self, batch: Batch, size: int | None) -> list[list[int]]:
-        """Row indices of each forward (and backward) pass over ``batch``: consecutive rows
-        ``size`` at a time, or token-budget groups with ``trainer.micro_batch_tokens``."""
-        budget = self.config.trainer.micro_batch_tokens
-        if budget:
-            return token_budget_split(batch, budget)
-        size = size or len(batch)
-        return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
 
     def device_errors(self, component: str, model, inputs: torch.device):
         """Name the component and the devices when torch finds tensors on different ones."""
@@ -461,98 +455,62 @@ class Trainer:
             "and each reward model's own device option.",
         )
 
-    def _mini_batch_size(self, batch_size: int) -> int:
-        """Responses per optimizer step on this rank (trainer.mini_batch_size is over all ranks)."""
-        t = self.config.trainer
-        return t.mini_batch_size // distributed.world_size() if t.mini_batch_size else batch_size
-
     def _on_policy(self, batch_size: int) -> bool:
-        return self.config.trainer.epochs == 1 and self._mini_batch_size(batch_size) >= batch_size
+        t = self.config.trainer
+        return t.epochs == 1 and mini_batch_rows(t.mini_batch_size, batch_size) >= batch_size
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
+        """The update stage: the policy, then the models the algorithm trains (a critic), one loop."""
         t = self.config.trainer
-        mini = self._mini_batch_size(len(batch))
-        micro = t.micro_batch_size or mini
-        on_policy = self._on_policy(len(batch))
-        T = batch["responses"].shape[1]
-        gen = torch.Generator().manual_seed(t.seed * 7919 + step)
-        stats: dict[str, list[float]] = defaultdict(list)
-        self.policy.train()
-        for _ in range(t.epochs):
-            order = torch.randperm(len(batch), generator=gen) if not on_policy else torch.arange(len(batch))
-            for mb in batch.select(order).split(mini):
-                self.optimizer.zero_grad(set_to_none=True)
-                # ranks average gradients: scale so that the result is the loss over the global mini-batch
-                mode = self.algorithm.loss_agg_mode
-                scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), mode)
-                finite = True
-                for part in (mb.select(g) for g in self.micro_batches(mb, micro)):
-                    # host syncs wait for queued GPU work: this one before the forward pass, the
-                    # others after the backward pass, so that the two run without a pause between
-                    weight = scale * F.micro_batch_weight(part["response_mask"], mb["response_mask"], mode)
-                    with self.device_errors("policy", self.policy, part.input_ids.device), self.strategy.autocast():
-                        logprobs, entropy = response_logprobs(
-                            self.policy,
-                            part.input_ids,
-                            part.attention_mask,
-                            T,
-                            self.config.rollout.temperature,
-                            with_entropy=True,
-                            entropy_grad=self.algorithm.needs_entropy_grad,
-                        )
-                    sampling_policy = "old_logprobs" not in part  # one update: the sampling policy is being updated
-                    if sampling_policy:
-                        part["old_logprobs"] = logprobs.detach()
-                    loss, m = self.algorithm.loss(part, logprobs, entropy)
-                    (loss * weight).backward()  # a non-finite loss's gradients are dropped below
-                    if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
-                        value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
-                        self.nonfinite(step, f"the loss of algorithm '{self.config.algorithm.name}' is {value}")
-                        finite = False
-                        break
-                    if sampling_policy:
-                        for k, v in mismatch_metrics(
-                            part["rollout_logprobs"], part["old_logprobs"], part["response_mask"]
-                        ).items():
-                            stats[k].append(v)
-                    stats["actor/entropy"].append(F.masked_mean(entropy, part["response_mask"]).item())
-                    for k, v in m.items():
-                        stats[k].append(float(v))
-                if finite:
-                    grad_norm = self.strategy.clip_grad_norm(self.policy, t.max_grad_norm)
-                    stats["actor/grad_norm"].append(grad_norm)
-                    if not math.isfinite(grad_norm):
-                        self.nonfinite(step, f"the policy's gradient norm is {grad_norm}")
-                        finite = False
-                if finite:
-                    self.optimizer.step()
-                else:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    stats["actor/skipped_updates"].append(1.0)
-        stats["actor/lr"].append(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        if "rollout/logprob_diff_max" in stats:
-            out["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"])
-        return out
+        settings = dict(
+            seed=t.seed,
+            micro_batch_size=t.micro_batch_size,
+            micro_batch_tokens=t.micro_batch_tokens,
+            on_nonfinite=lambda what: self.nonfinite(step, what),
+        )
+        metrics = {}
+        for trainable in [self.policy_trainable(), *self.algorithm.trained_models()]:
+            metrics |= run_update(trainable, batch, step, self.strategy, **settings)
+        return metrics
+
+    def policy_trainable(self) -> Trainable:
+        t = self.config.trainer
+        return Trainable(
+            name="actor",
+            label=f"policy (algorithm '{self.config.algorithm.name}')",
+            model=self.policy,
+            optimizer=self.optimizer,
+            loss=self.policy_loss,
+            aggregation=self.algorithm.loss_aggregation,
+            epochs=t.epochs,
+            mini_batch_size=t.mini_batch_size,
+            max_grad_norm=t.max_grad_norm,
+            scheduler=self.scheduler,
+        )
+
+    def policy_loss(self, part: Batch):
+        """The algorithm's loss of a micro-batch, from the policy's logprobs and entropies."""
+        T = part["responses"].shape[1]
+        with self.device_errors("policy", self.policy, part.input_ids.device), self.strategy.autocast():
+            logprobs, entropy = response_logprobs(
+                self.policy,
+                part.input_ids,
+                part.attention_mask,
+                T,
+                self.config.rollout.temperature,
+                with_entropy=True,
+                entropy_grad=self.algorithm.needs_entropy_grad,
+            )
+        mask = part["response_mask"]
+        metrics = {"actor/entropy": F.masked_mean(entropy, mask).detach()}
+        if "old_logprobs" not in part:  # one update: the sampling policy is the one being updated
+            part["old_logprobs"] = logprobs.detach()
+            metrics |= mismatch_metrics(part["rollout_logprobs"], part["old_logprobs"], mask)
+        loss, m = self.algorithm.loss(part, logprobs, entropy)
+        return loss, metrics | m
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-class StageError(RuntimeError):
-    """A component failed; the message says which one, in which call, and why."""
-
-
-@contextlib.contextmanager
-def stage_errors(component: str, call: str):
-    """Re-raise any failure inside as a StageError naming the component and the call."""
-    try:
-        yield
-    except (StageError, KeyboardInterrupt, NonFiniteError, ConfigError):
-        raise
-    except Exception as e:
-        raise StageError(f"{component} failed in {call}: {type(e).__name__}: {e}") from e
 
 
 class Timer:
@@ -650,70 +608,6 @@ def check_columns(source, cfg: RunConfig) -> None:
                 f"data.{key} is '{col}', but the rows have no such field. "
                 f"Fields: {', '.join(columns)}. Set data.{key} to one of them."
             )
-
-
-def update_throughput(policy, batch: Batch, epochs: int, seconds: float, device: torch.device) -> dict[str, float]:
-    """Tokens/s and model FLOP/s through the policy's forward+backward passes of the update
-    stage (all epochs; padding not counted), and the MFU where the GPU's peak is known."""
-    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
-    responses = int(batch["response_mask"].sum())
-    seconds = max(seconds, 1e-9)
-    flops = 3 * epochs * forward_flops(policy, lengths, responses) / seconds
-    out = {"throughput/train_tokens_per_s": sum(lengths) * epochs / seconds, "throughput/update_tflops": flops / 1e12}
-    peak = peak_flops(device)
-    if peak:
-        out["throughput/update_mfu"] = flops / peak
-    return out
-
-
-def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the engine's logprobs are from the trainer's for the same weights and tokens."""
-    diff = (rollout_lp.to(train_lp.device) - train_lp).abs() * mask
-    return {
-        "rollout/logprob_diff_mean": F.masked_mean(diff, mask).item(),
-        "rollout/logprob_diff_max": diff.max().item(),
-    }
-
-
-def batch_metrics(batch: Batch, rollout_time: float, rollout: Batch | None = None) -> dict[str, float]:
-    """Length and throughput metrics of all rollouts; advantage statistics of the trained batch."""
-    rollout = rollout if rollout is not None else batch
-    lengths = rollout["response_mask"].sum(-1).float()
-    clipped = sum(r == "length" for r in rollout["finish_reason"]) / len(rollout)
-    adv = batch.get("advantages")
-    out = {
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
-        "response_length/min": lengths.min().item(),
-        "response_length/clip_ratio": clipped,
-        "prompt_length/mean": rollout["prompt_mask"].sum(-1).float().mean().item(),
-        "throughput/rollout_tokens_per_s": lengths.sum().item() / max(rollout_time, 1e-9),
-    }
-    if adv is not None:
-        mask = batch["response_mask"]
-        out["advantages/mean"] = F.masked_mean(adv, mask).item()
-        out["advantages/max"] = adv[mask.bool()].max().item() if mask.any() else 0.0
-        out["advantages/min"] = adv[mask.bool()].min().item() if mask.any() else 0.0
-    return out
-
-
-def sample_rows(batch: Batch, rewards) -> list[dict]:
-    rows = []
-    adv = batch.get("advantages")
-    for i in range(len(batch)):
-        row = {
-            "prompt": batch["prompt_text"][i],
-            "response": batch["response_text"][i],
-            "answer": batch["answer"][i],
-            "score": batch["scores"][i].item(),
-            "finish_reason": batch["finish_reason"][i],
-            "group": int(batch["group_ids"][i]),
-        }
-        row |= {f"reward/{rc.label}": batch[f"reward/{rc.label}"][i].item() for rc, _ in rewards}
-        if adv is not None:
-            row["advantage"] = adv[i, 0].item()
-        rows.append(row)
-    return rows
 
 
 def seed_everything(seed: int) -> None:

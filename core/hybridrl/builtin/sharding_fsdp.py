@@ -19,7 +19,7 @@ from pydantic import Field
 from hybridrl import distributed as dist
 from hybridrl.components import Options, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import enable_activation_checkpointing, find_blocks
+from hybridrl.models import compute_dtype, enable_activation_checkpointing, find_blocks, master_weights
 
 NAME = "sharding strategy 'fsdp'"
 
@@ -56,10 +56,12 @@ class FSDPStrategy(ShardingStrategy):
             description="hybrid_shard: ranks per shard group (it must divide the world size); default: the "
             "processes of one node (LOCAL_WORLD_SIZE), so all-gathers stay inside a node.",
         )
-        mixed_precision: Literal["off", "bf16"] = Field(
-            "off",
-            description="bf16: compute in bfloat16 while parameters and optimizer state stay float32 "
-            "(model.dtype must be float32) and gradients are reduced in float32.",
+        mixed_precision: Literal["auto", "off", "bf16"] = Field(
+            "auto",
+            description="bf16: compute in bfloat16 while the trained model's parameters and optimizer state stay "
+            "float32 and gradients are reduced in float32; auto: model.dtype when it is bfloat16 or float16 "
+            "(float32 master weights), else bf16 on a CUDA GPU that supports it, else off; off: float32 compute "
+            "(refused with a 16-bit model.dtype).",
         )
         offload: bool = Field(
             False,
@@ -80,11 +82,7 @@ class FSDPStrategy(ShardingStrategy):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         o = options
-        if o.mixed_precision == "bf16" and ctx.dtype != torch.float32:
-            raise ValueError(
-                f"sharding.mixed_precision=bf16 keeps float32 master weights, but model.dtype is "
-                f"{str(ctx.dtype).removeprefix('torch.')}. Set model.dtype=float32, or sharding.mixed_precision=off."
-            )
+        self.compute_dtype = compute_dtype(o.mixed_precision, ctx.dtype, ctx.device, "sharding.mixed_precision")
         if o.offload and ctx.device.type != "cuda":
             raise ValueError(
                 f"sharding.offload moves parameters off the GPU between uses, but the policy is on "
@@ -117,8 +115,8 @@ class FSDPStrategy(ShardingStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         kwargs = {"mesh": self.mesh, "reshard_after_forward": self.options.mode != "shard_grad_op"}
-        if self.options.mixed_precision == "bf16":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.compute_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.options.offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         return kwargs
@@ -132,6 +130,8 @@ class FSDPStrategy(ShardingStrategy):
                 f"{NAME}: found no blocks to shard in {type(model).__name__} (no _no_split_modules, no "
                 "ModuleList). Set sharding.blocks to the class names of its layers."
             )
+        if trainable:
+            master_weights(model)
         if self.options.activation_checkpointing and trainable:
             enable_activation_checkpointing(model, "sharding.activation_checkpointing")
         kwargs = self._policies()

@@ -10,16 +10,23 @@ from pydantic import Field
 
 from hybridrl.components import ShardingOptions, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import enable_activation_checkpointing, find_blocks, fuse_output_layer
+from hybridrl.models import (
+    compute_dtype,
+    enable_activation_checkpointing,
+    find_blocks,
+    fuse_output_layer,
+    master_weights,
+)
 
 
 class SingleDevice(ShardingStrategy):
     class Options(ShardingOptions):
         mixed_precision: Literal["auto", "off", "bf16"] = Field(
             "auto",
-            description="bf16: run the forward and backward passes under bfloat16 autocast while the "
-            "parameters, gradients and optimizer state keep model.dtype (TRL's and accelerate's bf16); "
-            "auto: bf16 on a CUDA GPU that supports it when model.dtype is float32, else off.",
+            description="bf16: run the forward and backward passes under bfloat16 autocast while the trained "
+            "model's parameters, gradients and optimizer state stay float32 (TRL's and accelerate's bf16); "
+            "auto: model.dtype when it is bfloat16 or float16 (float32 master weights), else bf16 on a CUDA "
+            "GPU that supports it, else off; off: float32 compute (refused with a 16-bit model.dtype).",
         )
         activation_checkpointing: bool = Field(
             False,
@@ -42,14 +49,10 @@ class SingleDevice(ShardingStrategy):
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
-        mp = options.mixed_precision
-        if mp == "auto":
-            cuda = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
-            mp = "bf16" if cuda and ctx.dtype == torch.float32 else "off"
-        self.compute_dtype = torch.bfloat16 if mp == "bf16" else None
+        self.compute_dtype = compute_dtype(options.mixed_precision, ctx.dtype, ctx.device, "sharding.mixed_precision")
 
     def wrap(self, model, trainable=True):
-        model = model.to(self.ctx.device)
+        model = (master_weights(model) if trainable else model).to(self.ctx.device)
         if trainable and self.options.activation_checkpointing:
             enable_activation_checkpointing(model, "sharding.activation_checkpointing")
         if self.options.compile:  # the reference model too: its forward pass is half of the logprobs stage

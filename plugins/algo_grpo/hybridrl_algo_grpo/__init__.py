@@ -61,11 +61,21 @@ class GRPO(Algorithm):
         kl_coef: float = Field(
             0.0, ge=0, description="KL-to-reference loss coefficient (beta); 0 loads no reference model."
         )
-        kl_kind: Literal["k1", "abs", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss.")
+        kl_kind: Literal[F.KL_KINDS] = Field(
+            "k3",
+            description="KL estimator of the KL loss: k3 (verl's low_var_kl) or k2. k1 and abs are refused: "
+            "on-policy their gradient does not pull towards the reference (docs/algorithms.md).",
+        )
         entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
         loss_agg_mode: Literal[F.AGG_MODES] | None = Field(
             None,
             description="Token aggregation of the loss. Default token-mean (vanilla), seq-mean-token-mean (gspo).",
+        )
+        loss_norm_length: int | None = Field(
+            None,
+            gt=0,
+            description="seq-mean-token-sum-norm (Dr. GRPO): the constant L of sum(m l) / (responses x L); "
+            "default rollout.max_tokens.",
         )
         dynamic_sampling: bool = Field(
             False, description="DAPO: drop the groups whose rewards are all equal before the update."
@@ -81,6 +91,11 @@ class GRPO(Algorithm):
             validate_default=True,
             description="DAPO soft overlong punishment: the maximum response length (set it to rollout.max_tokens).",
         )
+
+        @field_validator("kl_kind")
+        @classmethod
+        def _kl_loss_kind(cls, v: str) -> str:
+            return F.check_kl_loss_kind(v)
 
         @field_validator("overlong_max_length")
         @classmethod
@@ -99,12 +114,13 @@ class GRPO(Algorithm):
         low, high, agg = LOSS_DEFAULTS[options.policy_loss]
         self.clip_low = low if options.clip_low is None else options.clip_low
         self.clip_high = high if options.clip_high is None else options.clip_high
-        self._loss_agg_mode = options.loss_agg_mode or agg
+        length = options.loss_norm_length or getattr(ctx, "response_tokens", None)
+        self.loss_aggregation = F.LossAggregation(options.loss_agg_mode or agg, length)
         self._filter_metrics: dict[str, float] = {}
 
     @property
     def loss_agg_mode(self) -> str:
-        return self._loss_agg_mode
+        return self.loss_aggregation.mode
 
     @property
     def needs_reference(self) -> bool:
@@ -157,7 +173,7 @@ class GRPO(Algorithm):
     def loss(self, batch, logprobs, entropy):
         o = self.options
         mask = batch["response_mask"]
-        agg = self.loss_agg_mode
+        agg = self.loss_aggregation
         if o.policy_loss == "gspo":
             loss, m = gspo_policy_loss(
                 batch["old_logprobs"], logprobs, batch["advantages"], mask, self.clip_low, self.clip_high, agg
@@ -176,11 +192,11 @@ class GRPO(Algorithm):
         metrics = {f"actor/{k}": v.item() for k, v in m.items()}
         metrics["actor/pg_loss"] = loss.item()
         if o.entropy_coeff > 0:
-            ent = F.agg_loss(entropy, mask, agg)
+            ent = agg(entropy, mask)
             loss = loss - o.entropy_coeff * ent
             metrics["actor/entropy_loss"] = ent.item()
         if o.kl_coef > 0:
-            kl = F.agg_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_kind), mask, agg)
+            kl = agg(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_kind), mask)
             loss = loss + o.kl_coef * kl
             metrics["actor/kl"] = kl.item()
         return loss, metrics

@@ -124,7 +124,7 @@ def gspo_policy_loss(
     mask: torch.Tensor,  # (B, T)
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    agg_mode: str = "seq-mean-token-mean",
+    agg_mode: str | F.LossAggregation = "seq-mean-token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): a sequence-level importance ratio, clipped.
 

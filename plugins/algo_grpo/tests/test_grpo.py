@@ -47,7 +47,7 @@ def test_grpo_loss_adds_kl_term():
     from hybridrl import plugins
 
     GRPO = plugins.lookup("algorithm", "grpo")
-    algo = GRPO(GRPO.Options(kl_coef=0.5, kl_kind="k1"), ctx=None)
+    algo = GRPO(GRPO.Options(kl_coef=0.5, kl_kind="k2"), ctx=None)
     assert algo.needs_reference
     b = Batch()
     b["response_mask"] = torch.ones(1, 2)
@@ -55,9 +55,23 @@ def test_grpo_loss_adds_kl_term():
     b["ref_logprobs"] = torch.tensor([[-1.0, -1.0]])
     b["advantages"] = torch.tensor([[1.0, 1.0]])
     loss, m = algo.loss(b, torch.zeros(1, 2), torch.zeros(1, 2))
-    # pg loss: -A * ratio = -1 per token; k1 kl = 0 - (-1) = 1 per token
-    assert loss.item() == pytest.approx(-1 + 0.5 * 1)
-    assert m["actor/kl"] == pytest.approx(1.0)
+    # pg loss: -A * ratio = -1 per token; k2 kl = (0 - (-1))^2 / 2 = 0.5 per token
+    assert loss.item() == pytest.approx(-1 + 0.5 * 0.5)
+    assert m["actor/kl"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kind, why", [("k1", "E\\[grad log pi\\] = 0"), ("abs", "not that of a divergence")])
+def test_kl_estimators_that_do_not_regularise_as_a_loss_are_refused(kind, why):
+    from hybridrl.config import ConfigError, load_config
+
+    data = {
+        "model": {"path": "/m"},
+        "data": {"source": "reasoning_gym", "task": "chain_sum"},
+        "rewards": [{"function": "answer_match"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.1, "kl_kind": kind},
+    }
+    with pytest.raises(ConfigError, match=f"KL estimator '{kind}' as a loss term: .*{why}.*Use k3 .* or k2"):
+        load_config(data=data)
 
 
 def test_no_reference_without_kl():
@@ -111,7 +125,7 @@ def test_clip_low_bounds_negative_advantages(clip_low, expected):
         ("token-mean", (-1 - 2 * 3) / 4),
         ("seq-mean-token-mean", (-1 + -2) / 2),
         ("seq-mean-token-sum", (-1 + -6) / 2),
-        ("seq-mean-token-sum-norm", (-1 - 6) / 3),
+        ("seq-mean-token-sum-norm", (-1 - 6) / (2 * 3)),  # N x L; L = T = 3 without a run's max_tokens
     ],
 )
 def test_aggregation_modes_weigh_long_and_short_responses(mode, expected):

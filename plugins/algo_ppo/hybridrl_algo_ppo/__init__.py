@@ -8,8 +8,6 @@ baseline. docs/algorithms.md gives every option's formula.
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from typing import Literal
 
 import torch
@@ -19,6 +17,8 @@ from hybridrl import distributed
 from hybridrl import functional as F
 from hybridrl.components import Algorithm, Options
 from hybridrl.hookspecs import hookimpl
+from hybridrl.models import disable_dropout
+from hybridrl.update import Trainable
 from hybridrl_algo_ppo import functional as PF
 from hybridrl_algo_ppo.critic import load_value_model, response_values
 
@@ -32,6 +32,12 @@ class PPO(Algorithm):
         clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high.")
         clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
         loss_agg_mode: Literal[F.AGG_MODES] = Field("token-mean", description="Token aggregation of the policy loss.")
+        loss_norm_length: int | None = Field(
+            None,
+            gt=0,
+            description="seq-mean-token-sum-norm: the constant L of sum(m l) / (responses x L), for the policy "
+            "and the value loss; default rollout.max_tokens.",
+        )
         entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
         # -- advantages
         gamma: float = Field(1.0, ge=0, le=1, description="Discount of GAE (and of the returns without critic).")
@@ -50,7 +56,11 @@ class PPO(Algorithm):
             False, description="Add kl_loss_coef x KL(policy || ref) to the loss (loads a reference)."
         )
         kl_loss_coef: float = Field(0.001, ge=0, description="Coefficient of the KL loss.")
-        kl_loss_type: KL_KIND = Field("k3", description="KL estimator of the KL loss.")
+        kl_loss_type: KL_KIND = Field(
+            "k3",
+            description="KL estimator of the KL loss: k3 (verl's low_var_kl) or k2; k1 and abs are refused "
+            "(their on-policy gradient does not pull towards the reference; docs/algorithms.md).",
+        )
         # -- critic
         critic: bool = Field(True, description="Train a value model; false: REINFORCE++ advantages, no critic.")
         critic_path: str | None = Field(
@@ -68,7 +78,10 @@ class PPO(Algorithm):
             None, gt=0, description="Responses per critic optimizer step; default: all responses of the step."
         )
         critic_micro_batch_size: int | None = Field(
-            None, gt=0, description="Responses per critic forward/backward (gradient accumulation)."
+            None,
+            gt=0,
+            description="Responses per critic forward/backward (gradient accumulation); default: the trainer's "
+            "micro-batches (trainer.micro_batch_size or trainer.micro_batch_tokens).",
         )
         critic_max_grad_norm: float = Field(1.0, gt=0, description="Critic gradient clipping (total norm).")
         cliprange_value: float = Field(0.5, gt=0, description="Clip of the new values around the old ones.")
@@ -83,6 +96,11 @@ class PPO(Algorithm):
             "(the mean score of the prompt's responses is subtracted).",
         )
 
+        @field_validator("kl_loss_type")
+        @classmethod
+        def _kl_loss_kind(cls, v: str) -> str:
+            return F.check_kl_loss_kind(v)
+
         @field_validator("baseline")
         @classmethod
         def _baseline_without_critic(cls, v: str, info: ValidationInfo) -> str:
@@ -92,6 +110,9 @@ class PPO(Algorithm):
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
+        length = options.loss_norm_length or getattr(ctx, "response_tokens", None)
+        self.loss_aggregation = F.LossAggregation(options.loss_agg_mode, length)
+        self.value_aggregation = F.LossAggregation(options.critic_loss_agg_mode, length)
         self.kl_coef = options.kl_coef
         self.critic = self.critic_optimizer = None
         world = ctx.world_size if ctx is not None else 1
@@ -108,16 +129,14 @@ class PPO(Algorithm):
         model = load_value_model(
             o.critic_path or ctx.model_path, o.critic_arch, ctx.dtype, len(ctx.tokenizer), o.trust_remote_code
         )
+        if not ctx.dropout:  # as the policy's: dropout makes the update's values differ from the old ones
+            disable_dropout(model)
         self.critic = ctx.strategy.wrap(model.train(), trainable=True)
         self.critic_optimizer = torch.optim.AdamW(
             [p for p in self.critic.parameters() if p.requires_grad], lr=o.critic_lr, weight_decay=o.critic_weight_decay
         )
 
     # -- what the trainer must provide --------------------------------------------------------
-
-    @property
-    def loss_agg_mode(self) -> str:
-        return self.options.loss_agg_mode
 
     @property
     def needs_reference(self) -> bool:
@@ -196,65 +215,56 @@ class PPO(Algorithm):
             clip_low=o.clip_low,
             clip_high=o.clip_high,
             clip_c=o.clip_c,
-            agg_mode=o.loss_agg_mode,
+            agg_mode=self.loss_aggregation,
         )
         metrics = {f"actor/{k}": v.item() for k, v in m.items()}
         metrics["actor/pg_loss"] = loss.item()
         if o.entropy_coeff > 0:
-            ent = F.agg_loss(entropy, mask, o.loss_agg_mode)
+            ent = self.loss_aggregation(entropy, mask)
             loss = loss - o.entropy_coeff * ent
             metrics["actor/entropy_loss"] = ent.item()
         if o.use_kl_loss and o.kl_loss_coef > 0:
-            kl = F.agg_loss(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_loss_type), mask, o.loss_agg_mode)
+            kl = self.loss_aggregation(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_loss_type), mask)
             loss = loss + o.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
         return loss, metrics
 
     # -- critic update --------------------------------------------------------------------
 
-    def update(self, batch, step):
-        """Train the critic on the step's returns: epochs x mini-batches x micro-batches."""
-        if self.critic is None or len(batch) == 0:
-            return {}
+    def trained_models(self) -> list[Trainable]:
+        """The critic, trained by the trainer's update loop after the policy, on the same batch."""
+        if self.critic is None:
+            return []
         o = self.options
-        # critic_mini_batch_size is over all ranks, like trainer.mini_batch_size
-        mini = o.critic_mini_batch_size // distributed.world_size() if o.critic_mini_batch_size else len(batch)
-        micro = o.critic_micro_batch_size or mini
-        agg = o.critic_loss_agg_mode
-        T = batch["responses"].shape[1]
-        gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + step)
-        stats: dict[str, list[float]] = defaultdict(list)
-        self.critic.train()
-        for _ in range(o.critic_epochs):
-            whole = mini >= len(batch)
-            order = torch.arange(len(batch)) if whole else torch.randperm(len(batch), generator=gen)
-            for mb in batch.select(order).split(mini):
-                self.critic_optimizer.zero_grad(set_to_none=True)
-                # ranks average gradients: scale to the loss over the global mini-batch (as the trainer does)
-                scale = distributed.loss_scale(mb["response_mask"], distributed.real_rows(mb), agg)
-                for part in mb.split(micro):
-                    with self.ctx.strategy.autocast():
-                        vpreds = response_values(self.critic, part.input_ids, part.attention_mask, T)
-                    mask = part["response_mask"]
-                    loss, clipfrac = PF.value_loss(
-                        vpreds, part["returns"], part["values"], mask, o.cliprange_value, agg
-                    )
-                    if distributed.any_rank(not torch.isfinite(loss)):  # every rank stops, or none
-                        raise FloatingPointError(f"algorithm 'ppo', step {step}: the value loss is not finite.")
-                    weight = F.micro_batch_weight(mask, mb["response_mask"], agg)
-                    (loss * weight * scale).backward()
-                    stats["critic/value_loss"].append(loss.item())
-                    stats["critic/vf_clipfrac"].append(clipfrac.item())
-                    stats["critic/vpred_mean"].append(F.masked_mean(vpreds.detach(), mask).item())
-                grad_norm = self.ctx.strategy.clip_grad_norm(self.critic, o.critic_max_grad_norm)
-                stats["critic/grad_norm"].append(grad_norm)
-                if math.isfinite(grad_norm):
-                    self.critic_optimizer.step()
-                else:
-                    stats["critic/skipped_updates"].append(1.0)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["critic/lr"] = o.critic_lr
-        return out
+        return [
+            Trainable(
+                name="critic",
+                label="critic (algorithm 'ppo')",
+                model=self.critic,
+                optimizer=self.critic_optimizer,
+                loss=self.value_loss,
+                aggregation=self.value_aggregation,
+                epochs=o.critic_epochs,
+                mini_batch_size=o.critic_mini_batch_size,
+                micro_batch_size=o.critic_micro_batch_size,
+                max_grad_norm=o.critic_max_grad_norm,
+            )
+        ]
+
+    def value_loss(self, part):
+        """The clipped value loss of a micro-batch and its metrics."""
+        mask = part["response_mask"]
+        with self.ctx.strategy.autocast():
+            vpreds = response_values(self.critic, part.input_ids, part.attention_mask, part["responses"].shape[1])
+        loss, clipfrac = PF.value_loss(
+            vpreds, part["returns"], part["values"], mask, self.options.cliprange_value, self.value_aggregation
+        )
+        metrics = {
+            "critic/value_loss": loss.detach(),
+            "critic/vf_clipfrac": clipfrac.detach(),
+            "critic/vpred_mean": F.masked_mean(vpreds.detach(), mask),
+        }
+        return loss, metrics
 
     # -- checkpoint state -----------------------------------------------------------------
 

@@ -53,7 +53,7 @@ def value_loss(
     old_values: torch.Tensor,  # (B, T) the critic's values when the batch was scored
     mask: torch.Tensor,  # (B, T)
     cliprange_value: float = 0.5,
-    agg_mode: str = "token-mean",
+    agg_mode: str | F.LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss 0.5 agg(max((v - R)^2, (clip(v, V_old - c, V_old + c) - R)^2)).
 

@@ -131,7 +131,7 @@ def test_critic_free_group_mean_baseline_is_reinforce_pp_baseline():
     w = [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
     expected = torch.tensor([[w[0], w[1]], [w[2], 0.0], [w[3], w[4]]])
     torch.testing.assert_close(b["advantages"], expected)
-    assert algo.critic is None and algo.update(b, 1) == {}
+    assert algo.critic is None and algo.trained_models() == []
 
 
 def test_critic_free_reinforce_pp_returns_are_discounted():
@@ -156,6 +156,14 @@ def test_baseline_with_critic_is_a_config_error():
 
 
 # -- the critic ------------------------------------------------------------------------------
+
+
+def train_critic(algo, batch):
+    """The critic's update as the trainer runs it (hybridrl.update.run_update)."""
+    from hybridrl.update import run_update
+
+    (critic,) = algo.trained_models()
+    return run_update(critic, batch, 1, algo.ctx.strategy)
 
 
 @pytest.mark.parametrize("arch", ["value_head", "token_classification"])
@@ -187,7 +195,7 @@ def test_critic_micro_batches_accumulate_the_full_gradient(ctx):
         algo = make_ppo(ctx, critic_micro_batch_size=micro, critic_lr=1e-3)
         b = token_batch()
         algo.compute_advantages(b)
-        grad_norms.append(algo.update(b, step=1)["critic/grad_norm"])
+        grad_norms.append(train_critic(algo, b)["critic/grad_norm"])
     assert grad_norms[0] > 0 and grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-4)
 
 
@@ -195,7 +203,7 @@ def test_critic_state_round_trip(ctx):
     algo = make_ppo(ctx, critic_lr=1e-2)
     b = token_batch()
     algo.compute_advantages(b)
-    metrics = algo.update(b, step=1)
+    metrics = train_critic(algo, b)
     assert {"critic/value_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr"} <= metrics.keys()
     restored = make_ppo(ctx, critic_lr=1e-2)
     restored.load_state_dict(algo.state_dict())
@@ -217,3 +225,47 @@ def test_critic_with_a_smaller_vocabulary_is_refused(ctx, tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="vocabulary of 10 tokens, fewer than the policy tokenizer's"):
         make_ppo(ctx, critic_path=str(tmp_path / "small"))
+
+
+def test_critic_dropout_is_off_like_the_policys(ctx, tmp_path):
+    """A GPT-2 critic has dropout 0.1 in three places; with model.dropout false (the default) its
+    values in train mode (the update) equal those in eval mode (the values pass)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
+    algo = make_ppo(ctx, critic_path=str(tmp_path / "gpt2"))
+    b = token_batch()
+    T = b["responses"].shape[1]
+    with torch.no_grad():
+        torch.nn.init.normal_(algo.critic.head.weight)
+        train = response_values(algo.critic.train(), b.input_ids, b.attention_mask, T)
+        evaluated = response_values(algo.critic.eval(), b.input_ids, b.attention_mask, T)
+    torch.testing.assert_close(train, evaluated)
+
+
+def test_nonfinite_value_loss_follows_on_nonfinite(tiny_model, tmp_path, monkeypatch):
+    """A NaN value loss goes through trainer.on_nonfinite like the policy's: abort names the critic,
+    skip leaves the critic as it was and counts the skipped step."""
+    import hybridrl_algo_ppo.functional as PF
+
+    from hybridrl.trainer import NonFiniteError, Trainer
+
+    real = PF.value_loss
+    monkeypatch.setattr(PF, "value_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), torch.tensor(0.0)))
+    data = {
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+        "rollout": {"n": 4, "max_tokens": 8},
+        "rewards": [{"function": "format", "pattern": "7"}],
+        "algorithm": {"name": "ppo"},
+        "trainer": {"steps": 1, "prompts_per_step": 2, "run_dir": str(tmp_path / "abort")},
+        "logging": {"loggers": []},
+    }
+    with pytest.raises(NonFiniteError, match=r"step 1: the loss of the critic \(algorithm 'ppo'\) is nan"):
+        Trainer(load_config(data=data)).train()
+    data["trainer"] |= {"on_nonfinite": "skip", "run_dir": str(tmp_path / "skip")}
+    trainer = Trainer(load_config(data=data))
+    metrics = trainer.train()
+    assert metrics["critic/skipped_updates"] == 1.0
+    assert all(torch.isfinite(p).all() for p in trainer.algorithm.critic.parameters())

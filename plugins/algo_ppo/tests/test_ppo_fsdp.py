@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridrl import distributed
+from hybridrl.batch import even_out
 from hybridrl.testing import fixed_batch
 
 LR = 0.5  # SGD: the update is linear in the gradient, so any scale error shows
@@ -71,11 +72,10 @@ def one_step(model: str, run_dir: Path, strategy: str) -> dict:
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
     algo.critic_optimizer = torch.optim.SGD(algo.critic.parameters(), lr=LR)
     batch = fixed_batch(trainer.tokenizer, LENGTHS)
-    batch = distributed.even_out(batch, batch, trainer.tokenizer.pad_token_id).to(trainer.ctx.device)
+    batch = even_out(batch, batch).to(trainer.ctx.device)
     trainer.compute_logprobs(batch)
     metrics = algo.compute_advantages(batch)
-    metrics |= trainer.update(batch, step=1)
-    metrics |= algo.update(batch, step=1)
+    metrics |= trainer.update(batch, step=1)  # the policy, then the critic
     result = {
         "policy": {k: t.clone() for k, t in trainer.strategy.full_tensors(trainer.policy)},
         "critic": {k: t.clone() for k, t in trainer.strategy.full_tensors(algo.critic)},

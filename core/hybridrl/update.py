@@ -1,0 +1,126 @@
+"""The update stage: one loop trains every model of a run.
+
+The policy and every model an algorithm brings (PPO's critic, :meth:`Algorithm.trained_models`)
+are a :class:`Trainable`: a model, its optimizer, a loss of a micro-batch and how that loss
+aggregates tokens. :func:`run_update` trains one for ``epochs`` passes over the step's batch, in
+mini-batches (one optimizer step each) cut into micro-batches (one forward and backward pass
+each; a number of responses, or a token budget), and weighs each micro-batch so that the summed
+gradient, averaged over ranks by the sharding strategy, is exactly the gradient of the loss over
+the whole mini-batch of every rank. It clips gradients and applies one rule to NaN/Inf losses and
+gradient norms: ``on_nonfinite`` (abort, or skip that optimizer step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridrl import distributed
+from hybridrl.batch import Batch, real_rows, token_budget_split
+from hybridrl.functional import LossAggregation
+from hybridrl.metrics import WeightedStats
+
+
+@dataclass
+class Trainable:
+    """A model the update stage trains, and how."""
+
+    name: str  # metric prefix: "actor" (the policy), "critic", ...
+    label: str  # what messages call it: "policy (algorithm 'grpo')", "critic (algorithm 'ppo')"
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: a micro-batch -> (its loss, aggregated with ``aggregation``; metrics to log, floats or tensors);
+    #: token statistics among the metrics are weighted by the micro-batch's response tokens
+    loss: Callable[[Batch], tuple[torch.Tensor, dict[str, Any]]]
+    aggregation: LossAggregation
+    epochs: int = 1
+    mini_batch_size: int | None = None  # responses per optimizer step over all ranks; None: the whole batch
+    micro_batch_size: int | None = None  # responses per pass; None: the trainer's micro-batches
+    max_grad_norm: float = 1.0
+    scheduler: Any = None  # stepped once per update stage
+
+
+def raise_nonfinite(what: str) -> None:
+    raise FloatingPointError(what)
+
+
+def micro_batches(batch: Batch, size: int | None = None, tokens: int | None = None) -> list[list[int]]:
+    """Row indices of each pass over ``batch``: token-budget groups (``tokens``), or consecutive rows
+    ``size`` at a time (default all)."""
+    if tokens:
+        return token_budget_split(batch, tokens)
+    size = size or len(batch)
+    return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
+
+
+def mini_batch_rows(mini_batch_size: int | None, batch_size: int) -> int:
+    """Responses per optimizer step on this rank (``mini_batch_size`` is over all ranks)."""
+    return mini_batch_size // distributed.world_size() if mini_batch_size else batch_size
+
+
+def run_update(
+    t: Trainable,
+    batch: Batch,
+    step: int,
+    strategy,
+    *,
+    seed: int = 0,
+    micro_batch_size: int | None = None,
+    micro_batch_tokens: int | None = None,
+    on_nonfinite: Callable[[str], None] = raise_nonfinite,
+) -> dict[str, float]:
+    """Train ``t`` on ``batch``; every rank calls it with the same number of rows (collectives run in
+    each pass). ``micro_batch_size`` / ``micro_batch_tokens`` apply where ``t`` sets no micro-batch
+    size. ``on_nonfinite(message)`` raises to stop the run, or returns to skip that optimizer step.
+    Returns the metrics: the loss's, token-weighted over passes and ranks, and ``<name>/grad_norm``,
+    ``<name>/lr`` and (when steps were skipped) ``<name>/skipped_updates``."""
+    world = distributed.world_size()
+    mini = mini_batch_rows(t.mini_batch_size, len(batch))
+    size, tokens = (t.micro_batch_size, None) if t.micro_batch_size else (micro_batch_size, micro_batch_tokens)
+    gen = torch.Generator().manual_seed(seed * 7919 + step)
+    stats, norms, skipped = WeightedStats(), [], 0
+    t.model.train()
+    for _ in range(t.epochs):
+        # one mini-batch: the order does not change its gradient, so only several are shuffled
+        order = torch.randperm(len(batch), generator=gen) if mini < len(batch) else torch.arange(len(batch))
+        for mb in batch.select(order).split(mini):
+            t.optimizer.zero_grad(set_to_none=True)
+            # the global normaliser: what the mini-batch of every rank divides its loss by
+            total = distributed.sum_over_ranks(t.aggregation.normaliser(mb["response_mask"], real_rows(mb)))
+            finite = True
+            for part in (mb.select(g) for g in micro_batches(mb, size, tokens)):
+                loss, metrics = t.loss(part)
+                # ranks average gradients: world x this part's normaliser / the global one
+                weight = world * t.aggregation.normaliser(part["response_mask"]) / total if total > 0 else 0.0
+                (loss * weight).backward()  # a non-finite loss's gradients are dropped below
+                # host syncs wait for queued device work: these after the backward pass, so that the
+                # forward and backward passes run without a pause between them
+                if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
+                    value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
+                    on_nonfinite(f"the loss of the {t.label} is {value}")
+                    finite = False
+                    break
+                stats.add(metrics, weight=float(part["response_mask"].sum()))
+            if finite:
+                grad_norm = strategy.clip_grad_norm(t.model, t.max_grad_norm)  # over all ranks
+                norms.append(grad_norm)  # the same on every rank
+                if not math.isfinite(grad_norm):
+                    on_nonfinite(f"the gradient norm of the {t.label} is {grad_norm}")
+                    finite = False
+            if finite:
+                t.optimizer.step()
+            else:
+                t.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+    out = stats.result() | {f"{t.name}/lr": t.optimizer.param_groups[0]["lr"]}
+    if norms:
+        out[f"{t.name}/grad_norm"] = sum(norms) / len(norms)
+    if skipped:
+        out[f"{t.name}/skipped_updates"] = float(skipped)
+    if t.scheduler is not None:
+        t.scheduler.step()
+    return out
