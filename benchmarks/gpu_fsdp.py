@@ -83,7 +83,7 @@ def worker(args) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from hybridrl import distributed
+    from hybridrl import devices, distributed
     from hybridrl.builtin.sharding_fsdp import FSDPStrategy
     from hybridrl.builtin.sharding_single import SingleDevice
     from hybridrl.components import RunContext
@@ -91,7 +91,7 @@ def worker(args) -> None:
 
     _, strategy_name, dtype_name, options = CONFIGS[args.worker]
     dtype = getattr(torch, dtype_name)
-    device = distributed.resolve_device("cpu" if args.smoke else "cuda")
+    device = devices.resolve_device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)
     cfg = Qwen2Config(**(TINY if args.smoke else QWEN05))
     model = Qwen2ForCausalLM(cfg).to(dtype).train()

@@ -140,7 +140,7 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
             common.wait_for_gpu()
             times.append(time.perf_counter() - start)
         out[f"{mib} MiB"] = {"median_s": statistics.median(times), "all_s": times,
-                             "buckets": trainer.engine.stats.get("vllm/sync_buckets")}  # fmt: skip
+                             "buckets": trainer.engine.metrics().get("vllm/sync_buckets")}  # fmt: skip
         print(f"sync, buckets of {mib} MiB: {out[f'{mib} MiB']}", flush=True)
     import torch
 

@@ -102,8 +102,8 @@ def run_policy(args, engine, policy, dtype: str, methods: list[str], greedy) -> 
     rows = {}
     for m, ts in seconds.items():
         rows[m] = {"policy_dtype": dtype, "method": m, "syncs": len(ts), "median_s": statistics.median(ts),
-                   "min_s": min(ts), "all_s": ts, "mib": engine.stats.get("vllm/sync_mib"),
-                   "buckets": engine.stats.get("vllm/sync_buckets")}  # fmt: skip
+                   "min_s": min(ts), "all_s": ts, "mib": engine.metrics().get("vllm/sync_mib"),
+                   "buckets": engine.metrics().get("vllm/sync_buckets")}  # fmt: skip
     for row in rows.values():
         if "load_weights" in rows:
             row["over_load_weights"] = row["median_s"] / rows["load_weights"]["median_s"]
@@ -170,7 +170,7 @@ def main(args) -> None:
             methods.remove("load_weights")
             print(f"load_weights not measured, the plugin refuses it here: {'; '.join(blockers)}", flush=True)
         prompts = [tokenizer(common.prompt(i, 32))["input_ids"] for i in range(8)]
-        sampling = SamplingParams(n=1, max_tokens=16, temperature=0.0, ignore_eos=True)
+        sampling = SamplingParams(n=1, max_tokens=16, top_k=1, ignore_eos=True)
 
         def greedy():
             return engine.generate(prompts, sampling).token_ids

@@ -7,7 +7,7 @@ import pytest
 from hybridrl import plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_tokenizer
-from hybridrl.trainer import PromptOrder, check_columns, encode_prompt
+from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
 
 
 def source(name, **options):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybridrl import distributed
+from hybridrl import devices, distributed
 from hybridrl.batch import Batch, even_out
 from hybridrl.testing import fixed_batch, small_model
 
@@ -359,10 +359,10 @@ def test_config_that_cannot_split_over_ranks_is_refused(tiny_model, tmp_path, mo
 def test_torchrun_device_rules(monkeypatch):
     under_torchrun(monkeypatch, 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert distributed.resolve_device("cpu") == torch.device("cpu")
+    assert devices.resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="trainer.device is 'cuda', but torch sees no CUDA device"):
-            distributed.resolve_device("cuda")
+            devices.resolve_device("cuda")
 
 
 def test_unavailable_reference_device_is_named(tmp_path):
@@ -392,18 +392,16 @@ class ModelReward:
 
 
 def test_device_clash_in_a_reward_names_the_reward_and_both_devices(tiny_model, tmp_path):
-    from hybridrl.components import RunContext
-    from hybridrl.config import RewardConfig, load_config
-    from hybridrl.trainer import StageError, Trainer
+    from hybridrl.config import RewardConfig
+    from hybridrl.errors import StageError
+    from hybridrl.rewards import Rewards
 
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run")))
-    trainer.ctx = RunContext("", None, torch.device("cpu"), torch.float32, 0, tmp_path)
-    trainer.rewards = [(RewardConfig(function="rm", name="judge"), ModelReward("meta"))]
+    rewards = Rewards([(RewardConfig(function="rm", name="judge"), ModelReward("meta"))], torch.device("cpu"))
     batch = Batch()
     batch["response_text"] = ["7", "77"]
     batch["response_mask"] = torch.tensor([[1, 0], [1, 1]])
     with pytest.raises(StageError) as e:
-        trainer.score(batch)
+        rewards.score(batch)
     message = str(e.value)
     assert "reward 'judge' (function 'rm')" in message and "tensors on different devices (cpu and meta)" in message
     assert "the policy (trainer.device) on cpu" in message and "Set rewards[0].device (now 'meta')" in message
@@ -415,13 +413,13 @@ def test_contract_cuda_device_message_is_translated():
         "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cuda:1! "
         "(when checking argument for argument mat1 in method wrapper_CUDA_addmm)"
     )
-    with pytest.raises(distributed.DeviceError) as e:
-        with distributed.device_errors("reference model", {"its parameters": "cuda:1", "its inputs": "cuda:0"}):
+    with pytest.raises(devices.DeviceError) as e:
+        with devices.device_errors("reference model", {"its parameters": "cuda:1", "its inputs": "cuda:0"}):
             raise RuntimeError(cuda_message)
     assert str(e.value).startswith("reference model: tensors on different devices (cuda:0 and cuda:1)")
     assert "its parameters on cuda:1, its inputs on cuda:0" in str(e.value)
     with pytest.raises(KeyError):  # other errors pass through untouched
-        with distributed.device_errors("policy", {}):
+        with devices.device_errors("policy", {}):
             raise KeyError("x")
 
 

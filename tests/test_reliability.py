@@ -15,8 +15,9 @@ import yaml
 from hybridrl import checkpoint as ckpt
 from hybridrl.components import RewardFunction, RolloutEngine, RolloutOutput
 from hybridrl.config import ConfigError, load_config
+from hybridrl.errors import NonFiniteError, StageError
 from hybridrl.hookspecs import hookimpl
-from hybridrl.trainer import NonFiniteError, StageError, Trainer
+from hybridrl.trainer import Trainer
 
 
 def config(model, run_dir, **trainer):

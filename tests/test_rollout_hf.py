@@ -185,7 +185,7 @@ def test_lower_precision_copy_converts_synced_weights(make_engine, tiny_model):
     engine.update_weights(policy.state_dict().items())
     for name, t in policy.state_dict().items():
         assert torch.equal(engine.model.state_dict()[name], t.to(torch.bfloat16))
-    assert len(engine.generate(prompts(engine.tokenizer, ["abc"]), SamplingParams(max_tokens=4)).token_ids) == 1
+    assert len(engine.generate(prompts(engine.tokenizer, ["abc"]), SamplingParams(n=1, max_tokens=4)).token_ids) == 1
 
 
 def matmuls_of_compiled_forward(model, ids) -> int:

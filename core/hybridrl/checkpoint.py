@@ -68,6 +68,18 @@ def step_of(path: Path) -> int:
     return int(m.group(1))
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and (when installed) numpy's random state."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:

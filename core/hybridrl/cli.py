@@ -33,13 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="New output directory.")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("plugins", help="List installed plugins and what they register.")
+    p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
+    p.add_argument("--hook", help="Only the plugins that implement this hook (e.g. on_step_end).")
     p.set_defaults(func=cmd_plugins)
 
     plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
     args = parser.parse_args(argv)
-    from hybridrl.trainer import Interrupted, NonFiniteError, StageError
+    from hybridrl.errors import Interrupted, NonFiniteError, StageError
 
     try:
         return args.func(args) or 0
@@ -98,12 +99,20 @@ def cmd_validate(args) -> int:
 
 def cmd_plugins(args) -> int:
     infos = plugins.plugin_infos()
+    if args.hook:
+        known = sorted(plugins.hook_names())
+        if args.hook not in known:
+            raise ConfigError(f"Unknown hook '{args.hook}'. Hooks: {', '.join(known)}.")
+        kinds = {k.hook: kind for kind, k in plugins.KINDS.items()}
+        kind = kinds.get(args.hook)
+        infos = [i for i in infos if args.hook in i.hooks or (kind and kind in i.registered)]
     if args.json:
         print(json.dumps([vars(i) for i in infos], indent=2))
         return 0
     for info in infos:
-        what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in info.registered.items())
-        print(f"{info.name} ({info.package} {info.version})" + (f" - {what}" if what else ""))
+        what = [f"{kind}: {', '.join(names)}" for kind, names in info.registered.items()]
+        what += [f"hooks: {', '.join(info.hooks)}"] if info.hooks else []
+        print(f"{info.name} ({info.package} {info.version})" + (f" - {'; '.join(what)}" if what else ""))
     return 0
 
 

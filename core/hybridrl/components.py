@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -63,16 +63,32 @@ class Component:
 # --- rollout -----------------------------------------------------------------------------
 
 
-@dataclass
-class SamplingParams:
-    n: int = 1  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_tokens: int = 64
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False  # always generate max_tokens (benchmarks)
+class Sampling(BaseModel):
+    """How responses are sampled: the sampling keys of the YAML ``rollout`` section, declared once.
+
+    The config validates them there; the trainer hands them to the engine as
+    :class:`SamplingParams`, with the step's seed. An engine samples from softmax(logits / T)
+    truncated only by ``top_p`` and ``top_k``, and by nothing a model folder's
+    ``generation_config.json`` says.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(8, gt=0, description="Samples per prompt.")
+    temperature: float = Field(
+        1.0, gt=0, description="Softmax temperature T; the trainer scores responses with softmax(logits / T) too."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest top set of this mass.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0 disables top-k.")
+    max_tokens: int = Field(64, gt=0, description="Maximum response length.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
+
+
+class SamplingParams(Sampling):
+    """What an engine's ``generate`` receives: :class:`Sampling` and the step's seed."""
+
+    seed: int | None = Field(None, description="Seed of this call's sampling; set by the trainer for each step.")
 
 
 @dataclass
@@ -99,6 +115,11 @@ class RolloutEngine(Component):
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed, before generation."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's own figures of the latest step (timings, sizes), logged with the step's
+        metrics under the engine's prefix (``vllm/sync_mib``); called after each weight sync."""
+        return {}
 
     def close(self) -> None:
         """Release the engine at the end of the run."""
@@ -220,7 +241,7 @@ class ShardingStrategy(Component):
         like the policy (``wrap(model, trainable=False)``)."""
         ref_device = getattr(self.options, "ref_device", None)
         if ref_device:
-            from hybridrl.distributed import resolve_device
+            from hybridrl.devices import resolve_device
 
             return model.to(resolve_device(ref_device, "sharding.ref_device"))
         return self.wrap(model, trainable=False)

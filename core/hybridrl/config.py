@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
+from hybridrl.components import Sampling
 from hybridrl.errors import ConfigError
 from hybridrl.shaping import ShapingOptions
 
@@ -73,15 +74,12 @@ class DataConfig(Section):
     shuffle: bool = True
 
 
-class RolloutConfig(Section):
+class RolloutConfig(Section, Sampling):
+    """The rollout section: the engine plugin, the sampling keys (:class:`Sampling`), refill rounds."""
+
+    model_config = ConfigDict(extra="allow")
+
     engine: str = Field("hf", description="Rollout engine plugin.")
-    n: int = Field(8, gt=0, description="Samples per prompt.")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    max_tokens: int = Field(64, gt=0, description="Maximum response length.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
     refill_rounds: int = Field(
         0,
         ge=0,
@@ -258,13 +256,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def resolve(cfg: RunConfig) -> None:
     """Look up every named plugin and validate its options; errors list the choices."""
-    sections = [
-        ("rollout engine", "rollout", cfg.rollout, cfg.rollout.engine),
-        ("algorithm", "algorithm", cfg.algorithm, cfg.algorithm.name),
-        ("sharding strategy", "sharding", cfg.sharding, cfg.sharding.strategy),
-        ("dataset", "data", cfg.data, cfg.data.source),
-    ] + [("reward function", f"rewards[{i}]", r, r.function) for i, r in enumerate(cfg.rewards)]
-    for kind, where, section, name in sections:
+    for kind, where, section, name in component_sections(cfg):
         cls = _lookup(kind, name)
         section._options = _validate_options(cls, section.model_extra or {}, where, kind, name, type(section))
     labels = [r.label for r in cfg.rewards]
@@ -283,6 +275,20 @@ def resolve(cfg: RunConfig) -> None:
             f"Unknown key '{key}' in logging. Valid keys: loggers, and one section per logger in "
             f"logging.loggers ({', '.join(cfg.logging.loggers)})."
         )
+
+
+def component_sections(cfg: RunConfig):
+    """``(kind, where, section, plugin name)`` of each component section of the config, from the
+    table of kinds (``plugins.KINDS``): rollout, algorithm, sharding, data, and each reward."""
+    for kind, k in plugins.KINDS.items():
+        if k.section == "logging":  # its loggers' options are sub-sections of their own
+            continue
+        if k.many:
+            for i, section in enumerate(getattr(cfg, k.section)):
+                yield kind, f"{k.section}[{i}]", section, getattr(section, k.key)
+        else:
+            section = getattr(cfg, k.section)
+            yield kind, k.section, section, getattr(section, k.key)
 
 
 def _lookup(kind: str, name: str) -> type:
@@ -353,3 +359,32 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def check_world(cfg: RunConfig, world: int, multi_process: bool) -> None:
+    """The config can run on ``world`` processes (torchrun's WORLD_SIZE) with its sharding strategy."""
+    t, strategy = cfg.trainer, cfg.sharding.strategy
+    if t.micro_batch_tokens and multi_process:  # ranks would run different numbers of passes
+        raise ConfigError(
+            f"trainer.micro_batch_tokens works with single-process strategies; sharding strategy "
+            f"'{strategy}' runs collectives in every pass. Use trainer.micro_batch_size."
+        )
+    if world == 1:
+        return
+    if not multi_process:
+        raise ConfigError(
+            f"sharding.strategy '{strategy}' trains on one process, but torchrun started {world} "
+            f"(WORLD_SIZE={world}): their models would drift apart. Set sharding.strategy=fsdp, or run without "
+            "torchrun."
+        )
+    if t.prompts_per_step % world:
+        raise ConfigError(
+            f"trainer.prompts_per_step={t.prompts_per_step} does not divide by the {world} ranks of this run "
+            f"(torchrun --nproc-per-node x nodes): each rank takes whole prompts with all their samples. "
+            f"Use a multiple of {world}."
+        )
+    if t.mini_batch_size and t.mini_batch_size % world:
+        raise ConfigError(
+            f"trainer.mini_batch_size={t.mini_batch_size} does not divide by the {world} ranks of this run; "
+            f"each rank trains on mini_batch_size / {world} responses per optimizer step. Use a multiple of {world}."
+        )

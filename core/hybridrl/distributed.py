@@ -8,25 +8,21 @@ Nothing here launches processes or re-implements collectives: these are thin hel
 unconditionally. Collective helpers move their data through CPU tensors (the process group
 has a gloo backend for CPU tensors beside nccl for CUDA ones).
 
-This module imports neither pydantic nor the config layer (the GPU benchmark uses it bare).
+This module holds collectives and facts about ranks only, and imports nothing of hybridrl (the
+GPU benchmark uses it bare).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 _owned = False  # whether setup() created the process group (and teardown() should destroy it)
-
-
-class DeviceError(RuntimeError):
-    """Tensors met on different devices; the message names the component and the devices."""
 
 
 # -- the process group ----------------------------------------------------------------------
@@ -39,42 +35,6 @@ def env_world() -> tuple[int, int, int]:
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
     )
-
-
-def resolve_device(name: str, key: str = "trainer.device") -> torch.device:
-    """The device for ``name`` on this process; under torchrun ``cuda`` means ``cuda:LOCAL_RANK``.
-
-    ``auto`` is the rank's GPU when torch sees one, else the CPU. An explicit index
-    (``cuda:1``) is kept as it is on one process; under torchrun every rank would pick that
-    same GPU, so it is an error there.
-    """
-    _, world, local = env_world()
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"{key} is '{name}', which is not a device name. Use auto, cpu, cuda, cuda:1, ...") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(
-                f"{key} is '{name}', but torch sees no CUDA device (torch {torch.__version__}). Use {key}=cpu."
-            )
-        if device.index is None:
-            device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
-        elif world > 1 and key == "trainer.device":
-            raise ValueError(
-                f"{key} is '{name}', but under torchrun each of the {world} ranks takes its own GPU "
-                f"(cuda:LOCAL_RANK). Set {key}=cuda, and choose GPUs with CUDA_VISIBLE_DEVICES."
-            )
-        if device.index >= count:
-            have = ", ".join(f"cuda:{i}" for i in range(count))
-            raise ValueError(
-                f"{key} is '{device}', which does not exist: torch sees {have}"
-                + (f" (LOCAL_RANK={local}: run at most {count} processes per node)." if world > 1 else ".")
-            )
-    return device
 
 
 def setup(device: torch.device, need_group: bool = False, timeout_s: float = 1800) -> None:
@@ -202,29 +162,6 @@ def gather_lists(rows: list) -> list:
     return [r for part in all_gather_objects(rows) for r in part]
 
 
-def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """One value per metric for the whole step: a mean over ranks, except ``*/max`` (max),
-    ``*/min`` (min), ``timing/*`` (max: the slowest rank sets the pace) and ``throughput/*``
-    (sum). Metrics that only some ranks have are reduced over those."""
-    if world_size() == 1:
-        return metrics
-    merged: dict[str, list[float]] = {}
-    for part in all_gather_objects({k: float(v) for k, v in metrics.items()}):
-        for k, v in part.items():
-            merged.setdefault(k, []).append(v)
-    out = {}
-    for k, vs in merged.items():
-        if k.endswith("/max") or k.startswith("timing/"):
-            out[k] = max(vs)
-        elif k.endswith("/min"):
-            out[k] = min(vs)
-        elif k.startswith("throughput/"):
-            out[k] = sum(vs)
-        else:
-            out[k] = sum(vs) / len(vs)
-    return out
-
-
 # -- splitting a step across ranks ----------------------------------------------------------
 
 
@@ -237,26 +174,6 @@ def my_share(items: list) -> list:
     return items[r * k : (r + 1) * k]
 
 
-def check_divisible(prompts_per_step: int, mini_batch_size: int | None, world: int) -> None:
-    """Prompts (and the mini-batch) must split evenly over ranks; the error says what to set."""
-    if prompts_per_step % world:
-        raise ValueError(
-            f"trainer.prompts_per_step={prompts_per_step} does not divide by the {world} ranks of this run "
-            f"(torchrun --nproc-per-node x nodes): each rank takes whole prompts with all their samples. "
-            f"Use a multiple of {world}."
-        )
-    if mini_batch_size and mini_batch_size % world:
-        raise ValueError(
-            f"trainer.mini_batch_size={mini_batch_size} does not divide by the {world} ranks of this run; "
-            f"each rank trains on mini_batch_size / {world} responses per optimizer step. Use a multiple of {world}."
-        )
-
-
-def rollout_seed(seed: int, step: int) -> int:
-    """The sampling seed of a step on this rank: ranks never draw identical samples."""
-    return seed * 100_003 + step + 1_000_003 * rank()
-
-
 def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of ``values`` (B, T) over ``mask`` and over every rank: for
     whitening advantages over the global batch (REINFORCE++, PPO) rather than per rank."""
@@ -266,38 +183,3 @@ def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     mean = s / max(n, 1e-8)
     var = (s2 - n * mean * mean) / max(n - 1, 1e-8)
     return torch.tensor(mean, dtype=values.dtype), torch.tensor(var, dtype=values.dtype)
-
-
-# -- device errors --------------------------------------------------------------------------
-
-_DEVICE_ERROR = re.compile(
-    r"Expected all tensors to be on the same device|is not on the expected device|"
-    r"Expected .* to be on .* device|must be on the same device|device mismatch",
-    re.IGNORECASE,
-)
-_DEVICE_NAME = re.compile(r"\b(cpu|meta|mps|xpu|cuda(?::\d+)?)\b")
-
-
-def is_device_error(error: BaseException) -> bool:
-    return isinstance(error, RuntimeError) and bool(_DEVICE_ERROR.search(str(error)))
-
-
-@contextlib.contextmanager
-def device_errors(component: str, placement: dict | Callable[[], dict], fix: str = "") -> Iterator[None]:
-    """Turn torch's "Expected all tensors to be on the same device" inside the block into a
-    :class:`DeviceError` naming the component, the devices torch found, and where each part
-    was placed (``placement``: label -> device, e.g. ``{"its parameters": "cuda:1", "its inputs":
-    "cuda:0"}``, or a function returning it, called only on an error)."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not is_device_error(e) or isinstance(e, DeviceError):
-            raise
-        if callable(placement):
-            placement = placement()
-        found = sorted(set(_DEVICE_NAME.findall(str(e))))
-        where = ", ".join(f"{label} on {dev}" for label, dev in placement.items() if dev is not None)
-        raise DeviceError(
-            f"{component}: tensors on different devices ({' and '.join(found) or 'see below'}); {where}. {fix}".rstrip()
-            + f" [torch: {str(e).splitlines()[0]}]"
-        ) from e

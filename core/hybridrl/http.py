@@ -1,4 +1,5 @@
-"""A small JSON-over-HTTP client with timeouts and retries, for plugins that call services.
+"""A small JSON-over-HTTP client with timeouts and retries, for plugins that call services; and the
+loopback check of everything that listens.
 
 Standard library only. Every failure names the component, the URL and what to check, and
 nothing waits forever: each attempt has a timeout and the number of attempts is bounded.
@@ -6,10 +7,21 @@ nothing waits forever: each attempt has a timeout and the number of attempts is 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 import urllib.error
 import urllib.request
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only (127.0.0.1, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ServiceError(RuntimeError):

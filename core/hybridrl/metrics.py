@@ -9,7 +9,9 @@ they were taken over, so micro-batches made only of padding rows count for nothi
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections import defaultdict
 
 import torch
@@ -63,6 +65,27 @@ class WeightedStats:
                 weight = sum(w for _, w in entries)
                 out[key] = sum(v for v, _ in entries) / weight if weight > 0 else 0.0
         return out
+
+
+class Timer:
+    """Seconds per stage (``timing/<stage>``); on a GPU each stage ends by waiting for its kernels."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.times: dict[str, float] = {}
+        self.cuda = device is not None and device.type == "cuda"
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.times.items()} | {"timing/step": sum(self.times.values())}
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:

@@ -28,14 +28,32 @@ BUILTIN_PLUGINS = (
     "hybridrl.dashboard",
 )
 
-# kind -> (registration hook, base class, YAML key that names it)
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of component: how plugins register it and where the YAML names it."""
+
+    hook: str  # the registration hook
+    base: type  # the base class in hybridrl.components
+    section: str  # the YAML section
+    key: str  # the key of the section that names the plugin
+    many: bool = False  # the section is a list of components (rewards) or the key lists names (loggers)
+
+    @property
+    def yaml_key(self) -> str:
+        return (
+            f"{self.section}[].{self.key}" if self.many and self.section == "rewards" else f"{self.section}.{self.key}"
+        )
+
+
+# The one table of component kinds: registration, config sections and messages all read it.
 KINDS = {
-    "rollout engine": ("register_rollout_engines", components.RolloutEngine, "rollout.engine"),
-    "reward function": ("register_reward_functions", components.RewardFunction, "rewards[].function"),
-    "algorithm": ("register_algorithms", components.Algorithm, "algorithm.name"),
-    "sharding strategy": ("register_sharding_strategies", components.ShardingStrategy, "sharding.strategy"),
-    "logger": ("register_loggers", components.Logger, "logging.loggers"),
-    "dataset": ("register_datasets", components.PromptSource, "data.source"),
+    "rollout engine": Kind("register_rollout_engines", components.RolloutEngine, "rollout", "engine"),
+    "algorithm": Kind("register_algorithms", components.Algorithm, "algorithm", "name"),
+    "sharding strategy": Kind("register_sharding_strategies", components.ShardingStrategy, "sharding", "strategy"),
+    "dataset": Kind("register_datasets", components.PromptSource, "data", "source"),
+    "reward function": Kind("register_reward_functions", components.RewardFunction, "rewards", "function", True),
+    "logger": Kind("register_loggers", components.Logger, "logging", "loggers", True),
 }
 
 
@@ -49,6 +67,7 @@ class PluginInfo:
     package: str  # the distribution that provides it ("hybridrl" for built-ins)
     version: str
     registered: dict[str, list[str]] = field(default_factory=dict)  # kind -> names
+    hooks: list[str] = field(default_factory=list)  # the lifecycle and other non-registration hooks it implements
 
 
 @dataclass
@@ -110,11 +129,21 @@ def registry() -> dict[str, dict[str, Registered]]:
         reg: dict[str, dict[str, Registered]] = {kind: {} for kind in KINDS}
         for info in _infos.values():
             info.registered.clear()
-        for kind, (hook_name, base, _) in KINDS.items():
-            for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        for kind, k in KINDS.items():
+            base = k.base
+            for impl in getattr(pm.hook, k.hook).get_hookimpls():
                 info = _infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "(in code)", "")
                 _infos.setdefault(impl.plugin_name, info)
                 impl.function(register=_registrar(kind, base, reg[kind], info))
+        registration = {k.hook for k in KINDS.values()} | {"register_commands"}
+        for info in _infos.values():
+            info.hooks = []
+        for name, caller in vars(pm.hook).items():
+            if name in registration or not hasattr(caller, "get_hookimpls"):
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.plugin_name in _infos:
+                    _infos[impl.plugin_name].hooks.append(name)
         for impl in pm.hook.register_commands.get_hookimpls():  # for 'hybridrl plugins' to list
             subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
             impl.function(subparsers=subparsers)
@@ -148,12 +177,17 @@ def lookup(kind: str, name: str) -> type:
     """The class registered as ``name`` for ``kind``, or an error listing the choices."""
     table = registry()[kind]
     if name not in table:
-        key = KINDS[kind][2]
+        key = KINDS[kind].yaml_key
         choices = ", ".join(sorted(table)) or "(none installed)"
         raise PluginError(
             f"Unknown {kind} '{name}' ({key}). Available: {choices}. Run 'hybridrl plugins' to see installed plugins."
         )
     return table[name].cls
+
+
+def hook_names() -> list[str]:
+    """Every hook of :mod:`hybridrl.hookspecs`."""
+    return [name for name, caller in vars(get_plugin_manager().hook).items() if hasattr(caller, "get_hookimpls")]
 
 
 def plugin_infos() -> list[PluginInfo]:

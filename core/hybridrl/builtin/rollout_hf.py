@@ -35,6 +35,7 @@ import torch
 from pydantic import Field, model_validator
 
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
+from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import load_causal_lm
 
@@ -317,7 +318,7 @@ class HFEngine(RolloutEngine):
         for row, lp in zip(new.tolist(), logprobs.tolist()):
             end = None if sampling.ignore_eos else next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
             if end is None and sampling.stop:
-                end = self._stop_end(row, sampling.stop)
+                end = stop_length(row, self.tokenizer.decode, sampling.stop)
             out.token_ids.append(row[: end or len(row)])
             out.logprobs.append(lp[: end or len(row)])
             out.finish_reasons.append("stop" if end is not None else "length")
@@ -434,14 +435,6 @@ class HFEngine(RolloutEngine):
         recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
         new = seqs[:, ids.shape[1] :]
         return new, torch.stack(recorder.steps, dim=1) if recorder.steps else torch.zeros(len(new), 0)
-
-    def _stop_end(self, row, stops):
-        """Length of ``row`` up to and including the token that completes a stop string."""
-        for i in range(1, len(row) + 1):
-            text = self.tokenizer.decode(row[:i])
-            if any(s in text for s in stops):
-                return i
-        return None
 
     @torch.no_grad()
     def update_weights(self, named_tensors):

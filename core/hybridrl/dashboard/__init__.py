@@ -7,11 +7,11 @@ libraries are imported only when the command runs (``pip install 'hybridrl[dashb
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 from pathlib import Path
 
 from hybridrl.hookspecs import hookimpl
+from hybridrl.http import is_loopback
 
 DEFAULT_PORT = 8265
 
@@ -43,7 +43,7 @@ def cmd_dashboard(args) -> int:
         )
     if not (run_dir / "metrics.jsonl").exists():
         print(f"note: {run_dir} has no metrics.jsonl yet; the page will show it once the run writes it.")
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(
             f"warning: binding {args.host}: anyone who can reach this address can read the run's samples "
             "(there is no authentication).",
@@ -67,12 +67,3 @@ def cmd_dashboard(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -249,7 +249,8 @@ def test_nonfinite_value_loss_follows_on_nonfinite(tiny_model, tmp_path, monkeyp
     skip leaves the critic as it was and counts the skipped step."""
     import hybridrl_algo_ppo.functional as PF
 
-    from hybridrl.trainer import NonFiniteError, Trainer
+    from hybridrl.errors import NonFiniteError
+    from hybridrl.trainer import Trainer
 
     real = PF.value_loss
     monkeypatch.setattr(PF, "value_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), torch.tensor(0.0)))

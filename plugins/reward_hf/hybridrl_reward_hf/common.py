@@ -10,6 +10,7 @@ import torch
 from pydantic import Field
 
 from hybridrl.components import Options
+from hybridrl.devices import resolve_device
 from hybridrl.models import DTYPES, locate
 
 
@@ -64,32 +65,14 @@ def load_pretrained(loader, path: str, component: str, **kwargs):
         ) from None
 
 
-def resolve_device(name: str, ctx, component: str) -> torch.device:
-    """The device named by a reward's ``device`` option; a missing device is an error naming it."""
-    if name == "auto":
-        return torch.device(ctx.device) if ctx is not None and ctx.device is not None else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"{component}: device '{name}' is not a device name. Use cpu, cuda, cuda:1, ...") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (device.index is not None and device.index >= count):
-            have = ", ".join(f"cuda:{i}" for i in range(count)) or "no CUDA device"
-            raise ValueError(
-                f"{component}: device '{name}' does not exist: torch {torch.__version__} sees {have}. "
-                f"Set this reward's device to one that exists (cpu, auto{', cuda:0' if count else ''})."
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"{component}: device 'mps' is not available. Set this reward's device to cpu or auto.")
-    return device
-
-
 def load_model_and_tokenizer(auto_model, options: ModelOptions, ctx, component: str):
     """The tokenizer and the eval-mode, frozen model of a reward, on its own device."""
     from transformers import AutoTokenizer
 
-    device = resolve_device(options.device, ctx, component)
+    policy = ctx.device if ctx is not None and ctx.device is not None else torch.device("cpu")
+    device = resolve_device(
+        options.device, f"{component}: device", auto=policy, fix="Set this reward's device to cpu or auto"
+    )
     path = resolve_model(options.model, component)
     tokenizer = load_pretrained(AutoTokenizer, path, component, trust_remote_code=options.trust_remote_code)
     model = load_pretrained(

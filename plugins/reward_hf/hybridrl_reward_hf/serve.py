@@ -11,7 +11,6 @@ Standard library HTTP server, one scoring at a time (models are not re-entrant);
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext
 from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.http import is_loopback
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
 from hybridrl.shaping import ShapingState
 
@@ -112,15 +112,6 @@ def request_batch(request) -> Batch:
     return batch
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve beyond this machine
-
-
 def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None):
     """A ThreadingHTTPServer serving ``rewards`` (not started: call serve_forever)."""
     if not is_loopback(host) and not token:
@@ -183,7 +174,7 @@ def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT
 
 def build_context(cfg: RunConfig) -> RunContext:
     """The context rewards are built with, as the trainer would build it (no policy weights)."""
-    from hybridrl.trainer import pick_device
+    from hybridrl.devices import resolve_device
 
     model_path, tokenizer = cfg.model.path, None
     try:
@@ -194,7 +185,7 @@ def build_context(cfg: RunConfig) -> RunContext:
     return RunContext(
         model_path=model_path,
         tokenizer=tokenizer,
-        device=pick_device(cfg.trainer.device),
+        device=resolve_device(cfg.trainer.device),
         dtype=DTYPES[cfg.model.dtype],
         seed=cfg.trainer.seed,
         run_dir=Path(cfg.trainer.run_dir or "runs/serve-reward"),

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
+from hybridrl.engines import weight_buckets
 from hybridrl.hookspecs import hookimpl
 from hybridrl_rollout_sglang import protocol
 from hybridrl_rollout_sglang.backends import InProcess, Server, original_logprob_env
@@ -170,7 +171,8 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors) -> None:
         self.version += 1
         bucket_bytes = int(self.options.update_bucket_mb * 2**20)
-        self.backend.update_weights(protocol.buckets(named_tensors, bucket_bytes, self.skip), self.version)
+        buckets = weight_buckets(named_tensors, bucket_bytes, skip=self.skip, drop_aliases=True)
+        self.backend.update_weights(buckets, self.version)
 
     def sleep(self) -> None:
         self.backend.sleep()

@@ -27,12 +27,11 @@ requires a temperature > 0.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import torch
-
 from hybridrl.components import RolloutOutput, SamplingParams
+from hybridrl.engines import stop_length
 
 COMPONENT = "sglang rollout engine"
 
@@ -152,23 +151,6 @@ def parse_output(item: dict, row: int = 0) -> tuple[list[int], list[float], str]
     return ids, logprobs, kind
 
 
-def stop_length(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> int | None:
-    """Length of ``ids`` up to and including the token that completes a stop string, or None.
-
-    One decode when no stop string occurs; otherwise a binary search over prefixes.
-    """
-    if not stops or not ids or not any(s in decode(ids) for s in stops):
-        return None
-    lo, hi = 1, len(ids)  # the shortest prefix that contains a stop string lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(ids[:mid]) for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 def to_rollout_output(
     items: list[dict],
     expected: int,
@@ -191,32 +173,6 @@ def to_rollout_output(
 
 
 # -- weights ----------------------------------------------------------------------------------
-
-
-def buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, skip: Iterable[str] = ()
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a tensor stream into lists of at most ``bucket_bytes`` (a larger tensor goes alone).
-
-    Names in ``skip`` are dropped, and so is a tensor that is the very same memory as one
-    already sent (a tied weight under its second name).
-    """
-    skip = set(skip)
-    seen: set[tuple] = set()
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-        if name in skip or (tensor.numel() and key in seen):
-            continue
-        seen.add(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def model_facts(model_path: str, tokenizer) -> tuple[set[int], bool]:

@@ -218,7 +218,7 @@ def test_original_logprob_mode_with_a_temperature_is_refused(make_engine, sglang
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB is set.*temperature is 0.7"):
         engine.generate(prompts, SamplingParams(temperature=0.7))
-    assert len(engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=2)).token_ids) == 3
+    assert len(engine.generate(prompts, SamplingParams(n=1, temperature=1.0, max_tokens=2)).token_ids) == 3
 
 
 def test_options_reject_unknown_keys_and_the_other_modes_options(tiny_model):

@@ -12,6 +12,7 @@ from hybridrl_rollout_sglang import protocol
 from hybridrl_rollout_sglang.protocol import SGLangOutputError
 
 from hybridrl.components import SamplingParams
+from hybridrl.engines import stop_length, weight_buckets
 
 EOS = 151645
 
@@ -137,12 +138,12 @@ def letters(ids):
 
 def test_stop_length_finds_the_token_that_completes_the_stop_string():
     ids = [0, 1, 2, 3, 4, 5]  # "abcdef"
-    assert protocol.stop_length(ids, letters, ["cd"]) == 4  # through "d"
-    assert protocol.stop_length(ids, letters, ["zz", "b"]) == 2
-    assert protocol.stop_length(ids, letters, ["a"]) == 1
-    assert protocol.stop_length(ids, letters, ["ef"]) == 6
-    assert protocol.stop_length(ids, letters, ["x"]) is None
-    assert protocol.stop_length(ids, letters, []) is None
+    assert stop_length(ids, letters, ["cd"]) == 4  # through "d"
+    assert stop_length(ids, letters, ["zz", "b"]) == 2
+    assert stop_length(ids, letters, ["a"]) == 1
+    assert stop_length(ids, letters, ["ef"]) == 6
+    assert stop_length(ids, letters, ["x"]) is None
+    assert stop_length(ids, letters, []) is None
 
 
 def test_rollout_output_cuts_after_a_stop_string_and_calls_it_stop():
@@ -156,6 +157,8 @@ def test_rollout_output_cuts_after_a_stop_string_and_calls_it_stop():
 
 
 def test_buckets_bound_the_bytes_and_drop_tied_duplicates():
+    """The buckets the plugin sends (hybridrl.engines.weight_buckets, as it calls it): whole layers,
+    closed at the first layer boundary past the limit; tied duplicates and skipped names dropped."""
     embed = torch.zeros(10, 4)  # 160 bytes
     stream = [
         ("model.embed_tokens.weight", embed),
@@ -164,12 +167,17 @@ def test_buckets_bound_the_bytes_and_drop_tied_duplicates():
         ("model.norm.weight", torch.zeros(30)),  # 120
         ("lm_head.weight", embed),  # the same memory as the embeddings: tied
     ]
-    got = [[n for n, _ in b] for b in protocol.buckets(stream, bucket_bytes=200)]
-    assert got == [["model.embed_tokens.weight"], ["model.layers.0.w", "model.layers.0.b"], ["model.norm.weight"]]
-    got = [[n for n, _ in b] for b in protocol.buckets(stream, bucket_bytes=10_000, skip={"model.norm.weight"})]
-    assert got == [["model.embed_tokens.weight", "model.layers.0.w", "model.layers.0.b"]]
+
+    def names(stream, limit, skip=()):
+        return [[n for n, _ in b] for b in weight_buckets(stream, limit, skip=skip, drop_aliases=True)]
+
+    want = [["model.embed_tokens.weight"], ["model.layers.0.w", "model.layers.0.b"], ["model.norm.weight"]]
+    assert names(stream, 100) == want  # a layer's tensors stay together
+    assert names(stream, 10_000, skip={"model.norm.weight"}) == [
+        ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.0.b"]
+    ]
     untied = [("a", torch.zeros(100)), ("lm_head.weight", torch.zeros(100))]
-    assert [[n for n, _ in b] for b in protocol.buckets(untied, 100)] == [["a"], ["lm_head.weight"]]
+    assert names(untied, 100) == [["a"], ["lm_head.weight"]]
 
 
 def test_model_facts_of_the_tiny_model(tiny_model):

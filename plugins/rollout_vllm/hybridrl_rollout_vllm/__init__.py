@@ -49,8 +49,7 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         self.backend.close()
 
-    @property
-    def stats(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """The engine's latest timings and sizes (sleep, wake-up, sync buckets), logged each step."""
         return dict(self.backend.stats)
 
@@ -58,10 +57,3 @@ class VLLMEngine(RolloutEngine):
 @hookimpl
 def register_rollout_engines(register):
     register("vllm", VLLMEngine)
-
-
-@hookimpl
-def on_step_end(trainer, metrics):
-    engine = getattr(trainer, "engine", None)
-    if isinstance(engine, VLLMEngine):
-        metrics.update(engine.stats)

@@ -20,7 +20,8 @@ import warnings
 import torch
 
 from hybridrl.components import RolloutOutput, SamplingParams
-from hybridrl_rollout_vllm.weights import buckets, nbytes, to_safetensors_dict
+from hybridrl.engines import tensor_bytes, weight_buckets
+from hybridrl_rollout_vllm.weights import to_safetensors_dict
 
 NAME = "rollout engine 'vllm'"
 INSTALL = (
@@ -217,8 +218,8 @@ class LocalEngine:
         limit = self.options.update_bucket_mb * 2**20
         count, size = 0, 0
         with self.threads(), _quiet_partial_reload():
-            for bucket in buckets(named_tensors, limit):
-                size += sum(nbytes(t) for _, t in bucket)
+            for bucket in weight_buckets(named_tensors, limit):
+                size += sum(tensor_bytes(t) for _, t in bucket)
                 if self.multiprocess:  # tensors do not survive the trip to other processes
                     from safetensors.torch import save
 

@@ -218,7 +218,7 @@ def test_update_weights_then_greedy_equals_transformers(request, model_dir, tok,
     finally:
         engine.options.update_bucket_mb = default
     # embeddings, 2 layers, final norm, lm_head (tied, skipped by vLLM): 5 buckets of one unit each
-    assert engine.stats["vllm/sync_buckets"] == (1 if bucket_mb == 512 else 5)
+    assert engine.metrics()["vllm/sync_buckets"] == (1 if bucket_mb == 512 else 5)
     after = vllm_greedy(engine, prompts, 16)
     assert after != before
     assert after == hf_greedy(model, prompts, 16)
@@ -276,7 +276,7 @@ def test_sleep_and_wake_up_do_nothing_on_cpu(engine, tok, caplog):
         engine.sleep()
         engine.wake_up()
     assert "no sleep mode on CPU" in caplog.text
-    assert not engine.backend.asleep and "vllm/sleep_s" not in engine.stats
+    assert not engine.backend.asleep and "vllm/sleep_s" not in engine.metrics()
     assert engine.generate(prompts, sp).token_ids == before
 
 

@@ -1,0 +1,61 @@
+"""The layout of docs/architecture.md, checked: no import cycles in the core, collectives that import
+nothing of hybridrl, and plugins that use the modules meant for sharing, never the trainer."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core" / "hybridrl"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(CORE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """hybridrl modules imported when ``path`` is imported: module level, outside TYPE_CHECKING."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
+            if isinstance(sub, ast.Import):
+                found |= {a.name for a in sub.names if a.name.startswith("hybridrl")}
+            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("hybridrl"):
+                found.add(sub.module)
+                found |= {f"{sub.module}.{a.name}" for a in sub.names}  # from hybridrl import batch
+    return found
+
+
+def core_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in CORE.rglob("*.py")}
+    return {name: {m for m in top_level_imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_no_import_cycles_in_the_core():
+    graph = core_graph()
+    state: dict[str, str] = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_distributed_holds_collectives_only():
+    assert core_graph()["hybridrl.distributed"] == set()
+
+
+def test_plugins_import_shared_modules_not_the_trainer():
+    for path in (ROOT / "plugins").glob("*/hybridrl_*/**/*.py"):
+        source = path.read_text()
+        assert "hybridrl.trainer" not in source, f"{path} imports from the trainer; use a shared module"
