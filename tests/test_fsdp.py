@@ -7,8 +7,6 @@ worker script (``python -m torch.distributed.run ... tests/test_fsdp.py worker .
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ from safetensors.torch import load_file
 
 from hybridrl import devices, distributed
 from hybridrl.batch import Batch, even_out
-from hybridrl.testing import fixed_batch, small_model
+from hybridrl.testing import fixed_batch, small_model, torchrun
 
 LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
 
@@ -100,22 +98,6 @@ def worker(model: str, out: str) -> None:
 
 
 # -- launching -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args: list[str], cwd=None, timeout=600) -> subprocess.CompletedProcess:
-    """Two processes on 127.0.0.1 (gloo over the loopback interface), one thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_one_fsdp_step_on_two_ranks_equals_single(tiny_model, tmp_path):
@@ -365,6 +347,50 @@ def test_torchrun_device_rules(monkeypatch):
             devices.resolve_device("cuda")
 
 
+def test_contract_torchrun_placement_on_two_gpus(monkeypatch):
+    """Contract test (no GPU here: torch is told it has two): under torchrun 'cuda' is the rank's own
+    GPU for every option; an explicit index is that index on every node, except for the policy."""
+    under_torchrun(monkeypatch, 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert devices.resolve_device("cuda", per_rank=True) == torch.device("cuda", 1)
+    assert devices.resolve_device("cuda", "sharding.ref_device") == torch.device("cuda", 1)
+    assert devices.resolve_device("cuda:0", "sharding.ref_device") == torch.device("cuda", 0)
+    assert devices.resolve_device("auto", "rewards[0].device", auto=torch.device("cuda", 1)) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="trainer.device is 'cuda:0', but under torchrun each of the 4 ranks"):
+        devices.resolve_device("cuda:0", per_rank=True)
+    with pytest.raises(ValueError, match=r"sharding.ref_device is 'cuda:2', which does not exist: torch sees cuda:0"):
+        devices.resolve_device("cuda:2", "sharding.ref_device")
+    monkeypatch.setenv("LOCAL_RANK", "2")  # three processes on a node of two GPUs
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2: run at most 2 processes per node"):
+        devices.resolve_device("cuda", per_rank=True)
+
+
+def test_two_launchers_of_one_node_each_train_as_two_nodes(tiny_model, tmp_path):
+    """Multi-node is torchrun's rendezvous: two launchers (--nnodes 2, c10d on 127.0.0.1), one rank each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    from hybridrl.testing import free_port
+
+    data = config(tiny_model, tmp_path / "run", "fsdp", trainer={"steps": 2}, logging={"loggers": ["console", "jsonl"]})
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    rdzv += ["--rdzv-id", "hybridrl-two-nodes"]
+    args = ["-m", "hybridrl.cli", "train", str(tmp_path / "cfg.yaml")]
+    with ThreadPoolExecutor(2) as pool:
+        nodes = list(pool.map(lambda _: torchrun(args, nproc=1, launcher=rdzv), range(2)))
+    for proc in nodes:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sum(proc.stdout.count("step 2/2 | reward") for proc in nodes) == 1  # rank 0 of node 0 prints
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "meta.json").read_text())
+    assert meta["world_size"] == 2
+
+
 def test_unavailable_reference_device_is_named(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -423,6 +449,45 @@ def test_contract_cuda_device_message_is_translated():
             raise KeyError("x")
 
 
+def stall_worker(config_path: str) -> None:
+    """Under torchrun: train, with rank 1 stalling for a minute as the weight sync of step 2 begins."""
+    import time
+
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    trainer = Trainer(load_config(config_path))
+    real = Trainer.step
+
+    def step(self, n):
+        if n == 2 and distributed.rank() == 1:
+            sync = self.engine.update_weights
+
+            def stalled(named_tensors):
+                time.sleep(60)
+                sync(named_tensors)
+
+            self.engine.update_weights = stalled
+        return real(self, n)
+
+    Trainer.step = step
+    trainer.train()
+
+
+def test_a_stalled_rank_stops_the_others_after_the_timeout_naming_it(tiny_model, tmp_path):
+    import yaml
+
+    data = config(tiny_model, tmp_path / "run", "fsdp", trainer={"steps": 3, "timeout_s": 10})
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    proc = torchrun([__file__, "stall", str(tmp_path / "cfg.yaml")], timeout=120)  # a hang fails here
+    assert proc.returncode != 0
+    assert "step 2: rank 0 lost the other ranks in stage 'sync'" in proc.stderr, proc.stderr[-3000:]
+    assert "Timed out waiting 10000ms" in proc.stderr  # the collective gave up after trainer.timeout_s
+    assert "rank 1 most likely died or stalled" in proc.stderr and "trainer.timeout_s=10" in proc.stderr
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["stall"]:
+    stall_worker(sys.argv[2])
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:4])
 if __name__ == "__main__" and sys.argv[1:2] == ["metrics"]:

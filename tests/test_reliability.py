@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from hybridrl import checkpoint as ckpt
+from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.components import RewardFunction, RolloutEngine, RolloutOutput
 from hybridrl.config import ConfigError, load_config
 from hybridrl.errors import NonFiniteError, StageError
@@ -210,6 +211,14 @@ class EmptyEngine(RolloutEngine):
             pass
 
 
+class StaleEngine(HFEngine):
+    """The hf engine, except that the weights it is sent never reach it (a sync that fails silently)."""
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:
+            pass
+
+
 class ClosingReward(RewardFunction):
     """Counts its close() calls, as reward_hf's models and HTTP sessions release themselves there."""
 
@@ -232,6 +241,7 @@ class TestPlugins:
     @hookimpl
     def register_rollout_engines(self, register):
         register("empty", EmptyEngine)
+        register("stale", StaleEngine)
 
 
 def test_nan_reward_aborts_naming_the_reward_and_keeps_the_checkpoint(tiny_model, tmp_path, register_plugin, capfd):
@@ -274,6 +284,18 @@ def test_rewards_are_closed_when_training_ends_or_fails(tiny_model, tmp_path, re
     with pytest.raises(StageError):
         Trainer(load_config(data=data)).train()
     assert ClosingReward.closed == 4
+
+
+def test_an_engine_that_did_not_take_the_weights_stops_the_run_after_the_sync(tiny_model, tmp_path, register_plugin):
+    register_plugin(TestPlugins(), name="test-plugins")
+    data = config(tiny_model, tmp_path / "run", steps=3, lr=0.1)
+    data["rollout"]["engine"] = "stale"
+    with pytest.raises(StageError, match=r"rollout engine 'stale' on rank\(s\) \[0\]: after the weight sync of step 1"):
+        Trainer(load_config(data=data)).train()
+    data["rollout"]["sync_check"] = 0  # the check off: the run goes on, off-policy
+    data["trainer"]["run_dir"] = str(tmp_path / "unchecked")
+    metrics = Trainer(load_config(data=data)).train()
+    assert metrics["rollout/logprob_diff_mean"] > 0.01 and "rollout/sync_check_diff_max" not in metrics
 
 
 def test_failing_reward_is_named(tiny_model, tmp_path, register_plugin):

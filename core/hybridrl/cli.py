@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
     args = parser.parse_args(argv)
+    from hybridrl.distributed import RankFailure
     from hybridrl.errors import Interrupted, NonFiniteError, StageError
 
     try:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, plugins.PluginError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (StageError, NonFiniteError) as e:
+    except (StageError, NonFiniteError, RankFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:

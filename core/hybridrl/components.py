@@ -103,12 +103,24 @@ class RolloutOutput:
 class RolloutEngine(Component):
     """Generates responses and receives new policy weights in place."""
 
+    @classmethod
+    def check_launch(cls, options: Options, ctx: RunContext) -> None:
+        """Raise ValueError naming the option and the fix when the engine cannot run in this launch
+        (``ctx.world_size`` ranks under torchrun, on ``ctx.device``, the model at ``ctx.model_path``).
+        Called on every rank before any model loads; the engine itself is built after the policy."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) policy tensors, named as in the HF state dict."""
         raise NotImplementedError
+
+    def holds_latest_weights(self) -> bool:
+        """Whether, after :meth:`update_weights`, the engine computes with the weights it was sent
+        (False for a server that syncs every few updates, or never): the trainer then skips its
+        check of the sync (``rollout.sync_check``)."""
+        return True
 
     def sleep(self) -> None:
         """Free accelerator memory before training; a no-op where the engine cannot."""

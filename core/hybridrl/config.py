@@ -80,6 +80,14 @@ class RolloutConfig(Section, Sampling):
     model_config = ConfigDict(extra="allow")
 
     engine: str = Field("hf", description="Rollout engine plugin.")
+    sync_check: float = Field(
+        0.3,
+        ge=0,
+        description="After each weight sync, every rank's engine samples one token of a probe prompt and its "
+        "logprobs are compared with the policy's: a mean |difference| above this stops the run, naming the "
+        "rank (an engine that did not take the weights). 0: off. Engines in float32 differ by about 1e-5, in "
+        "bfloat16 by about 1e-2.",
+    )
     refill_rounds: int = Field(
         0,
         ge=0,
@@ -148,6 +156,13 @@ class TrainerConfig(Strict):
         False,
         description="Continue from the newest checkpoint in run_dir (same as --resume); "
         "starts fresh when there is none.",
+    )
+    timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Under torchrun: seconds any collective (gradient reduction, weight gathering, metrics) may "
+        "wait for the other ranks. A rank that dies or stalls longer makes the others stop with an error naming "
+        "the rank and the stage it was last seen in, instead of hanging.",
     )
     on_nonfinite: Literal["abort", "skip"] = Field(
         "abort",

@@ -15,7 +15,9 @@ GPU benchmark uses it bare).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -183,3 +185,74 @@ def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     mean = s / max(n, 1e-8)
     var = (s2 - n * mean * mean) / max(n - 1, 1e-8)
     return torch.tensor(mean, dtype=values.dtype), torch.tensor(var, dtype=values.dtype)
+
+
+# -- where each rank is, for failure reports ------------------------------------------------
+
+_FAILURE_TEXT = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe")
+
+
+def _store():
+    """The launcher's key-value store (torchrun's rendezvous store), or None."""
+    if world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def heartbeat(step: int, stage: str) -> None:
+    """Record in the store that this rank entered ``stage`` of ``step`` (cheap: one small write)."""
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"hybridrl/at/{rank()}", json.dumps([time.time(), step, stage]))
+
+
+def whereabouts() -> dict[int, tuple[float, int, str]]:
+    """rank -> (time, step, stage) of each rank's last :func:`heartbeat`."""
+    store, out = _store(), {}
+    if store is None:
+        return out
+    for r in range(world_size()):
+        key = f"hybridrl/at/{r}"
+        with contextlib.suppress(Exception):
+            if store.check([key]):
+                t, step, stage = json.loads(store.get(key))
+                out[r] = (float(t), int(step), str(stage))
+    return out
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a collective that failed or timed out."""
+    while error is not None:
+        if isinstance(error, getattr(dist, "DistError", ())) or any(t in str(error).lower() for t in _FAILURE_TEXT):
+            return True
+        error = error.__cause__
+    return False
+
+
+def describe_failure(error: BaseException, step: int, timeout_s: float) -> str:
+    """An error message naming the rank that most likely died or stalled, and each rank's stage."""
+    now, me, seen = time.time(), rank(), whereabouts()
+    mine = seen.get(me, (now, step, "?"))
+    others = {r: v for r, v in seen.items() if r != me}
+    lines = ", ".join(f"rank {r} in '{st}' of step {s} {now - t:.1f} s ago" for r, (t, s, st) in sorted(seen.items()))
+    missing = [r for r in range(world_size()) if r not in seen]
+    suspect = min(others, key=lambda r: (others[r][1], others[r][0])) if others else (missing[0] if missing else None)
+    blame = (
+        f"rank {suspect} most likely died or stalled (see its own log)"
+        if suspect is not None
+        else "another rank failed"
+    )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"step {step}: rank {me} lost the other ranks in stage '{mine[2]}' ({first}); {blame}. Last seen: {lines}. "
+        f"Collectives wait trainer.timeout_s={timeout_s:g} s for a rank that stalls; torchrun stops the job when "
+        "a rank exits."
+    )
+
+
+class RankFailure(RuntimeError):
+    """A collective failed because another rank died or stalled; the message names it."""

@@ -70,12 +70,15 @@ class WeightedStats:
 class Timer:
     """Seconds per stage (``timing/<stage>``); on a GPU each stage ends by waiting for its kernels."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, on_enter=None):
         self.times: dict[str, float] = {}
         self.cuda = device is not None and device.type == "cuda"
+        self.on_enter = on_enter  # called with the stage's name as it starts (heartbeats)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.on_enter is not None:
+            self.on_enter(name)
         start = time.perf_counter()
         try:
             yield

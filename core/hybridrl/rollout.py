@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import torch
+
 from hybridrl import distributed
+from hybridrl import functional as F
 from hybridrl.batch import Batch
 from hybridrl.components import RolloutEngine, Sampling, SamplingParams
-from hybridrl.errors import stage_errors
+from hybridrl.errors import StageError, stage_errors
 from hybridrl.prompts import PromptOrder, encode_prompt, prompt_messages
 
 
-def rollout_seed(seed: int, step: int, round_: int = 0) -> int:
-    """The sampling seed of a step's round on this rank: ranks and rounds never draw the same samples."""
-    return seed * 100_003 + step + 1_000_003 * distributed.rank() + 10_000_019 * round_
+def rollout_seed(seed: int, step: int, round_: int = 0, first_prompt: int = 0, n: int = 1) -> int:
+    """The sampling seed of a call whose first prompt is the step's prompt ``first_prompt``.
+
+    Engines that seed each request (vllm, sglang) give prompt i of a call ``seed + i·n`` and its
+    sample j ``+ j``; with this rank's first prompt at ``first_prompt`` of the step, prompt p of
+    the step (over all ranks) is seeded ``base + p·n``, so a run samples the same responses on
+    any number of ranks. Rounds of a step draw other samples.
+    """
+    return seed * 100_003 + step + 10_000_019 * round_ + first_prompt * n
 
 
 class RolloutStage:
@@ -23,8 +32,39 @@ class RolloutStage:
 
     def sampling(self, step: int, round_: int = 0) -> SamplingParams:
         """What the engine samples with: the rollout section of the config, and this round's seed."""
-        keys = self.config.rollout.model_dump(include=set(Sampling.model_fields))
-        return SamplingParams(**keys, seed=rollout_seed(self.config.trainer.seed, step, round_))
+        r, t = self.config.rollout, self.config.trainer
+        first = distributed.rank() * (t.prompts_per_step // distributed.world_size())
+        seed = rollout_seed(t.seed, step, round_, first, r.n)
+        return SamplingParams(**r.model_dump(include=set(Sampling.model_fields)), seed=seed)
+
+    @torch.no_grad()
+    def check_sync(self, step: int, policy_logprobs, samples: int = 8) -> dict[str, float]:
+        """After a weight sync, on every rank: the engine samples one token ``samples`` times for the
+        first row's prompt, and its logprobs are compared with ``policy_logprobs(batch)`` (B, T); a
+        mean difference above ``rollout.sync_check`` is an error naming the ranks."""
+        tol = self.config.rollout.sync_check
+        if not tol or not self.engine.holds_latest_weights():
+            return {}
+        self.engine.wake_up()  # the next step's rollout needs it awake anyway
+        ids, _ = encode_prompt(self.data[0], self.config.data, self.tokenizer)
+        keys = self.config.rollout.model_dump(include={"temperature", "top_p", "top_k"})
+        sampling = SamplingParams(**keys, n=samples, max_tokens=1, seed=rollout_seed(self.config.trainer.seed, step, 7))
+        with stage_errors(self.component, "generate (sync check)"):
+            out = self.engine.generate([ids], sampling)
+        probe = Batch.from_rollout([ids], out, samples, self.tokenizer.pad_token_id)
+        lp = policy_logprobs(probe)
+        diff = (lp - probe["rollout_logprobs"].to(lp.device)).abs()
+        mean = float(F.masked_mean(diff, probe["response_mask"].to(lp.device)))
+        means = distributed.all_gather_objects(mean)
+        if max(means) > tol:
+            ranks = [r for r, d in enumerate(means) if d > tol]
+            raise StageError(
+                f"{self.component} on rank(s) {ranks}: after the weight sync of step {step} its logprobs of a probe "
+                f"prompt differ from the policy's by {max(means):.3g} on average (rollout.sync_check allows {tol:g}): "
+                "the engine does not compute with the trainer's weights. A sync that did not reach it, or weights "
+                "released by sleep() and never reloaded; set rollout.sync_check: 0 to skip this check."
+            )
+        return {"rollout/sync_check_diff_max": max(means)}
 
     def generate(self, step: int, round_: int = 0) -> Batch:
         """Draw ``trainer.prompts_per_step`` prompts, keep this rank's share, generate ``rollout.n``

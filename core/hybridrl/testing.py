@@ -19,6 +19,7 @@ Plain helpers, imported by the tests that need them:
 - ``sampler_check(engine, model_dir)``: whether an engine samples from the run's sampling config
   alone, not from the model folder's generation_config (rollout logprobs vs the trainer's, and
   how many distinct tokens it draws);
+- ``free_port()``, ``torchrun(args, nproc=2)``: real torchrun launches on 127.0.0.1 (gloo);
 - ``small_model(arch)``: a random 3-layer causal LM of a real architecture (qwen2, llama, phi3,
   gemma, gpt2), for tests that span architectures.
 """
@@ -27,7 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import socket
 import string
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -259,3 +264,22 @@ def small_model(arch: str):
     }
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(configs[arch]())
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 600, cwd=None, env=None, launcher=()):
+    """``python -m torch.distributed.run`` with ``nproc`` processes on 127.0.0.1 (gloo over the
+    loopback interface, one thread each), run to the end: a ``subprocess.CompletedProcess``.
+    ``launcher``: torchrun's own options instead of one node with a fixed master port."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += list(launcher) or ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

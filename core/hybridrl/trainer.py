@@ -102,6 +102,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.ctx.is_main:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        engine_cls = plugins.lookup("rollout engine", cfg.rollout.engine)
+        try:  # the engine is built after the policy (it takes a share of what memory is left)
+            engine_cls.check_launch(cfg.rollout.options, self.ctx)
+        except ValueError as e:
+            raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
@@ -140,7 +145,7 @@ class Trainer:
         except (ValueError, plugins.PluginError) as e:
             raise ConfigError(str(e)) from None
         check_world(cfg, distributed.env_world()[1], multi_process)
-        distributed.setup(device)
+        distributed.setup(device, timeout_s=cfg.trainer.timeout_s)
         self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
         return device
 
@@ -168,7 +173,12 @@ class Trainer:
         try:
             with self.signals.catch():
                 for step in range(self.start_step + 1, t.steps + 1):
-                    metrics = self.step(step)
+                    try:
+                        metrics = self.step(step)
+                    except Exception as e:  # a collective that failed: say which rank went missing
+                        if distributed.world_size() == 1 or not distributed.is_collective_failure(e):
+                            raise
+                        raise distributed.RankFailure(distributed.describe_failure(e, step, t.timeout_s)) from e
                     stop = self.signals.agree()
                     if stop or step == t.steps or (t.save_every and step % t.save_every == 0):
                         path = self.save(step)
@@ -229,7 +239,8 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
-        timer, engine = Timer(self.ctx.device), self.rollout.component
+        timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
+        engine = self.rollout.component
         with timer("rollout"), stage_errors(engine, "wake_up"):
             self.engine.wake_up()
         rollout, kept, metrics = self.collect(step, timer)
@@ -250,7 +261,8 @@ class Trainer:
         # also after a skipped update: an engine may have released its weights in sleep()
         with timer("sync"), stage_errors(engine, "update_weights"):
             self.engine.update_weights(self.strategy.full_tensors(self.policy))
-        metrics |= self.engine.metrics()
+            metrics |= self.rollout.check_sync(step, lambda probe: self._forward(self.policy, probe, "policy"))
+            metrics |= self.engine.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         metrics |= batch_metrics(rollout if batch is None else batch, timer.times["rollout"], rollout) | timer.metrics()
         if batch is not None:

@@ -10,9 +10,6 @@ the launch follows the core's tests/test_fsdp.py (gloo on 127.0.0.1, one thread 
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import torch
 
 from hybridrl import distributed
 from hybridrl.batch import even_out
-from hybridrl.testing import fixed_batch
+from hybridrl.testing import fixed_batch, torchrun
 
 LR = 0.5  # SGD: the update is linear in the gradient, so any scale error shows
 LENGTHS = [[2, 3, 4, 2], [3, 2, 4, 3], [10, 12, 11, 9], [12, 10, 9, 11]]  # rank 0: groups 0-1, rank 1: 2-3
@@ -102,22 +99,11 @@ def worker(model: str, out: str) -> None:
     distributed.teardown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_ppo_step_on_two_fsdp_ranks_equals_single(tiny_model, tmp_path):
     want = one_step(tiny_model, tmp_path / "single", "single")
     out = tmp_path / "fsdp" / "result.pt"
     out.parent.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "worker", tiny_model, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun([__file__, "worker", tiny_model, str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out, weights_only=True)
 

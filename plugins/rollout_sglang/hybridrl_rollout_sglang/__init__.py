@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import weight_buckets
 from hybridrl.hookspecs import hookimpl
-from hybridrl_rollout_sglang import protocol
+from hybridrl_rollout_sglang import backends, protocol
 from hybridrl_rollout_sglang.backends import InProcess, Server, original_logprob_env
 
 __version__ = "0.1.0"
@@ -152,6 +152,22 @@ class SGLangEngine(RolloutEngine):
             )
         self.backend = Server(options, ctx) if options.base_url else InProcess(options, ctx)
         self.version = 0
+
+    @classmethod
+    def check_launch(cls, options, ctx) -> None:
+        """Before any model loads: an in-process engine needs a GPU, and under torchrun runs one
+        engine per rank (SGLang has no mode in which training processes are an engine's TP workers)."""
+        if options.base_url:
+            return
+        if not backends.cuda_available():
+            backends.import_sglang()  # raises the error that names the alternatives
+        if ctx.world_size > 1 and options.tp_size > 1:
+            raise ValueError(
+                f"tp_size={options.tp_size} under torchrun: an in-process SGLang engine cannot span training "
+                "ranks (it would start its own tensor-parallel workers on GPUs the other ranks train on). Use "
+                "tp_size: 1 (an engine per rank), rollout.engine: vllm with tensor_parallel_size (the ranks are "
+                "its workers), or a separate SGLang server (rollout.base_url)."
+            )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         o = self.options

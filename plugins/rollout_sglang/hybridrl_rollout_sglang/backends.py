@@ -147,7 +147,10 @@ def engine_kwargs(options, ctx) -> dict:
         kwargs["attention_backend"] = options.attention_backend
     if ctx.device.type == "cuda" and ctx.device.index:
         kwargs["base_gpu_id"] = ctx.device.index  # colocate with the policy
-    clash = sorted(set(options.engine_kwargs) & (set(kwargs) | {"model_path", "random_seed"}))
+    if ctx.world_size > 1:  # an engine per rank: each node's engines need ports of their own
+        kwargs["port"] = 30000 + 100 * ctx.local_rank
+        kwargs["nccl_port"] = 30050 + 100 * ctx.local_rank
+    clash = sorted(set(options.engine_kwargs) & (set(kwargs) - {"port", "nccl_port"} | {"model_path", "random_seed"}))
     if clash:
         raise ValueError(
             f"{COMPONENT}: engine_kwargs sets {', '.join(clash)}, which the plugin sets itself. Use the "

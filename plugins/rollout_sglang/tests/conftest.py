@@ -46,7 +46,7 @@ ENGINE_KEYS = {
     "model_path", "skip_tokenizer_init", "mem_fraction_static", "tp_size", "dtype", "random_seed",
     "enable_memory_saver", "log_level", "context_length", "attention_backend", "base_gpu_id",
     "cuda_graph_max_bs_decode", "cuda_graph_max_bs", "enable_deterministic_inference", "disable_cuda_graph",
-    "enable_weights_cpu_backup", "trust_remote_code",
+    "enable_weights_cpu_backup", "trust_remote_code", "port", "nccl_port",
 }  # fmt: skip
 TAGS = {"weights", "kv_cache", "cuda_graph"}
 # what SGLang takes from generation_config.json for the fields a request leaves out, with its default

@@ -76,6 +76,7 @@ def test_engine_kwargs_may_not_override_what_the_plugin_sets(make_engine):
 
     class Ctx:
         model_path, seed, device, trust_remote_code = "/m", 0, torch.device("cuda:1"), False
+        world_size, local_rank = 1, 0
 
     options = SGLangEngine.Options(engine_kwargs={"enable_deterministic_inference": True})
     assert engine_kwargs(options, Ctx)["base_gpu_id"] == 1  # colocated with the policy's GPU
@@ -256,3 +257,21 @@ def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_mod
     diff, distinct = sampler_check(make_engine(), tiny_model)
     assert diff < 1e-4
     assert distinct > SAMPLING_GENERATION_CONFIG["top_k"]
+
+
+def test_under_torchrun_each_rank_gets_its_own_engine_ports_and_no_tensor_parallel(sglang_module, tmp_path):
+    """Contract test: per-rank engines of one node listen on ports of their own; tp_size > 1 under
+    torchrun is refused before any model loads, naming the alternatives."""
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    from hybridrl.components import RunContext
+
+    ctx = RunContext(
+        "/m", None, torch.device("cuda:1"), torch.bfloat16, 0, tmp_path, rank=1, world_size=2, local_rank=1
+    )
+    kwargs = engine_kwargs(SGLangEngine.Options(), ctx)
+    assert (kwargs["port"], kwargs["nccl_port"], kwargs["base_gpu_id"]) == (30100, 30150, 1)
+    SGLangEngine.check_launch(SGLangEngine.Options(), ctx)
+    with pytest.raises(ValueError, match="tp_size=2 under torchrun: an in-process SGLang engine cannot span"):
+        SGLangEngine.check_launch(SGLangEngine.Options(tp_size=2), ctx)
+    SGLangEngine.check_launch(SGLangEngine.Options(base_url="http://127.0.0.1:30000"), ctx)  # a server: fine

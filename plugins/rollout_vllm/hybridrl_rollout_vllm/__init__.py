@@ -34,11 +34,21 @@ class VLLMEngine(RolloutEngine):
 
             self.backend = LocalEngine(options, ctx)
 
+    @classmethod
+    def check_launch(cls, options: VLLMOptions, ctx) -> None:
+        if not options.base_url:
+            from hybridrl_rollout_vllm.local import check_launch
+
+            check_launch(options, ctx)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         return self.backend.generate(prompts, sampling)
 
     def update_weights(self, named_tensors) -> None:
         self.backend.update_weights(named_tensors)
+
+    def holds_latest_weights(self) -> bool:
+        return getattr(self.backend, "holds_latest_weights", lambda: True)()
 
     def sleep(self) -> None:
         self.backend.sleep()

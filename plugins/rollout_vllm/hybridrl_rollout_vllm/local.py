@@ -84,9 +84,15 @@ class LocalEngine:
     def __init__(self, options, ctx):
         self.options, self.ctx = options, ctx
         o = options
-        multiprocess = o.tensor_parallel_size > 1
-        if not multiprocess:  # tensors then reach the worker as they are, without a copy
+        # under torchrun the engine's ranks are the training processes (vLLM's external launcher):
+        # an engine per rank, or one over each group of tensor_parallel_size consecutive ranks
+        self.torchrun = ctx.world_size > 1
+        multiprocess = o.tensor_parallel_size > 1 and not self.torchrun
+        if self.torchrun:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the external launcher requires it
+        elif not multiprocess:  # tensors then reach the worker as they are, without a copy
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.group = TensorParallelGroup(o.tensor_parallel_size) if self.torchrun else None
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -110,6 +116,8 @@ class LocalEngine:
             enable_prefix_caching=o.prefix_caching,
             trust_remote_code=ctx.trust_remote_code,
         )
+        if self.torchrun:
+            kw["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:
             if o.cpu_kv_cache_gb is not None:
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kv_cache_gb)
@@ -158,9 +166,15 @@ class LocalEngine:
                 "measures the probability mass that truncation cut off.",
                 stacklevel=2,
             )
+        if self.group is not None and self.group.size > 1:  # the group's engine answers every member's prompts
+            prompts, sampling, keep = self.group.gather(prompts, sampling)
+        else:
+            keep = None
         params = self.sampling_params(sampling, len(prompts))
         with self.threads():
             results = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        if keep is not None:
+            results = results[keep]
         out = RolloutOutput([], [], [])
         for request in results:
             samples = sorted(request.outputs, key=lambda c: c.index)
@@ -281,6 +295,80 @@ class LocalEngine:
             yield
         finally:
             _set_num_threads(before)
+
+
+class TensorParallelGroup:
+    """The training ranks one engine spans under torchrun: ``size`` consecutive ranks.
+
+    vLLM's external launcher runs the engine's tensor-parallel workers in those processes, and
+    every one of them must submit the same requests: each member's prompts are gathered, the
+    group generates them all (seeded as one call from the first member's seed), and each member
+    keeps its own share of the answers.
+    """
+
+    def __init__(self, size: int):
+        import torch.distributed as dist
+
+        from hybridrl import distributed
+
+        self.size, world, rank = size, distributed.world_size(), distributed.rank()
+        self.position = rank % size
+        self.handle = None
+        for start in range(0, world, size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(start, start + size)), backend="gloo") if size > 1 else None
+            if start <= rank < start + size:
+                self.handle = group
+
+    def gather(self, prompts: list[list[int]], sampling):
+        """All the group's prompts, the sampling of the group's first member, and the slice of the
+        answers that is this rank's."""
+        import torch.distributed as dist
+
+        parts = [None] * self.size
+        dist.all_gather_object(parts, [list(p) for p in prompts], group=self.handle)
+        if any(len(part) != len(prompts) for part in parts):
+            raise RuntimeError(f"{NAME}: the ranks of a tensor-parallel engine hold different numbers of prompts.")
+        if sampling.seed is not None:  # this rank's seed counts the prompts of the members before it
+            sampling = sampling.model_copy(update={"seed": sampling.seed - self.position * len(prompts) * sampling.n})
+        start = self.position * len(prompts)
+        return [p for part in parts for p in part], sampling, slice(start, start + len(prompts))
+
+
+def check_launch(options, ctx) -> None:
+    """What an in-process engine cannot do in this launch, said before any model loads."""
+    tp, world = options.tensor_parallel_size, ctx.world_size
+    if world > 1 and world % tp:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks of this run: under torchrun "
+            f"an engine spans tensor_parallel_size consecutive ranks. Use a divisor of {world}."
+        )
+    if ctx.device.type == "cuda":
+        check_memory_share(options.gpu_memory_utilization, ctx)
+
+
+TRAINED_BYTES_PER_PARAMETER = 12  # float32 master weight + AdamW's two float32 moments, kept between updates
+
+
+def check_memory_share(share: float, ctx) -> None:
+    """vLLM takes ``share`` of the GPU while it generates; the policy keeps its weights and optimizer
+    state there all the time (sharded over the ranks): refuse a share that cannot fit beside them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    with torch.device("meta"):
+        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
+    params = sum(p.numel() for p in model.parameters())
+    policy = params * TRAINED_BYTES_PER_PARAMETER / ctx.world_size
+    if share * total + policy > 0.95 * total:
+        fits = max(0.0, (0.95 * total - policy) / total)
+        raise ValueError(
+            f"rollout.gpu_memory_utilization={share:g} gives vLLM {share * total / 2**30:.1f} GiB of the "
+            f"{total / 2**30:.1f} GiB of {ctx.device}, but the policy keeps about {policy / 2**30:.1f} GiB there "
+            f"between updates (float32 weights and AdamW state of {params / 1e9:.2f}B parameters over "
+            f"{ctx.world_size} rank(s)): together they do not fit. Set rollout.gpu_memory_utilization to at most "
+            f"{fits:.2f}, or shard the policy over more ranks (sharding.strategy: fsdp)."
+        )
 
 
 def choose_weight_sync(choice: str, blockers: list[str]) -> str:

@@ -37,8 +37,10 @@ class VLLMOptions(Options):
     tensor_parallel_size: int = Field(
         1,
         ge=1,
-        description="GPUs one engine spans (vLLM tensor parallelism). Above 1 vLLM runs worker "
-        "processes and weights travel to them as safetensors bytes, one bucket at a time.",
+        description="Devices one engine spans (vLLM tensor parallelism). Under torchrun: that many consecutive "
+        "training ranks form one engine (vLLM's external launcher; it must divide the world size), each loading "
+        "its slice of the gathered weights. Without torchrun, above 1 vLLM runs worker processes on this "
+        "machine's GPUs and weights travel to them as safetensors bytes, one bucket at a time.",
     )
     max_model_len: int | None = Field(
         None,

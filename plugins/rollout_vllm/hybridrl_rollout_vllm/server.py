@@ -118,6 +118,11 @@ class ServerEngine:
         post_json(f"{self.base}/reset_prefix_cache", None, **self.http)
         self.stats["vllm/server_reload_s"] = time.perf_counter() - start
 
+    def holds_latest_weights(self) -> bool:
+        """Frozen weights, or an update that sync_every skipped, leave the server on older ones."""
+        o = self.options
+        return o.server_weights != "frozen" and self.updates % o.sync_every == 0
+
     def sleep(self) -> None:
         """The server's memory is not this process's to hand over."""
 

@@ -342,3 +342,20 @@ def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path
     # vLLM's logprobs are those of the trainer's policy at every step: the weights were synced
     assert max(r["rollout/logprob_diff_mean"] for r in rows) < 1e-4, [r["rollout/logprob_diff_mean"] for r in rows]
     assert rows[-1]["vllm/sync_buckets"] == 1 and "timing/sync" in rows[-1]
+
+
+def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, monkeypatch):
+    """Contract test for the GPU case (no GPU here: torch is told it has one of 64 MiB)."""
+    from types import SimpleNamespace
+
+    cls = plugins.lookup("rollout engine", "vllm")
+    ctx = RunContext(model_dir, None, torch.device("cpu"), torch.float32, 0, tmp_path, 0, world_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 2 ranks"):
+        cls.check_launch(cls.Options(tensor_parallel_size=3), ctx)
+    cls.check_launch(cls.Options(tensor_parallel_size=2), ctx)
+    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.bfloat16, 0, tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**26))
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.95 gives vLLM .* together they do not fit"):
+        cls.check_launch(cls.Options(gpu_memory_utilization=0.95), ctx)
+    cls.check_launch(cls.Options(gpu_memory_utilization=0.5), ctx)
+    cls.check_launch(cls.Options(base_url="http://127.0.0.1:8000"), ctx)  # a server's memory is its own
