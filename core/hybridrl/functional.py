@@ -7,6 +7,7 @@ or bool tensor, 1 on real response tokens. Conventions follow volcengine/verl's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -142,13 +143,15 @@ def policy_loss(
     clip_high: float = 0.2,
     clip_c: float = 3.0,
     agg_mode: str | LossAggregation = "token-mean",
+    token_weights: torch.Tensor | None = None,  # (B, T) detached, e.g. truncated_is_weights
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual clip for negative advantages; all tensors (B, T).
 
     ratio = exp(clamp(logp - old, -20, 20)); per token
     L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and for A < 0 additionally
-    L = min(L, -A clip_c) (dual clip, Ye et al. 2020). Returns the aggregated loss and the
-    metrics ``clipfrac``, ``clipfrac_lower`` and ``ppo_kl`` (mean of old - logp).
+    L = min(L, -A clip_c) (dual clip, Ye et al. 2020). ``token_weights`` w multiply L before the
+    aggregation, whose normaliser they leave as it is: agg(w L). Returns the aggregated loss and
+    the metrics ``clipfrac``, ``clipfrac_lower`` and ``ppo_kl`` (mean of old - logp), unweighted.
     """
     mask = mask.to(logp.dtype)
     log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
@@ -164,6 +167,8 @@ def policy_loss(
         "clipfrac_lower": masked_mean(((clipped > loss3) & (advantages < 0)).to(logp.dtype), mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, mask).detach(),
     }
+    if token_weights is not None:
+        losses = losses * token_weights
     return agg_loss(losses, mask, agg_mode), metrics
 
 
@@ -248,3 +253,117 @@ def whiten_advantages(values: torch.Tensor, mask: torch.Tensor, mean_var=None) -
         return masked_whiten(values, mask) * mask
     mean, var = mean_var(values, mask)
     return (values - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+# --- off-policy correction from the rollout engine's logprobs --------------------------------
+
+ROLLOUT_LEVELS = ("token", "sequence", "geometric")
+ROLLOUT_LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: log ratios are clamped to +-20 before exponentiating
+
+
+def rollout_log_ratio(
+    old_logp: torch.Tensor,  # (B, T) the trainer's logprobs of the sampled tokens before the update
+    rollout_logp: torch.Tensor,  # (B, T) the engine's logprobs of the same tokens
+    mask: torch.Tensor,  # (B, T) 1 on sampled tokens; 0 on padding and holes
+    level: str = "token",
+) -> torch.Tensor:
+    """log(pi_old / pi_rollout) at ``level``, in float32, broadcast over the tokens: (B, T).
+
+    With d_t = log pi_old(y_t) - log pi_rollout(y_t) on unmasked tokens:
+    ``token``: d_t; ``sequence``: sum_t m d (the log of the response's probability ratio);
+    ``geometric``: sum_t m d / sum_t m (the log of the geometric mean of its token ratios).
+    0 on masked positions, whatever their logprobs hold (-inf included); not clamped.
+    """
+    if level not in ROLLOUT_LEVELS:
+        raise ValueError(f"Unknown rollout correction level '{level}'. Available: {', '.join(ROLLOUT_LEVELS)}.")
+    valid = mask.bool()
+    d = torch.where(valid, old_logp.float() - rollout_logp.float(), 0.0)  # (B, T)
+    if level == "token":
+        return d
+    seq = d.sum(-1, keepdim=True)  # (B, 1)
+    if level == "geometric":
+        seq = seq / valid.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(valid, seq.expand_as(d), 0.0)
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logp: torch.Tensor,  # (B, T)
+    rollout_logp: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    level: str = "token",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling weights w = min(exp(l), C) and where w was capped, both (B, T).
+
+    ``l`` is :func:`rollout_log_ratio` at ``level``, clamped to [-20, 20] before the exponential
+    (float32). ``token`` is TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training"; verl's ``rollout_is: token``, TRL's ``token_truncate``);
+    ``sequence`` one weight per response, min(prod_t ratio_t, C) (verl's ``rollout_is: sequence``,
+    TRL's ``sequence_truncate``); ``geometric`` min(exp(mean_t log ratio_t), C). Detached; 0 and
+    not truncated on masked positions.
+    """
+    log_w = rollout_log_ratio(old_logp, rollout_logp, mask, level)
+    valid = mask.bool()
+    truncated = (log_w > math.log(cap)) & valid
+    weights = torch.exp(log_w.clamp(-ROLLOUT_LOG_RATIO_BOUND, ROLLOUT_LOG_RATIO_BOUND)).clamp(max=cap)
+    return torch.where(valid, weights, 0.0), truncated
+
+
+@torch.no_grad()
+def rollout_ratio_mask(
+    old_logp: torch.Tensor,  # (B, T)
+    rollout_logp: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    level: str = "token",
+    low: float = 0.5,
+    high: float = 5.0,
+) -> torch.Tensor:
+    """1 where the ratio of :func:`rollout_log_ratio` at ``level`` lies in [low, high], else 0: (B, T).
+
+    ``token`` drops single tokens (IcePop, Ling Team 2025, arXiv:2510.18855, with [0.5, 5]; verl's
+    ``rollout_rs: token``); ``sequence`` and ``geometric`` drop whole responses by their product or
+    geometric-mean ratio (verl's ``rollout_rs: sequence / geometric``). The bounds are compared in
+    log space on the unclamped log ratio (exact, no overflow). float32; 0 on masked positions.
+    """
+    log_w = rollout_log_ratio(old_logp, rollout_logp, mask, level)
+    keep = (log_w >= math.log(low)) & (log_w <= math.log(high)) & mask.bool()
+    return keep.float()
+
+
+@torch.no_grad()
+def rollout_correction_metrics(
+    old_logp: torch.Tensor,  # (B, T)
+    rollout_logp: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    weights: torch.Tensor,  # (B, T) the weights the token losses are multiplied by
+    truncated: torch.Tensor | None = None,  # (B, T) bool, from truncated_is_weights
+    keep: torch.Tensor | None = None,  # (B, T), from rollout_ratio_mask
+) -> dict[str, torch.Tensor]:
+    """The weights and the engine's mismatch, over the unmasked tokens (tensors: read them later).
+
+    ``rollout_corr/weight_mean``, ``weight_max``, ``weight_min``: of ``weights`` (the masked-out
+    tokens' zeros included); ``truncated_fraction``: tokens whose weight was capped (with
+    ``truncated``); ``masked_fraction``: tokens that ``keep`` dropped (with ``keep``); and the KL of
+    the engine's distribution to the trainer's, KL(pi_rollout || pi_old), from tokens the engine
+    sampled, with d = log pi_old - log pi_rollout: ``kl_k1`` = mean(-d), ``kl_k3`` =
+    mean(exp(d) - d - 1), d clamped to [-20, 20] (J. Schulman's estimators; verl's ``kl`` and
+    ``k3_kl`` of ``rollout_corr``). An empty mask gives max 0 and min +inf, which the reductions
+    over micro-batches and ranks ignore.
+    """
+    valid = mask.bool()
+    m = valid.float()
+    d = rollout_log_ratio(old_logp, rollout_logp, mask).clamp(-ROLLOUT_LOG_RATIO_BOUND, ROLLOUT_LOG_RATIO_BOUND)
+    w = weights.float()
+    out = {
+        "rollout_corr/weight_mean": masked_mean(w, m),
+        "rollout_corr/weight_max": w.masked_fill(~valid, 0.0).max(),
+        "rollout_corr/weight_min": w.masked_fill(~valid, float("inf")).min(),
+        "rollout_corr/kl_k1": masked_mean(-d, m),
+        "rollout_corr/kl_k3": masked_mean(torch.exp(d) - d - 1, m),
+    }
+    if truncated is not None:
+        out["rollout_corr/truncated_fraction"] = masked_mean(truncated.float(), m)
+    if keep is not None:
+        out["rollout_corr/masked_fraction"] = masked_mean(1.0 - keep.float(), m)
+    return out

@@ -16,7 +16,8 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from hybridrl import distributed
 from hybridrl import functional as F
-from hybridrl.components import Algorithm, Options
+from hybridrl.components import Algorithm
+from hybridrl.correction import RolloutCorrectionOptions, rollout_correction
 from hybridrl.hookspecs import hookimpl
 from hybridrl_algo_grpo.functional import (
     group_advantages,
@@ -34,7 +35,7 @@ LOSS_DEFAULTS = {"vanilla": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-
 
 
 class GRPO(Algorithm):
-    class Options(Options):
+    class Options(RolloutCorrectionOptions):
         estimator: Literal[ESTIMATORS] = Field(
             "grpo",
             description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
@@ -174,9 +175,10 @@ class GRPO(Algorithm):
         o = self.options
         mask = batch["response_mask"]
         agg = self.loss_aggregation
+        weights, corrected = rollout_correction(batch, o)  # None unless rollout_correction or rollout_mask
         if o.policy_loss == "gspo":
             loss, m = gspo_policy_loss(
-                batch["old_logprobs"], logprobs, batch["advantages"], mask, self.clip_low, self.clip_high, agg
+                batch["old_logprobs"], logprobs, batch["advantages"], mask, self.clip_low, self.clip_high, agg, weights
             )
         else:
             loss, m = F.policy_loss(
@@ -188,8 +190,9 @@ class GRPO(Algorithm):
                 clip_high=self.clip_high,
                 clip_c=o.clip_c,
                 agg_mode=agg,
+                token_weights=weights,
             )
-        metrics = {f"actor/{k}": v.item() for k, v in m.items()}
+        metrics = {f"actor/{k}": v.item() for k, v in m.items()} | corrected
         metrics["actor/pg_loss"] = loss.item()
         if o.entropy_coeff > 0:
             ent = agg(entropy, mask)

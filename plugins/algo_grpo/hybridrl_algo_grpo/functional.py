@@ -125,6 +125,7 @@ def gspo_policy_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     agg_mode: str | F.LossAggregation = "seq-mean-token-mean",
+    token_weights: torch.Tensor | None = None,  # (B, T) detached, e.g. hybridrl.functional.truncated_is_weights
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): a sequence-level importance ratio, clipped.
 
@@ -133,7 +134,10 @@ def gspo_policy_loss(
     s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] has the value s_i and the gradient of s_i. Per token
     L = max(-A s_i,t, -A clip(s_i,t, 1 - clip_low, 1 + clip_high)); the log ratio is clamped at
     10 as in verl. With ``seq-mean-token-mean`` aggregation this is the paper's objective. No
-    dual clip. Metrics: ``clipfrac`` (tokens whose sequence is clipped) and ``ppo_kl``.
+    dual clip. ``token_weights`` w multiply L before the aggregation: agg(w L) (one weight per
+    response, from a sequence-level correction, matches the sequence-level ratio; token weights
+    reweigh each token's term of it). Metrics: ``clipfrac`` (tokens whose sequence is clipped) and
+    ``ppo_kl``, unweighted.
     """
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp
@@ -147,4 +151,6 @@ def gspo_policy_loss(
         "clipfrac": F.masked_mean((loss2 > loss1).to(logp.dtype), mask).detach(),
         "ppo_kl": F.masked_mean(-log_ratio, mask).detach(),
     }
+    if token_weights is not None:
+        losses = losses * token_weights
     return F.agg_loss(losses, mask, agg_mode), metrics

@@ -15,7 +15,8 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from hybridrl import distributed
 from hybridrl import functional as F
-from hybridrl.components import Algorithm, Options
+from hybridrl.components import Algorithm
+from hybridrl.correction import RolloutCorrectionOptions, rollout_correction
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import disable_dropout
 from hybridrl.update import Trainable
@@ -26,7 +27,7 @@ KL_KIND = Literal["k1", "abs", "k2", "k3"]
 
 
 class PPO(Algorithm):
-    class Options(Options):
+    class Options(RolloutCorrectionOptions):
         # -- policy loss
         clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")
         clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high.")
@@ -207,6 +208,7 @@ class PPO(Algorithm):
     def loss(self, batch, logprobs, entropy):
         o = self.options
         mask = batch["response_mask"]
+        weights, corrected = rollout_correction(batch, o)  # None unless rollout_correction or rollout_mask
         loss, m = F.policy_loss(
             batch["old_logprobs"],
             logprobs,
@@ -216,8 +218,9 @@ class PPO(Algorithm):
             clip_high=o.clip_high,
             clip_c=o.clip_c,
             agg_mode=self.loss_aggregation,
+            token_weights=weights,
         )
-        metrics = {f"actor/{k}": v.item() for k, v in m.items()}
+        metrics = {f"actor/{k}": v.item() for k, v in m.items()} | corrected
         metrics["actor/pg_loss"] = loss.item()
         if o.entropy_coeff > 0:
             ent = self.loss_aggregation(entropy, mask)
