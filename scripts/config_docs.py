@@ -13,6 +13,9 @@ SECTIONS = [
     ("model", config.ModelConfig, None),
     ("data", config.DataConfig, "dataset"),
     ("rollout", config.RolloutConfig, "rollout engine"),
+    ("rollout.agent", config.AgentConfig, "environment"),
+    ("rollout.agent.tool_options.<tool>", None, "tool"),
+    ("rollout.agent.parser", None, "tool parser"),
     ("rewards[]", config.RewardConfig, "reward function"),
     ("algorithm", config.AlgorithmConfig, "algorithm"),
     ("sharding", config.ShardingConfig, "sharding strategy"),
@@ -48,11 +51,11 @@ def main() -> str:
     ]
     reg = plugins.registry()
     for section, model, kind in SECTIONS:
-        out += [f"## `{section}`", ""] + table(model) + [""]
+        out += [f"## `{section}`", ""] + (table(model) + [""] if model is not None else [])
         if kind:
             for name, entry in sorted(reg[kind].items()):
                 opts = entry.cls.Options
-                where = f"logging.{name}" if kind == "logger" else section
+                where = {"logger": f"logging.{name}", "tool": f"rollout.agent.tool_options.{name}"}.get(kind, section)
                 out += [f"### {kind} `{name}` ({entry.package})", ""]
                 if entry.cls.__doc__:
                     out += [" ".join(entry.cls.__doc__.split()), ""]

@@ -20,7 +20,9 @@ class Batch:
     """Tensors of shape (B, ...) and lists of length B, addressed by name: ``batch["scores"]``.
 
     Standard entries: ``prompts`` (B, P) and ``prompt_mask``; ``responses`` (B, T) and
-    ``response_mask``; ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``,
+    ``response_mask`` (1 on tokens the policy sampled: what the loss trains on); for multi-turn
+    trajectories ``response_attention_mask`` (1 on every response token, observations included:
+    what attention sees; without it, ``response_mask``); ``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs``,
     ``advantages`` (B, T); ``scores`` (B,); ``group_ids`` (B,) the prompt each response
     answers; lists ``prompt_text``, ``response_text``, ``answer``, ``metadata``,
     ``messages`` (the prompt's chat messages, for rewards with their own chat template),
@@ -92,7 +94,13 @@ class Batch:
 
     @property
     def attention_mask(self) -> torch.Tensor:  # (B, P + T)
-        return torch.cat([self["prompt_mask"], self["response_mask"]], dim=1)
+        response = self.tensors.get("response_attention_mask", self.tensors.get("response_mask"))
+        if response is None:
+            raise KeyError(f"Batch has no entry 'response_mask'. It has: {', '.join(sorted(self.keys()))}.")
+        return torch.cat([self["prompt_mask"], response], dim=1)
+
+    def response_lengths(self) -> torch.Tensor:  # (B,) tokens after the prompt, observations included
+        return self.tensors.get("response_attention_mask", self["response_mask"]).sum(-1)
 
     @classmethod
     def cat(cls, batches: list[Batch], pad_id: int) -> Batch:
@@ -125,18 +133,23 @@ class Batch:
         resp_ids = torch.full((B, T), pad_id, dtype=torch.long)
         resp_mask = torch.zeros(B, T, dtype=torch.long)
         logprobs = torch.zeros(B, T)
+        attend = torch.zeros(B, T, dtype=torch.long) if out.sampled_masks is not None else None
         for b, (p, r, lp) in enumerate(zip(rows, out.token_ids, out.logprobs)):
             if p:
                 prompt_ids[b, P - len(p) :] = torch.tensor(p)
                 prompt_mask[b, P - len(p) :] = 1
             if r:
                 resp_ids[b, : len(r)] = torch.tensor(r)
-                resp_mask[b, : len(r)] = 1
+                resp_mask[b, : len(r)] = 1 if attend is None else torch.tensor(out.sampled_masks[b])
                 logprobs[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+                if attend is not None:
+                    attend[b, : len(r)] = 1
         batch = cls()
         batch["prompts"], batch["prompt_mask"] = prompt_ids, prompt_mask
         batch["responses"], batch["response_mask"] = resp_ids, resp_mask
         batch["rollout_logprobs"] = logprobs
+        if attend is not None:
+            batch["response_attention_mask"] = attend
         batch["group_ids"] = torch.arange(B) // n
         batch["finish_reason"] = out.finish_reasons
         return batch
@@ -192,7 +205,7 @@ def token_budget_split(batch: Batch, max_tokens: int) -> list[list[int]]:
     longer than the budget is a micro-batch of its own.
     """
     prompt = batch["prompt_mask"].sum(-1).tolist()
-    response = batch["response_mask"].sum(-1).tolist()
+    response = batch.response_lengths().tolist()
     order = sorted(range(len(batch)), key=lambda i: (-(prompt[i] + response[i]), i))
     groups: list[list[int]] = []
     width_p = width_r = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -89,6 +89,12 @@ class SamplingParams(Sampling):
     """What an engine's ``generate`` receives: :class:`Sampling` and the step's seed."""
 
     seed: int | None = Field(None, description="Seed of this call's sampling; set by the trainer for each step.")
+    seeds: list[int] | None = Field(
+        None,
+        description="One seed per prompt of the call (sample j of prompt i: seeds[i] + j), instead of seed + i*n: "
+        "the agent loop seeds each trajectory's turn whatever call it lands in. Engines that seed each request "
+        "(vllm, sglang) honour it exactly; the hf engine seeds the call with the first.",
+    )
 
 
 @dataclass
@@ -98,6 +104,9 @@ class RolloutOutput:
     token_ids: list[list[int]]  # sampled tokens, the stop token included when one was hit
     logprobs: list[list[float]]  # logprob of each sampled token under the sampling policy
     finish_reasons: list[str]  # "stop" or "length"
+    #: per token, 1 where the policy sampled it and 0 where it did not (observation tokens of a
+    #: multi-turn trajectory: attended to, never trained on, logprob 0); None: all sampled
+    sampled_masks: list[list[int]] | None = None
 
 
 class RolloutEngine(Component):
@@ -115,6 +124,11 @@ class RolloutEngine(Component):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) policy tensors, named as in the HF state dict."""
         raise NotImplementedError
+
+    def seeds_each_request(self) -> bool:
+        """Whether ``generate`` seeds each prompt on its own (``SamplingParams.seeds``), so that what a
+        prompt samples does not depend on the other prompts of the call (vllm, sglang)."""
+        return False
 
     def holds_latest_weights(self) -> bool:
         """Whether, after :meth:`update_weights`, the engine computes with the weights it was sent
@@ -318,6 +332,67 @@ class ShardingStrategy(Component):
         from hybridrl.distributed import mean_over_ranks
 
         return mean_over_ranks(value)
+
+
+# --- agents: environments, tools, tool-call parsers ------------------------------------------
+
+
+@dataclass
+class Observation:
+    """What an environment answers to a sampled assistant turn."""
+
+    messages: list[dict] = field(default_factory=list)  # chat messages to append (role "tool" or "user")
+    done: bool = False  # the trajectory ends here (no more turns)
+    reward: float | None = None  # a reward for this turn, summed into the trajectory's ``env_reward``
+    info: dict = field(default_factory=dict)  # counts for the metrics: tool_calls, tool_errors, ...
+
+
+class Tool(Component):
+    """A function the model can call; an environment runs it and shows the model its result."""
+
+    name: ClassVar[str] = ""  # set from the registered name
+
+    def schema(self) -> dict:
+        """The function schema shown in the chat template's tools block (OpenAI's format)."""
+        raise NotImplementedError
+
+    def __call__(self, arguments: dict) -> str:
+        """Run with the call's arguments; the text result. Raise to report an error to the model."""
+        raise NotImplementedError
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    error: str | None = None  # why the call could not be read (malformed JSON, no name...)
+
+
+class ToolParser(Component):
+    """Reads tool calls out of a sampled turn, in the format the chat template teaches."""
+
+    def parse(self, turn: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+
+class Environment(Component):
+    """Multi-turn rollouts: a state per trajectory, and an :class:`Observation` per sampled turn.
+
+    ``step`` runs in worker threads, several trajectories at once: keep what a trajectory needs in
+    its state, not on ``self``. Before the first trajectory the core sets ``tools`` (name -> the
+    :class:`Tool` of ``rollout.agent.tools``) and ``parser`` (the :class:`ToolParser`).
+    """
+
+    tools: dict[str, Tool] = {}
+    parser: ToolParser | None = None
+
+    def reset(self, row: dict, messages: list[dict]) -> Any:
+        """The state of a new trajectory for a prompt-source ``row`` and its chat ``messages``."""
+        return None
+
+    def step(self, state: Any, turn: str) -> Observation:
+        """Answer the sampled assistant ``turn`` (its text, special tokens removed)."""
+        raise NotImplementedError
 
 
 # --- data and logging --------------------------------------------------------------------

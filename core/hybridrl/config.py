@@ -74,12 +74,44 @@ class DataConfig(Section):
     shuffle: bool = True
 
 
+class AgentConfig(Section):
+    """Multi-turn rollouts: the environment plugin (its options are this section's other keys),
+    the tools it may call, and the bounds of a trajectory."""
+
+    environment: str = Field(description="Environment plugin (hybridrl plugins lists them): tools, retry, ...")
+    max_turns: int = Field(4, gt=0, description="Most assistant turns of a trajectory.")
+    max_total_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most tokens of a trajectory after its prompt: sampled turns and observations together; "
+        "default max_turns x rollout.max_tokens. rollout.max_tokens bounds each turn.",
+    )
+    tools: list[str] = Field(default_factory=list, description="Tool plugins the model may call (calculator, python).")
+    tool_options: dict[str, dict] = Field(
+        default_factory=dict, description="Options of each tool, by name: {python: {timeout_s: 5}}."
+    )
+    parser: str = Field("hermes", description="Tool-call parser plugin: the format the chat template teaches.")
+    schedule: Literal["auto", "eager", "turns"] = Field(
+        "auto",
+        description="eager: a trajectory whose observation is ready goes to the engine at once, without waiting "
+        "for the others' tools (reproducible with engines that seed each request: vllm, sglang); turns: every "
+        "trajectory's turn k is generated together (reproducible with every engine). auto: eager with engines "
+        "that seed each request, else turns.",
+    )
+    workers: int = Field(8, gt=0, description="Threads that run environment steps and tool calls.")
+    _tool_options: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _parser_options: Any = PrivateAttr(default=None)
+
+
 class RolloutConfig(Section, Sampling):
     """The rollout section: the engine plugin, the sampling keys (:class:`Sampling`), refill rounds."""
 
     model_config = ConfigDict(extra="allow")
 
     engine: str = Field("hf", description="Rollout engine plugin.")
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn rollouts with an environment and tools (docs/agents.md); unset: one turn."
+    )
     sync_check: float = Field(
         0.3,
         ge=0,
@@ -277,6 +309,22 @@ def resolve(cfg: RunConfig) -> None:
     labels = [r.label for r in cfg.rewards]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"rewards: two rewards share a name ({', '.join(labels)}); set 'name' on each.")
+    agent = cfg.rollout.agent
+    if agent is not None:
+        unknown = sorted(set(agent.tool_options) - set(agent.tools))
+        if unknown:
+            raise ConfigError(
+                f"rollout.agent.tool_options has options for {', '.join(unknown)}, which rollout.agent.tools does "
+                f"not list ({', '.join(agent.tools) or 'none'})."
+            )
+        for name in agent.tools:
+            cls = _lookup("tool", name)
+            where = f"rollout.agent.tool_options.{name}"
+            agent._tool_options[name] = _validate_options(
+                cls, agent.tool_options.get(name, {}), where, "tool", name, None
+            )
+        cls = _lookup("tool parser", agent.parser)
+        agent._parser_options = _validate_options(cls, {}, "rollout.agent", "tool parser", agent.parser, None)
     if "jsonl" not in cfg.logging.loggers:  # the run's record: the dashboard and resume read it
         cfg.logging.loggers.append("jsonl")
     extra = dict(cfg.logging.model_extra or {})
@@ -296,13 +344,17 @@ def component_sections(cfg: RunConfig):
     """``(kind, where, section, plugin name)`` of each component section of the config, from the
     table of kinds (``plugins.KINDS``): rollout, algorithm, sharding, data, and each reward."""
     for kind, k in plugins.KINDS.items():
-        if k.section == "logging":  # its loggers' options are sub-sections of their own
+        if not k.own_section:  # loggers' and tools' options are mappings of their own
+            continue
+        section = cfg
+        for part in k.section.split("."):
+            section = getattr(section, part) if section is not None else None
+        if section is None:  # an optional section left out (rollout.agent)
             continue
         if k.many:
-            for i, section in enumerate(getattr(cfg, k.section)):
-                yield kind, f"{k.section}[{i}]", section, getattr(section, k.key)
+            for i, item in enumerate(section):
+                yield kind, f"{k.section}[{i}]", item, getattr(item, k.key)
         else:
-            section = getattr(cfg, k.section)
             yield kind, k.section, section, getattr(section, k.key)
 
 

@@ -90,6 +90,41 @@ def register_datasets(register):
 
 
 @hookspec
+def register_environments(register):
+    """Register environments for multi-turn rollouts: ``register("tools", ToolEnvironment)``.
+
+    :param register: callback ``register(name: str, cls: type[Environment])``.
+
+    Named in YAML as ``rollout.agent.environment``. An environment receives each sampled
+    assistant turn and answers with an :class:`~hybridrl.components.Observation` (messages to
+    append, a done flag, an optional reward); the agent loop of the core turns observations into
+    tokens and trains only on the sampled ones.
+    """
+
+
+@hookspec
+def register_tools(register):
+    """Register tools an environment can call: ``register("calculator", Calculator)``.
+
+    :param register: callback ``register(name: str, cls: type[Tool])``.
+
+    Named in YAML in the list ``rollout.agent.tools``; the chat template shows the model their
+    ``schema()``.
+    """
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register parsers of tool calls in a sampled turn: ``register("hermes", HermesParser)``.
+
+    :param register: callback ``register(name: str, cls: type[ToolParser])``.
+
+    Named in YAML as ``rollout.agent.parser``; the default ``hermes`` reads the Qwen/Hermes
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+    """
+
+
+@hookspec
 def register_commands(subparsers):
     """Add subcommands to the ``hybridrl`` command line.
 

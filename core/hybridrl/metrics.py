@@ -128,8 +128,8 @@ def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: tor
 def update_throughput(policy, batch: Batch, epochs: int, seconds: float, device: torch.device) -> dict[str, float]:
     """Tokens/s and model FLOP/s through the policy's forward+backward passes of the update
     stage (all epochs; padding not counted), and the MFU where the GPU's peak is known."""
-    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
-    responses = int(batch["response_mask"].sum())
+    lengths = (batch["prompt_mask"].sum(-1) + batch.response_lengths()).tolist()
+    responses = int(batch.response_lengths().sum())
     seconds = max(seconds, 1e-9)
     flops = 3 * epochs * forward_flops(policy, lengths, responses) / seconds
     out = {"throughput/train_tokens_per_s": sum(lengths) * epochs / seconds, "throughput/update_tflops": flops / 1e12}
@@ -153,6 +153,11 @@ def batch_metrics(batch: Batch, rollout_time: float, rollout: Batch | None = Non
         "prompt_length/mean": rollout["prompt_mask"].sum(-1).float().mean().item(),
         "throughput/rollout_tokens_per_s": lengths.sum().item() / max(rollout_time, 1e-9),
     }
+    if "turns" in rollout:  # multi-turn trajectories
+        for key in ("turns", "tool_calls", "tool_errors", "observation_tokens"):
+            values = torch.tensor([float(x) for x in rollout[key]])
+            out[f"agent/{key}_mean"] = values.mean().item()
+        out["agent/trajectory_length_mean"] = rollout.response_lengths().float().mean().item()
     if adv is not None:
         mask = batch["response_mask"]
         out["advantages/mean"] = F.masked_mean(adv, mask).item()

@@ -115,6 +115,18 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def end_token_ids(path: str, tokenizer) -> set[int]:
+    """The ids that end a response: the model folder's generation_config (chat checkpoints list
+    several, e.g. ``<|im_end|>`` and ``<|endoftext|>``), else the tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 

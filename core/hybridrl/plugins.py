@@ -25,6 +25,8 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.datasets",
     "hybridrl.builtin.loggers",
     "hybridrl.builtin.trackers",
+    "hybridrl.builtin.environments",
+    "hybridrl.builtin.tools",
     "hybridrl.dashboard",
 )
 
@@ -35,9 +37,10 @@ class Kind:
 
     hook: str  # the registration hook
     base: type  # the base class in hybridrl.components
-    section: str  # the YAML section
+    section: str  # the YAML section ("rollout.agent": a section inside a section)
     key: str  # the key of the section that names the plugin
     many: bool = False  # the section is a list of components (rewards) or the key lists names (loggers)
+    own_section: bool = True  # the plugin's options are the section's other keys (not for loggers, tools)
 
     @property
     def yaml_key(self) -> str:
@@ -53,7 +56,10 @@ KINDS = {
     "sharding strategy": Kind("register_sharding_strategies", components.ShardingStrategy, "sharding", "strategy"),
     "dataset": Kind("register_datasets", components.PromptSource, "data", "source"),
     "reward function": Kind("register_reward_functions", components.RewardFunction, "rewards", "function", True),
-    "logger": Kind("register_loggers", components.Logger, "logging", "loggers", True),
+    "logger": Kind("register_loggers", components.Logger, "logging", "loggers", True, own_section=False),
+    "environment": Kind("register_environments", components.Environment, "rollout.agent", "environment"),
+    "tool": Kind("register_tools", components.Tool, "rollout.agent", "tools", True, own_section=False),
+    "tool parser": Kind("register_tool_parsers", components.ToolParser, "rollout.agent", "parser", own_section=False),
 }
 
 

@@ -58,11 +58,12 @@ def prompt_messages(row: dict, data_cfg) -> list[dict]:
     return messages
 
 
-def encode_prompt(row: dict, data_cfg, tokenizer) -> tuple[list[int], str]:
-    """Token ids and text of the prompt for a row: template, system prompt, chat template."""
+def encode_prompt(row: dict, data_cfg, tokenizer, tools: list[dict] | None = None) -> tuple[list[int], str]:
+    """Token ids and text of the prompt for a row: template, system prompt, chat template (with the
+    schemas of the agent's ``tools``, which templates that support tools show the model)."""
     messages = prompt_messages(row, data_cfg)
     if data_cfg.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         text = "\n".join(m["content"] for m in messages)

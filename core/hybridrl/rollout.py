@@ -26,8 +26,10 @@ def rollout_seed(seed: int, step: int, round_: int = 0, first_prompt: int = 0, n
 class RolloutStage:
     """The prompt source read in a seeded, resumable order, and the engine that answers it."""
 
-    def __init__(self, engine: RolloutEngine, data, order: PromptOrder, tokenizer, config):
+    def __init__(self, engine: RolloutEngine, data, order: PromptOrder, tokenizer, config, agent=None):
         self.engine, self.data, self.order, self.tokenizer, self.config = engine, data, order, tokenizer, config
+        self.agent = agent  # a hybridrl.agents.AgentLoop with rollout.agent: multi-turn trajectories
+        self.tools = agent.tools if agent is not None else None
         self.component = f"rollout engine '{config.rollout.engine}'"
 
     def sampling(self, step: int, round_: int = 0) -> SamplingParams:
@@ -46,7 +48,7 @@ class RolloutStage:
         if not tol or not self.engine.holds_latest_weights():
             return {}
         self.engine.wake_up()  # the next step's rollout needs it awake anyway
-        ids, _ = encode_prompt(self.data[0], self.config.data, self.tokenizer)
+        ids, _ = encode_prompt(self.data[0], self.config.data, self.tokenizer, self.tools)
         keys = self.config.rollout.model_dump(include={"temperature", "top_p", "top_k"})
         sampling = SamplingParams(**keys, n=samples, max_tokens=1, seed=rollout_seed(self.config.trainer.seed, step, 7))
         with stage_errors(self.component, "generate (sync check)"):
@@ -72,16 +74,29 @@ class RolloutStage:
         cfg, n = self.config, self.config.rollout.n
         # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
         rows = distributed.my_share([self.data[i] for i in self.order.take(cfg.trainer.prompts_per_step)])
-        prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer) for row in rows))
-        with stage_errors(self.component, "generate"):
-            out = self.engine.generate(list(prompt_ids), self.sampling(step, round_))
+        prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer, self.tools) for row in rows))
+        chats = [prompt_messages(row, cfg.data) for row in rows]
+        if self.agent is not None:
+            out, trajectories = self.agent.run(list(prompt_ids), rows, chats, self.sampling(step, round_))
+        else:
+            with stage_errors(self.component, "generate"):
+                out = self.engine.generate(list(prompt_ids), self.sampling(step, round_))
         rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
         first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
         rollout["group_ids"] = rollout["group_ids"] + first
         rollout["prompt_text"] = [prompt_texts[i // n] for i in range(len(rollout))]
-        rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
         col = cfg.data.answer_column
         rollout["answer"] = [rows[i // n].get(col) if col else None for i in range(len(rollout))]
         rollout["metadata"] = [rows[i // n].get("metadata") for i in range(len(rollout))]
-        rollout["messages"] = [prompt_messages(rows[i // n], cfg.data) for i in range(len(rollout))]
+        rollout["messages"] = [chats[i // n] for i in range(len(rollout))]
+        if self.agent is None:
+            rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+            return rollout
+        # rewards read the final answer; the whole exchange is there for those that want it
+        rollout["response_text"] = [t.last_text for t in trajectories]
+        rollout["trajectory"] = [t.messages[len(chats[i // n]) :] for i, t in enumerate(trajectories)]
+        rollout["env_reward"] = [t.reward for t in trajectories]
+        rollout["turns"] = [t.turns for t in trajectories]
+        for key in ("tool_calls", "tool_errors", "observation_tokens"):
+            rollout[key] = [t.info[key] for t in trajectories]
         return rollout

@@ -246,6 +246,51 @@ def sampler_check(engine, model_dir, temperature: float = 0.7, n: int = 16, max_
     return diff, min(firsts)
 
 
+class GoOnEnvironment:
+    """A test environment: answers each turn with "go on k" until the third turn."""
+
+    def reset(self, row, messages):
+        return {"turn": 0}
+
+    def step(self, state, turn):
+        from hybridrl.components import Observation
+
+        state["turn"] += 1
+        return Observation([{"role": "user", "content": f"go on {state['turn']}"}], done=state["turn"] >= 3)
+
+
+def agent_check(engine, model_dir, temperature: float = 0.7, n: int = 4):
+    """Three-turn trajectories of ``engine`` (the test environment above, turns ended by stop
+    strings or the end token): returns (max |rollout - trainer logprob| over sampled tokens, the
+    number of observation tokens, the most turns of a trajectory)."""
+    from hybridrl.agents import AgentLoop
+    from hybridrl.components import SamplingParams
+    from hybridrl.config import AgentConfig, RolloutConfig
+    from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
+
+    tok = load_tokenizer(model_dir)
+    rollout = RolloutConfig(n=n, max_tokens=24, stop=["e", "t", "a"], temperature=temperature)
+    agent = AgentConfig(environment="go_on", max_turns=3)
+    loop = AgentLoop(engine, GoOnEnvironment(), agent, rollout, tok, end_token_ids(model_dir, tok), eager=True)
+    texts = ["What is 2 + 3?", "Say seven"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    sampling = SamplingParams(n=n, max_tokens=24, stop=["e", "t", "a"], temperature=temperature, seed=3)
+    out, trajectories = loop.run(prompts, [{}, {}], chats, sampling)
+    batch = Batch.from_rollout(prompts, out, n, tok.pad_token_id)
+    policy = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).eval()
+    with torch.no_grad():
+        T = batch["responses"].shape[1]
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, T, temperature)
+    sampled = batch["response_mask"].bool()
+    holes = int((batch["response_attention_mask"] - batch["response_mask"]).sum())
+    return (
+        (lp[sampled] - batch["rollout_logprobs"][sampled]).abs().max().item(),
+        holes,
+        max(t.turns for t in trajectories),
+    )
+
+
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
 SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 

@@ -18,6 +18,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, plugins
 from hybridrl import functional as F
+from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, check_world, dump_config
@@ -36,6 +37,7 @@ from hybridrl.models import (
     DTYPES,
     check_model_path,
     disable_dropout,
+    end_token_ids,
     load_causal_lm,
     load_tokenizer,
     resolve_model_path,
@@ -131,7 +133,8 @@ class Trainer:
         warmup = max(1, t.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
-        self.rollout = RolloutStage(self.engine, self.data, self.prompts, self.tokenizer, cfg)
+        agent = build_agent(self._build, cfg, self.engine, self.tokenizer, end_token_ids(model_path, self.tokenizer))
+        self.rollout = RolloutStage(self.engine, self.data, self.prompts, self.tokenizer, cfg, agent)
         loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 

@@ -133,8 +133,17 @@ class ReasoningGymVerifier(RewardFunction):
         return out
 
 
+class EnvironmentReward(RewardFunction):
+    """The rewards the environment gave a multi-turn trajectory, summed over its turns
+    (``Observation.reward``; 0 for single-turn rollouts)."""
+
+    def score(self, batch):
+        return batch.get("env_reward", [0.0] * len(batch["response_text"]))
+
+
 @hookimpl
 def register_reward_functions(register):
     register("answer_match", AnswerMatch)
+    register("environment", EnvironmentReward)
     register("format", FormatCheck)
     register("reasoning_gym", ReasoningGymVerifier)

@@ -37,7 +37,7 @@ from pydantic import Field, model_validator
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import load_causal_lm
+from hybridrl.models import end_token_ids, load_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
@@ -195,13 +195,6 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
     return policy_dtype
 
 
-def end_ids(model, tokenizer) -> set[int]:
-    """The ids that end a response: the model folder's generation_config (chat checkpoints list
-    several, e.g. ``<|im_end|>`` and ``<|endoftext|>``), else the tokenizer's EOS."""
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
-
-
 class HFEngine(RolloutEngine):
     """A transformers copy of the policy, with the logprob of each sampled token.
     Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a compiled decoding
@@ -264,7 +257,7 @@ class HFEngine(RolloutEngine):
         self.grouped_attention = self.static and use_grouped_decode_attention(self.model)
         fuse = o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static)
         self.fused_groups = fuse_projections(self.model) if fuse else 0
-        self.eos_ids = end_ids(self.model, self.tokenizer)
+        self.eos_ids = end_token_ids(ctx.model_path, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         # generate fills every field a call leaves unset from the model's generation config, and
         # chat checkpoints ship sampling settings there (top_k, min_p, repetition_penalty...): the
@@ -309,8 +302,9 @@ class HFEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             ids[i, P - len(p) :] = torch.tensor(p)
             mask[i, P - len(p) :] = 1
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+        seed = sampling.seeds[0] if sampling.seeds else sampling.seed  # one generator for the call
+        if seed is not None:
+            torch.manual_seed(seed)
         ids, mask = ids.to(self.ctx.device), mask.to(self.ctx.device)
         decode = self._decode if self.static and not sampling.stop else self._generate_hf
         new, logprobs = (t.cpu() for t in decode(ids, mask, sampling))

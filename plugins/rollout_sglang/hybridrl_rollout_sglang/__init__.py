@@ -169,6 +169,9 @@ class SGLangEngine(RolloutEngine):
                 "its workers), or a separate SGLang server (rollout.base_url)."
             )
 
+    def seeds_each_request(self) -> bool:
+        return self.options.per_request_seed
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         o = self.options
         if not o.base_url and original_logprob_env() and sampling.temperature != 1.0:

@@ -86,7 +86,10 @@ def generate_request(
     """
     ids = [[int(t) for t in p] for p in prompts for _ in range(sampling.n)]
     params = sampling_params(sampling, stop_token_ids, stop_in_engine=stop_in_engine)
-    if per_request_seed and sampling.seed is not None:
+    if per_request_seed and sampling.seeds is not None:  # one seed per prompt; sample j: + j
+        n = sampling.n
+        params = [{**params, "sampling_seed": sampling.seeds[i // n] + i % n} for i in range(len(ids))]
+    elif per_request_seed and sampling.seed is not None:
         params = [{**params, "sampling_seed": sampling.seed + i} for i in range(len(ids))]
     return {"input_ids": ids, "sampling_params": params, "return_logprob": True}
 

@@ -275,3 +275,13 @@ def test_under_torchrun_each_rank_gets_its_own_engine_ports_and_no_tensor_parall
     with pytest.raises(ValueError, match="tp_size=2 under torchrun: an in-process SGLang engine cannot span"):
         SGLangEngine.check_launch(SGLangEngine.Options(tp_size=2), ctx)
     SGLangEngine.check_launch(SGLangEngine.Options(base_url="http://127.0.0.1:30000"), ctx)  # a server: fine
+
+
+def test_multi_turn_trajectories_keep_the_engines_tokens(make_engine, sglang_module, tiny_model):
+    """Contract test: the agent loop on the SGLang plugin, each turn seeded on its own."""
+    from hybridrl.testing import agent_check
+
+    engine = make_engine(per_request_seed=True, skip_tokenizer_init=False)
+    diff, holes, turns = agent_check(engine, tiny_model)
+    assert diff < 1e-4 and holes > 0 and turns == 3
+    assert engine.seeds_each_request()

@@ -47,6 +47,9 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors) -> None:
         self.backend.update_weights(named_tensors)
 
+    def seeds_each_request(self) -> bool:
+        return True
+
     def holds_latest_weights(self) -> bool:
         return getattr(self.backend, "holds_latest_weights", lambda: True)()
 

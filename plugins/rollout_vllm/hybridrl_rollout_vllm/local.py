@@ -212,6 +212,8 @@ class LocalEngine:
             logprobs=0,  # the sampled token's logprob only
             detokenize=bool(s.stop),  # text is needed only to find stop strings
         )
+        if s.seeds is not None:  # one seed per prompt (the agent loop's trajectories)
+            return [VSP(**base, seed=seed) for seed in s.seeds]
         if s.seed is None:
             return VSP(**base)
         # vLLM seeds sample j of a request with seed + j, so requests are spaced n apart
@@ -328,7 +330,11 @@ class TensorParallelGroup:
         dist.all_gather_object(parts, [list(p) for p in prompts], group=self.handle)
         if any(len(part) != len(prompts) for part in parts):
             raise RuntimeError(f"{NAME}: the ranks of a tensor-parallel engine hold different numbers of prompts.")
-        if sampling.seed is not None:  # this rank's seed counts the prompts of the members before it
+        if sampling.seeds is not None:  # the members' own seeds, in the gathered order
+            seeds = [None] * self.size
+            dist.all_gather_object(seeds, list(sampling.seeds), group=self.handle)
+            sampling = sampling.model_copy(update={"seeds": [x for part in seeds for x in part]})
+        elif sampling.seed is not None:  # this rank's seed counts the prompts of the members before it
             sampling = sampling.model_copy(update={"seed": sampling.seed - self.position * len(prompts) * sampling.n})
         start = self.position * len(prompts)
         return [p for part in parts for p in part], sampling, slice(start, start + len(prompts))

@@ -60,9 +60,11 @@ class ServerEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+        seeds = s.seeds or (
+            [None] * len(prompts) if s.seed is None else [s.seed + i * s.n for i in range(len(prompts))]
+        )
         payloads = [
-            base | {"prompt": list(p)} | ({} if s.seed is None else {"seed": s.seed + i * s.n})
-            for i, p in enumerate(prompts)
+            base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
         ]
         url = f"{self.base}/v1/completions"
         with ThreadPoolExecutor(max_workers=min(64, len(payloads))) as pool:

@@ -359,3 +359,13 @@ def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, mo
         cls.check_launch(cls.Options(gpu_memory_utilization=0.95), ctx)
     cls.check_launch(cls.Options(gpu_memory_utilization=0.5), ctx)
     cls.check_launch(cls.Options(base_url="http://127.0.0.1:8000"), ctx)  # a server's memory is its own
+
+
+def test_multi_turn_trajectories_keep_the_engines_tokens(engine, model_dir):
+    """The agent loop on vLLM: observation tokens between turns, logprobs of the sampled ones equal
+    to the trainer's, each turn seeded on its own (vLLM honours SamplingParams.seeds)."""
+    from hybridrl.testing import agent_check
+
+    diff, holes, turns = agent_check(engine, model_dir)
+    assert diff < LOGPROB_TOL and holes > 0 and turns == 3
+    assert engine.seeds_each_request()

@@ -1,0 +1,166 @@
+"""Multi-turn rollouts: trajectories of sampled turns and environment observations, token in, token out.
+
+A trajectory's response is exactly the tokens the engine sampled, with the tokens of each
+observation between turns: the chat template's framing of the observation (its turn markers, a
+tool result, the next assistant header) is rendered and tokenised once, on its own, and appended;
+the sampled text is never re-tokenised, so the tokens trained on are the tokens sampled. Observation
+tokens are attended to but out of the loss (``sampled_masks`` 0, logprob 0).
+
+Each turn of every live trajectory goes to the engine as a prompt of its own (prompt + response so
+far), seeded by the trajectory and the turn, so where it lands in a call does not change what it
+samples with engines that seed each request. Environment steps and tool calls run in worker
+threads; with the ``eager`` schedule a trajectory whose observation is ready is sent to the engine
+at once, without waiting for a slow tool of another.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrl.components import Observation, RolloutOutput, SamplingParams
+from hybridrl.errors import StageError, stage_errors
+
+MARK = "\u2063hybridrl-turn\u2063"  # stands for a sampled turn while rendering an observation's framing
+TURN_SEED_STRIDE = 100_000_007
+
+
+@dataclass
+class Trajectory:
+    index: int  # its place among the call's trajectories (prompt i, sample j: i * n + j)
+    prompt: list[int]
+    messages: list[dict]  # the chat so far: the prompt's messages, assistant turns, observations
+    state: Any = None
+    ids: list[int] = field(default_factory=list)  # the response: sampled turns and observations
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # 1 sampled, 0 observation
+    turns: int = 0
+    last_text: str = ""
+    done: bool = False
+    finish: str = "stop"
+    reward: float = 0.0
+    info: Counter = field(default_factory=Counter)
+
+
+def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None, after: int | None) -> list[int]:
+    """The tokens that follow a sampled assistant turn when ``messages`` are appended: the end of
+    that turn (unless the turn's last sampled token ``after`` already is it), the messages as the
+    chat template frames them, and the header of the next assistant turn."""
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK}, *messages]
+    text = tokenizer.apply_chat_template(chat, tools=tools or None, add_generation_prompt=True, tokenize=False)
+    cut = text.rfind(MARK)
+    if cut < 0:
+        raise ValueError("the chat template does not render an assistant message's content as it is")
+    suffix = text[cut + len(MARK) :]
+    if after is not None:
+        sampled_end = tokenizer.decode([after])
+        if sampled_end and suffix.startswith(sampled_end):  # the engine sampled the end of the turn
+            suffix = suffix[len(sampled_end) :]
+    return tokenizer(suffix, add_special_tokens=False)["input_ids"]
+
+
+class AgentLoop:
+    """Runs trajectories for a call's prompts: ``agent`` is the ``rollout.agent`` config section."""
+
+    def __init__(self, engine, environment, agent, rollout, tokenizer, end_ids: set[int], tools=None, eager=True):
+        self.engine, self.env, self.agent, self.rollout = engine, environment, agent, rollout
+        self.tokenizer, self.end_ids, self.tools = tokenizer, end_ids, tools
+        self.eager = eager
+        self.budget = agent.max_total_tokens or agent.max_turns * rollout.max_tokens
+        self.env_name = f"environment '{agent.environment}'"
+        self.component = f"rollout engine '{rollout.engine}'"
+
+    def run(self, prompts: list[list[int]], rows: list[dict], messages: list[list[dict]], sampling: SamplingParams):
+        """``RolloutOutput`` (with ``sampled_masks``) for ``sampling.n`` trajectories per prompt, and
+        per trajectory: its final assistant text, its messages, its environment reward, its counts."""
+        n = sampling.n
+        trajectories = []
+        for i, (prompt, row, chat) in enumerate(zip(prompts, rows, messages)):
+            for j in range(n):
+                with stage_errors(self.env_name, "reset"):
+                    state = self.env.reset(row, list(chat))
+                trajectories.append(Trajectory(i * n + j, list(prompt), list(chat), state))
+        base = sampling.model_copy(update={"n": 1, "seeds": None})
+        seed = sampling.seed if sampling.seed is not None else 0
+        ready, pending = list(trajectories), {}
+        with cf.ThreadPoolExecutor(self.agent.workers, thread_name_prefix="hybridrl-env") as pool:
+            while ready or pending:
+                if ready:
+                    for t in self._generate(ready, base, seed):
+                        pending[pool.submit(self.env.step, t.state, t.last_text)] = t
+                    ready = []
+                if pending:
+                    when = cf.FIRST_COMPLETED if self.eager else cf.ALL_COMPLETED
+                    finished, _ = cf.wait(pending, return_when=when)
+                    for future in sorted(finished, key=lambda f: pending[f].index):  # the same order every run
+                        t = pending.pop(future)
+                        if self._observe(t, future):
+                            ready.append(t)
+        out = RolloutOutput([], [], [], [])
+        for t in trajectories:
+            out.token_ids.append(t.ids)
+            out.logprobs.append(t.logprobs)
+            out.finish_reasons.append(t.finish)
+            out.sampled_masks.append(t.sampled)
+        return out, trajectories
+
+    def _generate(self, live: list[Trajectory], base: SamplingParams, seed: int) -> list[Trajectory]:
+        """One engine call for ``live``'s next turns; the trajectories that go on to their environment."""
+        seeds = [seed + t.index + TURN_SEED_STRIDE * t.turns for t in live]
+        with stage_errors(self.component, "generate"):
+            out = self.engine.generate([t.prompt + t.ids for t in live], base.model_copy(update={"seeds": seeds}))
+        stepping = []
+        for t, ids, logprobs, finish in zip(live, out.token_ids, out.logprobs, out.finish_reasons):
+            room = self.budget - len(t.ids)
+            if len(ids) > room:  # the trajectory's token budget ends inside this turn
+                ids, logprobs, finish = ids[:room], logprobs[:room], "length"
+            t.ids += ids
+            t.logprobs += logprobs
+            t.sampled += [1] * len(ids)
+            t.turns += 1
+            t.last_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            t.messages.append({"role": "assistant", "content": t.last_text})
+            if finish == "length":  # cut: no complete turn for the environment to answer
+                t.done, t.finish = True, "length"
+            else:
+                stepping.append(t)
+        return stepping
+
+    def _observe(self, t: Trajectory, future) -> bool:
+        """Apply an environment step's answer; whether the trajectory goes on to another turn."""
+        try:
+            obs: Observation = future.result()
+        except Exception as e:
+            raise StageError(f"{self.env_name} failed in step: {type(e).__name__}: {e}") from e
+        t.info.update(obs.info)
+        t.reward += obs.reward or 0.0
+        if obs.done or not obs.messages or t.turns >= self.agent.max_turns:
+            t.done = True
+            return False
+        last = t.ids[-1] if t.ids and t.ids[-1] in self.end_ids else None
+        ids = observation_ids(self.tokenizer, obs.messages, self.tools, last)
+        if len(t.ids) + len(ids) >= self.budget:  # no room for the observation and another turn
+            t.done, t.finish = True, "length"
+            return False
+        t.ids += ids
+        t.logprobs += [0.0] * len(ids)
+        t.sampled += [0] * len(ids)
+        t.messages += obs.messages
+        t.info["observation_tokens"] += len(ids)
+        return True
+
+
+def build_agent(build, config, engine, tokenizer, end_ids: set[int]) -> AgentLoop | None:
+    """The agent loop of ``rollout.agent`` (None without one); ``build(kind, name, options)`` builds a
+    component as the trainer does."""
+    a = config.rollout.agent
+    if a is None:
+        return None
+    tools = {name: build("tool", name, a._tool_options[name]) for name in a.tools}
+    env = build("environment", a.environment, a.options)
+    env.tools, env.parser = tools, build("tool parser", a.parser, a._parser_options)
+    eager = a.schedule == "eager" or (a.schedule == "auto" and engine.seeds_each_request())
+    schemas = [tool.schema() for tool in tools.values()]
+    return AgentLoop(engine, env, a, config.rollout, tokenizer, end_ids, tools=schemas or None, eager=eager)
