@@ -259,17 +259,17 @@ class GoOnEnvironment:
         return Observation([{"role": "user", "content": f"go on {state['turn']}"}], done=state["turn"] >= 3)
 
 
-def agent_check(engine, model_dir, temperature: float = 0.7, n: int = 4):
-    """Three-turn trajectories of ``engine`` (the test environment above, turns ended by stop
-    strings or the end token): returns (max |rollout - trainer logprob| over sampled tokens, the
-    number of observation tokens, the most turns of a trajectory)."""
+def agent_check(engine, model_dir, name: str, temperature: float = 0.7, n: int = 4):
+    """Three-turn trajectories of ``engine``, registered as ``name`` (the test environment above,
+    turns ended by stop strings or the end token): returns (max |rollout - trainer logprob| over
+    sampled tokens, the number of observation tokens, the most turns of a trajectory)."""
     from hybridrl.agents import AgentLoop
     from hybridrl.components import SamplingParams
     from hybridrl.config import AgentConfig, RolloutConfig
     from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
 
     tok = load_tokenizer(model_dir)
-    rollout = RolloutConfig(n=n, max_tokens=24, stop=["e", "t", "a"], temperature=temperature)
+    rollout = RolloutConfig(engine=name, n=n, max_tokens=24, stop=["e", "t", "a"], temperature=temperature)
     agent = AgentConfig(environment="go_on", max_turns=3)
     loop = AgentLoop(engine, GoOnEnvironment(), agent, rollout, tok, end_token_ids(model_dir, tok), eager=True)
     texts = ["What is 2 + 3?", "Say seven"]

@@ -282,6 +282,6 @@ def test_multi_turn_trajectories_keep_the_engines_tokens(make_engine, sglang_mod
     from hybridrl.testing import agent_check
 
     engine = make_engine(per_request_seed=True, skip_tokenizer_init=False)
-    diff, holes, turns = agent_check(engine, tiny_model)
+    diff, holes, turns = agent_check(engine, tiny_model, "sglang")
     assert diff < 1e-4 and holes > 0 and turns == 3
     assert engine.seeds_each_request()

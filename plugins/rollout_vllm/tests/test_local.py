@@ -204,6 +204,16 @@ def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine
         assert text.endswith("a") and "a" not in text[:-1]
 
 
+def test_multi_turn_trajectories_keep_the_engines_tokens(engine, model_dir):
+    """The agent loop on vLLM: observation tokens between turns, logprobs of the sampled ones equal
+    to the trainer's, each turn seeded on its own (vLLM honours SamplingParams.seeds)."""
+    from hybridrl.testing import agent_check
+
+    diff, holes, turns = agent_check(engine, model_dir, "vllm")
+    assert diff < LOGPROB_TOL and holes > 0 and turns == 3
+    assert engine.seeds_each_request()
+
+
 @pytest.mark.parametrize("sync", ENGINES)
 @pytest.mark.parametrize("bucket_mb", [512, 1e-4])  # one bucket; one per layer (~100-byte limit)
 def test_update_weights_then_greedy_equals_transformers(request, model_dir, tok, bucket_mb, sync):
@@ -359,13 +369,3 @@ def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, mo
         cls.check_launch(cls.Options(gpu_memory_utilization=0.95), ctx)
     cls.check_launch(cls.Options(gpu_memory_utilization=0.5), ctx)
     cls.check_launch(cls.Options(base_url="http://127.0.0.1:8000"), ctx)  # a server's memory is its own
-
-
-def test_multi_turn_trajectories_keep_the_engines_tokens(engine, model_dir):
-    """The agent loop on vLLM: observation tokens between turns, logprobs of the sampled ones equal
-    to the trainer's, each turn seeded on its own (vLLM honours SamplingParams.seeds)."""
-    from hybridrl.testing import agent_check
-
-    diff, holes, turns = agent_check(engine, model_dir)
-    assert diff < LOGPROB_TOL and holes > 0 and turns == 3
-    assert engine.seeds_each_request()
