@@ -119,6 +119,53 @@ def test_decoding_stops_once_every_sequence_has_ended(make_engine):
     assert_same_rollout(out, dynamic.generate(p, SamplingParams(n=2, max_tokens=40, seed=5)))
 
 
+STOPS = ["e", "t", "a"]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stop_strings_keep_the_fast_path_and_equal_generate(make_engine, ignore_eos):
+    """rollout.stop on the static cache runs our decoding loop, not generate, and gives generate's
+    samples; a response ends with the token that completes its stop string, or its first end token,
+    whichever comes first (generate pads a row after its stop string with the padding token, itself
+    an end id here, which must not end up in the response)."""
+    dynamic, static = make_engine(cache="dynamic"), make_engine(cache="static", pad_prompts_to_multiple=16)
+    calls = []
+    loop = static._decode
+    static._decode = lambda *a: calls.append(1) or loop(*a)
+    tok = static.tokenizer
+    p = prompts(tok, TEXTS)
+    sp = SamplingParams(n=4, max_tokens=30, seed=3, temperature=0.7, stop=STOPS, ignore_eos=ignore_eos)
+    out = static.generate(p, sp)
+    assert calls and "stop" in out.finish_reasons
+    assert_same_rollout(out, dynamic.generate(p, sp))
+    for ids, reason in zip(out.token_ids, out.finish_reasons):
+        text = tok.decode(ids)
+        if reason == "length":
+            assert len(ids) == 30 and not any(s in text for s in STOPS)
+        elif any(s in text for s in STOPS):  # ended by its stop string: at the token completing it
+            assert not any(s in tok.decode(ids[:-1]) for s in STOPS)
+        else:  # ended by an end token before any stop string
+            assert not ignore_eos and ids[-1] in static.eos_ids
+
+
+def test_decoding_stops_once_every_sequence_has_met_a_stop_string(make_engine):
+    """Every token's text holds a stop string: each response is one token, and the loop ends at the
+    first check instead of running to max_tokens."""
+    import string
+
+    from hybridrl.builtin.rollout_hf import FINISHED_CHECK_EVERY
+
+    engine = make_engine(cache="static")
+    steps = []
+    step = engine._step
+    engine._step = lambda *a: steps.append(1) or step(*a)
+    out = engine.generate(
+        prompts(engine.tokenizer, TEXTS), SamplingParams(n=2, max_tokens=200, seed=0, stop=list(string.printable))
+    )
+    assert [len(t) for t in out.token_ids] == [1] * 6 and set(out.finish_reasons) == {"stop"}
+    assert len(steps) == FINISHED_CHECK_EVERY - 1  # the prefill gave the first token
+
+
 @pytest.mark.parametrize("boolean", [True, False])
 def test_grouped_decode_attention_equals_sdpa(boolean):
     """Decoding attention without copying KV heads: the same numbers as transformers' SDPA."""

@@ -7,16 +7,17 @@ loop samples exactly as ``generate`` does (its temperature/top-k/top-p processor
 under the temperature-scaled distribution the trainer scores. Compiled, one decoding step (the
 attention mask, the forward, the sampling) is one graph, a CUDA graph on CUDA, and the host
 waits for the device only every ``FINISHED_CHECK_EVERY`` tokens to see whether every sequence
-has ended; the prefill runs eagerly. On the static cache the model's SDPA attention is swapped
-for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each
-layer's q/k/v and gate/up projections run as one matrix multiplication each
-(:func:`fuse_projections`). To keep the
-compiled graphs reusable from step to step, prompts are left-padded to a multiple of
+has ended (at an end token, or with a stop string in its decoded text); the prefill runs
+eagerly. On the static cache the model's SDPA attention is swapped for
+:func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
+q/k/v and gate/up projections run as one matrix multiplication each (:func:`fuse_projections`).
+To keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
 ``pad_prompts_to_multiple`` tokens and, when compiling, a short last chunk of prompts is filled
 up to ``batch_size`` with copies whose samples are dropped.
 
-Stop strings and the dynamic cache (the CPU default) go through transformers ``generate``, with
-a logits processor that records the logprobs.
+The dynamic cache (the CPU default) goes through transformers ``generate``, with a logits
+processor that records the logprobs. Both paths end a response at its first end token or at the
+token that completes a stop string, whichever comes first.
 
 Why not transformers' continuous batching (``generate_batch``): its ``return_logprobs`` gives
 the log of the sampled token's probability *after* top-k/top-p and the other processors,
@@ -269,17 +270,6 @@ class HFEngine(RolloutEngine):
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
-    def _compile_config(self):
-        """How generate compiles the decoding forward: its own default on CUDA (inductor,
-        CUDA graphs); on other devices plain inductor, which generate must be told to allow."""
-        from transformers import CompileConfig
-
-        if self.ctx.device.type == "cuda":
-            return CompileConfig()
-        config = CompileConfig(mode="default")
-        config._compile_all_devices = True
-        return config
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         size = self.options.batch_size or len(prompts)
@@ -306,13 +296,13 @@ class HFEngine(RolloutEngine):
         if seed is not None:
             torch.manual_seed(seed)
         ids, mask = ids.to(self.ctx.device), mask.to(self.ctx.device)
-        decode = self._decode if self.static and not sampling.stop else self._generate_hf
+        decode = self._decode if self.static else self._generate_hf
         new, logprobs = (t.cpu() for t in decode(ids, mask, sampling))
         out = RolloutOutput([], [], [])
         for row, lp in zip(new.tolist(), logprobs.tolist()):
             end = None if sampling.ignore_eos else next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
-            if end is None and sampling.stop:
-                end = stop_length(row, self.tokenizer.decode, sampling.stop)
+            if sampling.stop:  # a stop string before the end token ends it there (after it: padding)
+                end = stop_length(row[:end], self.tokenizer.decode, sampling.stop) or end
             out.token_ids.append(row[: end or len(row)])
             out.logprobs.append(lp[: end or len(row)])
             out.finish_reasons.append("stop" if end is not None else "length")
@@ -372,18 +362,33 @@ class HFEngine(RolloutEngine):
         )
         token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
         next_pos = pos[:, -1:] + 1
+        ends = not sampling.ignore_eos or bool(sampling.stop)
         for t in range(T):  # prefill eager, like generate: its shapes change from call to call
             token = torch.where(done, self.pad_id, token)
             tokens[:, t], logprobs[:, t] = token, logprob.masked_fill(done, 0.0)
             if not sampling.ignore_eos:
                 done |= torch.isin(token, eos)
-                if (t + 1) % FINISHED_CHECK_EVERY == 0 and bool(done.all()):
+            if ends and (t + 1) % FINISHED_CHECK_EVERY == 0:
+                if sampling.stop:
+                    done |= self._stopped(tokens[:, : t + 1], done, sampling.stop)
+                if bool(done.all()):
                     tokens, logprobs = tokens[:, : t + 1], logprobs[:, : t + 1]
                     break
             if t + 1 < T:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read
                 token, logprob = step(token, next_pos + t, full, sampling, warpers)
         return tokens, logprobs
+
+    def _stopped(self, tokens, done, stops):
+        """Rows not yet done whose text so far holds a stop string. Rows go on sampling until this
+        check sees them (the same random draws as ``generate``, which samples for finished rows too);
+        what follows the stop string is cut off after decoding."""
+        rows = (~done).nonzero().flatten().tolist()
+        texts = self.tokenizer.batch_decode(tokens[rows].tolist()) if rows else []
+        hit = [i for i, text in zip(rows, texts) if any(s in text for s in stops)]
+        stopped = torch.zeros_like(done)
+        stopped[hit] = True
+        return stopped
 
     def _static_cache(self, batch, length):
         """One static cache per shape, reset and reused: compiled graphs keep its addresses."""
@@ -399,7 +404,7 @@ class HFEngine(RolloutEngine):
         return self._cache
 
     def _generate_hf(self, ids, mask, sampling):
-        """transformers ``generate``: stop strings, and the dynamic cache."""
+        """transformers ``generate``: the dynamic cache."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         gen = GenerationConfig(
@@ -414,9 +419,7 @@ class HFEngine(RolloutEngine):
             eos_token_id=None if sampling.ignore_eos else sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             stop_strings=sampling.stop or None,
-            cache_implementation="static" if self.static else None,
-            compile_config=self._compile_config() if self.compile else None,
-            disable_compile=not self.compile,
+            disable_compile=True,  # compiled decoding is the static cache's loop
         )
         recorder = _LogprobRecorder(sampling.temperature)
         seqs = self.model.generate(
