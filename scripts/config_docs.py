@@ -34,6 +34,7 @@ def table(model) -> list[str]:
         else:
             default = "required"
         kind = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+        name = f.alias or name
         rows.append(f"| `{name}` | {kind.replace('|', '/')} | {default} | {(f.description or '').replace('|', '/')} |")
     return rows
 

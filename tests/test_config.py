@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import plugins
-from hybridrl.config import ConfigError, apply_overrides, load_config
+from hybridrl.config import ConfigError, apply_overrides, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +47,13 @@ def test_unknown_section_key_lists_core_and_plugin_keys():
     msg = str(e.value)
     assert "Unknown key 'temprature' in rollout (rollout engine 'hf')" in msg
     assert "temperature" in msg and "batch_size" in msg
+    assert " async," in msg and "async_" not in msg  # keys as a config file spells them
+
+
+def test_async_is_read_and_written_under_its_yaml_name():
+    cfg = load({"rollout": {"engine": "hf", "async": 2}})
+    assert cfg.rollout.async_ == 2
+    assert "async: 2" in dump_config(cfg)
 
 
 def test_unknown_plugin_name_lists_available():

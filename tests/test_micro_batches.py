@@ -77,3 +77,88 @@ def test_token_budget_gives_the_same_logprobs_and_gradients_with_less_padding(ti
 def test_token_budget_and_micro_batch_size_together_are_refused(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_size and trainer.micro_batch_tokens both set"):
         load_config(data=config(tiny_model, tmp_path, micro_batch_size=4, micro_batch_tokens=64))
+
+
+def test_bytes_a_token_takes_by_hand_for_the_qwen2_5_0_5b_shape():
+    """(17 h + 6 I) b per layer, h b with activation checkpointing plus one layer, V (b + 8) for
+    the output layer (hybridrl.memory's docstring)."""
+    from transformers import Qwen2Config
+
+    from hybridrl.memory import bytes_per_token
+
+    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, vocab_size=151936)
+    layer = (17 * 896 + 6 * 4864) * 2  # 88,832 bytes in bf16
+    assert bytes_per_token(cfg, 2) == 24 * layer + 151936 * 10 == 3_651_328
+    assert bytes_per_token(cfg, 2, checkpointing=True) == 24 * 896 * 2 + layer + 151936 * 10 == 1_651_200
+
+
+def test_auto_budget_is_a_share_of_the_free_memory_and_splits_like_that_budget(
+    tiny_model, tmp_path, register_plugin, monkeypatch, capsys
+):
+    """micro_batch_tokens: auto (the default) where free memory is known (a GPU; here the CPU is told
+    it has some): the passes of an explicit budget of the same size, and a line that says so."""
+    from transformers import AutoConfig
+
+    from hybridrl import memory
+
+    register_plugin(SevensPlugin(), name="sevens")
+    per_token = memory.bytes_per_token(AutoConfig.from_pretrained(tiny_model), 4)  # float32 on the CPU
+    monkeypatch.setattr(memory, "AUTO_FRACTION", 0.5)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2 * 64 * per_token)
+    ref_lp, grads, passes = one_update(tiny_model, tmp_path / "auto")
+    assert "micro-batches: up to 64 tokens a pass" in capsys.readouterr().out
+    ref_lp2, grads2, passes2 = one_update(tiny_model, tmp_path / "budget", micro_batch_tokens=64)
+    assert passes == passes2 and len(passes) > 2
+    assert torch.equal(ref_lp, ref_lp2)
+
+
+def oom(*args, **kwargs):
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.8 GiB"
+    )
+
+
+def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change(
+    tiny_model, tmp_path, register_plugin, monkeypatch
+):
+    import hybridrl.logprobs
+    from hybridrl.memory import OutOfMemory
+
+    register_plugin(SevensPlugin(), name="sevens")
+    t = Trainer(load_config(data=config(tiny_model, tmp_path / "run", micro_batch_tokens=64)))
+    t.setup()
+    t.engine.generate = oom
+    with pytest.raises(
+        OutOfMemory,
+        match=r"out of memory in rollout engine 'hf' generate on cpu: 4 prompts x 4 samples "
+        r"of up to \d+ \+ 16 tokens. Lower rollout.batch_size \(prompts per generate call; try 2\), or "
+        r"rollout.max_tokens. \(CUDA out of memory.\)",
+    ):
+        t.rollout.generate(1)
+
+    batch = fixed_batch(t.tokenizer, LENGTHS)
+    with monkeypatch.context() as m:
+        m.setattr(hybridrl.logprobs, "response_logprobs", oom)
+        with pytest.raises(
+            OutOfMemory,
+            match=r"in the logprobs of the reference model on cpu: a pass of \d+ responses x "
+            r"\d+ tokens \(\d+ tokens\). Set trainer.micro_batch_tokens \(try \d+\)",
+        ):
+            t.compute_logprobs(batch)
+    t.compute_logprobs(batch)
+    t.algorithm.compute_advantages(batch)
+    t.algorithm.loss = oom
+    with pytest.raises(
+        OutOfMemory,
+        match=r"in the update of the policy \(algorithm 'grpo'\) on cpu: a pass of .* "
+        r"Set trainer.micro_batch_tokens \(try \d+\) or sharding.activation_checkpointing: true",
+    ):
+        t.update(batch, 1)
+
+    t = Trainer(load_config(data=config(tiny_model, tmp_path / "run2", micro_batch_size=8)))
+    t.setup()
+    t.algorithm.loss = oom
+    t.compute_logprobs(batch)
+    t.algorithm.compute_advantages(batch)
+    with pytest.raises(OutOfMemory, match=r"a pass of 8 responses .* Lower trainer.micro_batch_size \(try 4\)"):
+        t.update(batch, 1)

@@ -196,6 +196,25 @@ def check_layout(trainer, path: Path) -> None:
         )
 
 
+def latest_checkpoint_of_run(run_dir: Path, main: bool) -> Path | None:
+    """The checkpoint a resumed run continues from (temporary directories of a killed save removed
+    first, by rank 0); None, said once, when the run has none yet."""
+    if main:
+        clean_partial(run_dir)
+    distributed.barrier()
+    path = latest_checkpoint(run_dir)
+    if path is None and main:
+        print(f"no checkpoint in {run_dir}: starting at step 1", flush=True)
+    return path
+
+
+def drop_logs_after(run_dir: Path, step: int, main: bool) -> None:
+    """Drop what an interrupted run logged after the checkpoint it resumes from."""
+    if main:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_jsonl(Path(run_dir) / name, step)
+
+
 def rotate(run_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` checkpoints (and stale temporary dirs)."""
     removed = []
@@ -230,14 +249,24 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     os.replace(tmp, path)
 
 
-def export(path: Path, out: Path) -> Path:
-    """Copy a checkpoint's policy to ``out`` as a plain HF model folder."""
+def export(path: Path, out: Path, merged: bool = False) -> Path:
+    """Copy a checkpoint's policy to ``out`` as a plain HF model folder. A LoRA checkpoint holds the
+    adapter (peft's folder); ``merged`` writes the base model with the adapter merged in instead."""
     path, out = Path(path), Path(out)
     policy = path / "policy"
-    if not (policy / "config.json").is_file():
+    adapter = (policy / "adapter_config.json").is_file()
+    if not adapter and not (policy / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds no policy/config.json: is it a checkpoint directory (step-N)?")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory.")
+    if merged and adapter:
+        from peft import AutoPeftModelForCausalLM
+        from transformers import AutoTokenizer
+
+        model = AutoPeftModelForCausalLM.from_pretrained(policy, dtype=torch.float32).merge_and_unload()
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+        return out
     shutil.copytree(policy, out, dirs_exist_ok=True)
     return out
 

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export", help="Write a checkpoint's policy as a plain Hugging Face model folder.")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step-N")
     p.add_argument("out", help="New output directory.")
+    p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in.")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
@@ -80,7 +81,7 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from hybridrl.checkpoint import export
 
-    out = export(Path(args.checkpoint), Path(args.out))
+    out = export(Path(args.checkpoint), Path(args.out), merged=args.merged)
     print(f"wrote {out}: load it with transformers' from_pretrained or serve it with vLLM")
     return 0
 

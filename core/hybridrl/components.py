@@ -45,6 +45,7 @@ class RunContext:
     trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
     dropout: bool = False  # model.dropout: keep dropout active in the models that train
     response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
+    passes: Any = None  # the trainer's micro-batches (hybridrl.memory.MicroBatches): .groups(batch)
 
     @property
     def is_main(self) -> bool:
@@ -124,6 +125,11 @@ class RolloutEngine(Component):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) policy tensors, named as in the HF state dict."""
         raise NotImplementedError
+
+    def runs_apart(self) -> bool:
+        """Whether the engine generates on other devices or in another process than training (a
+        server), so that it can generate the next batch while the policy trains (rollout.async)."""
+        return False
 
     def seeds_each_request(self) -> bool:
         """Whether ``generate`` seeds each prompt on its own (``SamplingParams.seeds``), so that what a
@@ -301,6 +307,13 @@ class ShardingStrategy(Component):
         state = {}
         for f in sorted(Path(path).glob("*.safetensors")):
             state.update(load_file(f))
+        if (Path(path) / "adapter_config.json").is_file():  # a LoRA policy's checkpoint: the adapters
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"Adapter weights in {path} do not fit the model: {result.unexpected_keys[:5]}")
+            return
         own = model.state_dict()
         loaded = {own[k].data_ptr() for k in state if k in own}
         missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded]  # tied weights are fine

@@ -36,6 +36,19 @@ class Section(BaseModel):
         return self._options
 
 
+class LoraOptions(Strict):
+    """LoRA adapters (peft) on the policy: only they train; see docs/lora.md."""
+
+    r: int = Field(16, gt=0, description="Rank of each adapter.")
+    alpha: float = Field(32, gt=0, description="Scaling numerator: the adapter's output is multiplied by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (0 keeps the update exact).")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="Layers that get adapters: names (q_proj, v_proj, ...) or 'all-linear' (every linear layer "
+        "but the output layer).",
+    )
+
+
 class ModelConfig(Strict):
     path: str = Field(
         description="A Hugging Face model folder, or a folder holding a GGUF file "
@@ -51,6 +64,11 @@ class ModelConfig(Strict):
         "autocast, since an optimizer step far below a bfloat16 ulp would change no weight.",
     )
     trust_remote_code: bool = False
+    lora: LoraOptions | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (peft): {r, alpha, dropout, target_modules}. The "
+        "reference policy is the base model with the adapters off; engines receive merged weights.",
+    )
     dropout: bool = Field(
         False,
         description="Keep the model's dropout active while training. Off by default (TRL's disable_dropout): "
@@ -112,6 +130,14 @@ class RolloutConfig(Section, Sampling):
     agent: AgentConfig | None = Field(
         None, description="Multi-turn rollouts with an environment and tools (docs/agents.md); unset: one turn."
     )
+    async_: int = Field(
+        0,
+        ge=0,
+        alias="async",
+        description="Generate up to this many steps ahead while the policy trains, with weights at most that many "
+        "updates old (needs an engine apart from training: a server, rollout.base_url); each response records "
+        "the policy_version that sampled it, and the algorithm's rollout_correction covers the staleness. 0: off.",
+    )
     sync_check: float = Field(
         0.3,
         ge=0,
@@ -158,15 +184,18 @@ class TrainerConfig(Strict):
         None, gt=0, description="Responses per optimizer step; default: all responses of the step (one update)."
     )
     micro_batch_size: int | None = Field(
-        None, gt=0, description="Responses per forward/backward (gradient accumulation); default: the mini-batch."
-    )
-    micro_batch_tokens: int | None = Field(
         None,
         gt=0,
-        description="Instead of micro_batch_size: a token budget per forward/backward. Each mini-batch's "
-        "responses, longest first, fill micro-batches whose padded size (rows x (longest prompt + longest "
-        "response)) stays within it; a longer response goes alone. Less padding, steadier memory with mixed "
-        "lengths (verl's ppo_max_token_len_per_gpu). Single-process strategies only.",
+        description="Responses per forward/backward (gradient accumulation); default: micro_batch_tokens decides.",
+    )
+    micro_batch_tokens: int | Literal["auto"] | None = Field(
+        "auto",
+        description="Without micro_batch_size: a token budget per forward/backward (policy, reference and critic "
+        "passes). Each mini-batch's responses, longest first, fill micro-batches whose padded size (rows x "
+        "(longest prompt + longest response)) stays within it; a longer response goes alone (verl's "
+        "ppo_max_token_len_per_gpu). Under torchrun, budget / the widest row of any rank responses a pass. "
+        "'auto': on a GPU, 80% of the memory free at the first pass over the activations a token needs (printed "
+        "at the start); on the CPU, no budget. None: the whole mini-batch in one pass.",
     )
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
@@ -234,7 +263,11 @@ class RunConfig(Strict):
                 f"(trainer.prompts_per_step={t.prompts_per_step} x rollout.n={self.rollout.n}); "
                 f"use a divisor of {total}."
             )
-        if t.micro_batch_size and t.micro_batch_tokens:
+        if t.micro_batch_tokens is not None and t.micro_batch_tokens != "auto" and t.micro_batch_tokens <= 0:
+            raise ValueError(
+                f"trainer.micro_batch_tokens={t.micro_batch_tokens}: a positive number of tokens, or auto."
+            )
+        if t.micro_batch_size and t.micro_batch_tokens not in (None, "auto"):
             raise ValueError(
                 "trainer.micro_batch_size and trainer.micro_batch_tokens both set; "
                 "choose one (a fixed number of responses, or a token budget)."
@@ -369,8 +402,8 @@ def _validate_options(cls, values: dict, where: str, kind: str, name: str, secti
     try:
         return cls.Options.model_validate(values)
     except ValidationError as e:
-        core_keys = sorted(section_cls.model_fields) if section_cls else []
-        plugin_keys = sorted(cls.Options.model_fields)
+        core_keys = keys_of(section_cls) if section_cls else []
+        plugin_keys = keys_of(cls.Options)
         lines = []
         for err in e.errors():
             key = ".".join(str(x) for x in err["loc"])
@@ -388,6 +421,11 @@ def _validate_options(cls, values: dict, where: str, kind: str, name: str, secti
         raise ConfigError("\n".join(lines)) from None
 
 
+def keys_of(model: type[BaseModel]) -> list[str]:
+    """The keys a config file uses for ``model`` (``async``, not the attribute ``async_``)."""
+    return sorted(f.alias or name for name, f in model.model_fields.items())
+
+
 def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
     lines = []
     for err in e.errors():
@@ -395,7 +433,7 @@ def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
         dotted = ".".join(str(x) for x in loc)
         if err["type"] == "extra_forbidden":
             parent = _model_at(root, loc[:-1])
-            valid = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            valid = ", ".join(keys_of(parent)) if parent else "?"
             where = ".".join(str(x) for x in loc[:-1]) or "the top level"
             lines.append(f"Unknown key '{loc[-1]}' in {where}. Valid keys: {valid}.")
         elif err["type"] == "missing":
@@ -425,17 +463,12 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)
 
 
 def check_world(cfg: RunConfig, world: int, multi_process: bool) -> None:
     """The config can run on ``world`` processes (torchrun's WORLD_SIZE) with its sharding strategy."""
     t, strategy = cfg.trainer, cfg.sharding.strategy
-    if t.micro_batch_tokens and multi_process:  # ranks would run different numbers of passes
-        raise ConfigError(
-            f"trainer.micro_batch_tokens works with single-process strategies; sharding strategy "
-            f"'{strategy}' runs collectives in every pass. Use trainer.micro_batch_size."
-        )
     if world == 1:
         return
     if not multi_process:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 
 class ConfigError(ValueError):
@@ -34,3 +35,19 @@ def stage_errors(component: str, call: str):
         raise
     except Exception as e:
         raise StageError(f"{component} failed in {call}: {type(e).__name__}: {e}") from e
+
+
+def nonfinite(step: int, what: str, on_nonfinite: str, last_checkpoint=None) -> None:
+    """A NaN/Inf in ``what``: raise :class:`NonFiniteError` (``trainer.on_nonfinite: abort``), or warn
+    and return so that the caller skips the update (``skip``)."""
+    if on_nonfinite == "abort":
+        kept = (
+            f"the last checkpoint ({last_checkpoint}) is intact" if last_checkpoint else "no checkpoint was written yet"
+        )
+        raise NonFiniteError(
+            f"step {step}: {what}. The run stops; {kept}. Set trainer.on_nonfinite=skip to skip such updates instead."
+        )
+    from hybridrl import distributed
+
+    if distributed.is_main():
+        print(f"warning: step {step}: {what}; skipping the update.", file=sys.stderr, flush=True)

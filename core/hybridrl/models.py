@@ -166,9 +166,12 @@ def compute_dtype(mixed_precision: str, dtype: torch.dtype, device: torch.device
 
 
 def master_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with float32 parameters and buffers where it has 16-bit ones (a trained model)."""
-    if any(p.dtype in LOW_PRECISION for p in model.parameters()):
-        model.float()
+    """``model`` with float32 copies of its 16-bit trainable parameters (frozen ones, a LoRA model's
+    base weights, keep their dtype)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.dtype in LOW_PRECISION:
+                p.data = p.data.float()
     return model
 
 

@@ -9,6 +9,7 @@ from hybridrl import functional as F
 from hybridrl.batch import Batch
 from hybridrl.components import RolloutEngine, Sampling, SamplingParams
 from hybridrl.errors import StageError, stage_errors
+from hybridrl.memory import engine_memory_fix, memory_errors
 from hybridrl.prompts import PromptOrder, encode_prompt, prompt_messages
 
 
@@ -68,6 +69,15 @@ class RolloutStage:
             )
         return {"rollout/sync_check_diff_max": max(means)}
 
+    def memory_errors(self, prompt_ids):
+        """Out of memory while generating: an error naming the engine, the sizes and its memory options."""
+        r = self.config.rollout
+        sizes = (
+            f"{len(prompt_ids)} prompts x {r.n} samples of up to {max(map(len, prompt_ids))} + {r.max_tokens} tokens"
+        )
+        device = getattr(getattr(self.engine, "ctx", None), "device", torch.device("cpu"))
+        return memory_errors(f"{self.component} generate", device, sizes, engine_memory_fix(r.engine, len(prompt_ids)))
+
     def generate(self, step: int, round_: int = 0) -> Batch:
         """Draw ``trainer.prompts_per_step`` prompts, keep this rank's share, generate ``rollout.n``
         responses to each: the rollout batch, text columns included."""
@@ -79,7 +89,7 @@ class RolloutStage:
         if self.agent is not None:
             out, trajectories = self.agent.run(list(prompt_ids), rows, chats, self.sampling(step, round_))
         else:
-            with stage_errors(self.component, "generate"):
+            with stage_errors(self.component, "generate"), self.memory_errors(prompt_ids):
                 out = self.engine.generate(list(prompt_ids), self.sampling(step, round_))
         rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
         first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds

@@ -202,6 +202,16 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return out
 
 
+def policy_greedy(trainer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """:func:`hf_greedy` of a fresh model holding the weights the trainer sends its engine
+    (``policy_tensors``: with LoRA, the merged ones): what the engine's greedy output must be."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer.ctx.model_path))
+    model.load_state_dict(dict(trainer.policy_tensors()))
+    return hf_greedy(model.float().eval(), prompts, max_tokens)
+
+
 def perturbed(model_dir, seed: int, scale: float = 0.5):
     """The model of ``model_dir`` (float32, CPU, eval) with every weight moved by seeded normal
     noise times ``scale``."""

@@ -8,22 +8,25 @@ responses), ``rewards`` (scores), ``update`` (the training loop of every trained
 
 from __future__ import annotations
 
-import sys
+import contextlib
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from hybridrl import checkpoint as ckpt
-from hybridrl import distributed, plugins
+from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
 from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, check_world, dump_config
 from hybridrl.devices import model_device_errors, resolve_device
-from hybridrl.errors import ConfigError, Interrupted, NonFiniteError, stage_errors
+from hybridrl.errors import ConfigError, Interrupted, nonfinite, stage_errors
+from hybridrl.logprobs import batch_logprobs
+from hybridrl.memory import MicroBatches
 from hybridrl.metrics import (
     Timer,
     WeightedStats,
@@ -43,11 +46,12 @@ from hybridrl.models import (
     resolve_model_path,
     response_logprobs,
 )
+from hybridrl.prefetch import make_prefetcher
 from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
 from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
 from hybridrl.signals import StopSignals
-from hybridrl.update import Trainable, micro_batches, mini_batch_rows, run_update
+from hybridrl.update import Trainable, mini_batch_rows, run_update
 
 
 class Trainer:
@@ -112,19 +116,25 @@ class Trainer:
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
+        model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        self.passes = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
+        self.ctx.passes = self.passes
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = Rewards(
             [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
         )
 
-        def load():
+        def load(adapters=None):
             model = load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)
+            model = lora.apply_lora(model, adapters) if adapters else model
             return model if cfg.model.dropout else disable_dropout(model)
 
-        self.policy = self.strategy.wrap(load().train(), trainable=True)
-        self.ref = None
-        if self.algorithm.needs_reference:
+        self.policy = self.strategy.wrap(load(cfg.model.lora).train(), trainable=True)
+        self.ref = None  # with LoRA the reference is the policy with its adapters off
+        if self.algorithm.needs_reference and not cfg.model.lora:
             self.ref = self.strategy.wrap_reference(load().eval().requires_grad_(False))
+        if cfg.model.lora and self.ctx.is_main:
+            print(lora.describe(self.policy, cfg.model.lora, self.algorithm.trained_models()), flush=True)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # one fused kernel per step on a GPU (as transformers' Trainer defaults to); sharded
         # parameters (DTensors) keep torch's default multi-tensor implementation
@@ -135,6 +145,7 @@ class Trainer:
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
         agent = build_agent(self._build, cfg, self.engine, self.tokenizer, end_token_ids(model_path, self.tokenizer))
         self.rollout = RolloutStage(self.engine, self.data, self.prompts, self.tokenizer, cfg, agent)
+        self.prefetch = make_prefetcher(cfg, self.engine, self.collect, self.ctx.is_main)
         loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 
@@ -159,7 +170,7 @@ class Trainer:
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
-        found = {"algorithm": self.algorithm, **self.rewards.stateful()}
+        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch}
         return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------
@@ -196,6 +207,8 @@ class Trainer:
             for logger in self.loggers:
                 logger.close()
             self.rewards.close()
+            if self.prefetch is not None:
+                self.prefetch.close()
             self.engine.close()
             distributed.teardown()
         return metrics
@@ -210,45 +223,24 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of run_dir and continue after its step."""
-        main = self.ctx.is_main
-        if main:
-            ckpt.clean_partial(self.run_dir)
-        distributed.barrier()
-        path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
-            if main:
-                print(f"no checkpoint in {self.run_dir}: starting at step 1", flush=True)
-            return
-        self.start_step = ckpt.load_checkpoint(self, path)
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what the interrupted run logged after it
-            if main:
-                ckpt.truncate_jsonl(self.run_dir / name, self.start_step)
-        with stage_errors(self.rollout.component, "update_weights"):
-            self.engine.update_weights(self.strategy.full_tensors(self.policy))
-        if main:
-            print(f"resumed from {path} (step {self.start_step})", flush=True)
+        path = ckpt.latest_checkpoint_of_run(self.run_dir, self.ctx.is_main)
+        if path is not None:
+            self.start_step = ckpt.load_checkpoint(self, path)
+            ckpt.drop_logs_after(self.run_dir, self.start_step, self.ctx.is_main)
+            with stage_errors(self.rollout.component, "update_weights"):
+                self.engine.update_weights(self.policy_tensors())
+            if self.ctx.is_main:
+                print(f"resumed from {path} (step {self.start_step})", flush=True)
 
     def nonfinite(self, step: int, what: str) -> None:
         """Abort with a clear message, or (trainer.on_nonfinite=skip) warn and let the caller skip."""
-        if self.config.trainer.on_nonfinite == "abort":
-            last = ckpt.latest_checkpoint(self.run_dir)
-            kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written yet"
-            raise NonFiniteError(
-                f"step {step}: {what}. The run stops; {kept}. Set trainer.on_nonfinite=skip to skip such "
-                "updates instead."
-            )
-        if distributed.is_main():
-            print(f"warning: step {step}: {what}; skipping the update.", file=sys.stderr, flush=True)
+        nonfinite(step, what, self.config.trainer.on_nonfinite, ckpt.latest_checkpoint(self.run_dir))
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
         engine = self.rollout.component
-        with timer("rollout"), stage_errors(engine, "wake_up"):
-            self.engine.wake_up()
-        rollout, kept, metrics = self.collect(step, timer)
-        with stage_errors(engine, "sleep"):
-            self.engine.sleep()
+        rollout, kept, metrics = self.rollouts(step, timer)
         batch = self.trainable(step, kept, rollout)  # None: nothing to train on this step
         if batch is not None:
             with timer("logprobs"):
@@ -262,18 +254,40 @@ class Trainer:
             with timer("update"):
                 metrics |= self.update(batch, step)
         # also after a skipped update: an engine may have released its weights in sleep()
-        with timer("sync"), stage_errors(engine, "update_weights"):
-            self.engine.update_weights(self.strategy.full_tensors(self.policy))
-            metrics |= self.rollout.check_sync(step, lambda probe: self._forward(self.policy, probe, "policy"))
+        with timer("sync"), stage_errors(engine, "update_weights"), self.engine_free():
+            self.engine.update_weights(self.policy_tensors())
+            metrics |= self.rollout.check_sync(
+                step, lambda probe: self._forward(self.policy, probe, "policy", one_pass=True)
+            )
             metrics |= self.engine.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
-        metrics |= batch_metrics(rollout if batch is None else batch, timer.times["rollout"], rollout) | timer.metrics()
+        generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
+        metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         if batch is not None:
             t = self.config.trainer
             metrics |= update_throughput(self.policy, batch, t.epochs, timer.times["update"], self.ctx.device)
         return self.log(step, metrics, rollout if batch is None else batch)
 
     # -- stages -----------------------------------------------------------------------------
+
+    def rollouts(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
+        """This step's rollouts, kept groups and metrics: generated now, around the engine's wake-up
+        and sleep, or taken from those generated while the last steps trained (rollout.async)."""
+        if self.prefetch is not None:
+            with timer("rollout_wait"):
+                return self.prefetch.take(step)
+        with timer("rollout"), stage_errors(self.rollout.component, "wake_up"):
+            self.engine.wake_up()
+        out = self.collect(step, timer)
+        with stage_errors(self.rollout.component, "sleep"):
+            self.engine.sleep()
+        return out
+
+    def engine_free(self):
+        """Hold the engine between two generations (rollout.async) while its weights change."""
+        if self.prefetch is None:
+            return contextlib.nullcontext()
+        return self.prefetch.syncing(self.engine.holds_latest_weights)
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
         """Rollout and reward rounds, then the algorithm's filter: one round, or with
@@ -319,23 +333,21 @@ class Trainer:
             metrics |= stats.result()
         if self.ref is not None:
             batch["ref_logprobs"] = self._forward(self.ref, batch, "reference model")
+        elif self.algorithm.needs_reference:  # LoRA: the base model is the reference
+            with lora.adapter_off(self.policy):
+                batch["ref_logprobs"] = self._forward(self.policy, batch, "reference model (adapters off)")
         return metrics
 
-    def _forward(self, model, batch: Batch, component: str) -> torch.Tensor:
-        t = self.config.trainer
-        groups = micro_batches(batch, t.micro_batch_size, t.micro_batch_tokens)
-        T = batch["responses"].shape[1]
-        device = self.strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
-        with model_device_errors(component, model, device, self.ctx.device), self.strategy.autocast():
-            parts = [
-                response_logprobs(
-                    model, mb.input_ids.to(device), mb.attention_mask.to(device), T, self.config.rollout.temperature
-                )[0]
-                for mb in (batch.select(g) for g in groups)
-            ]
-        out = torch.cat(parts).to(self.ctx.device)
-        rows = torch.tensor([i for g in groups for i in g], device=out.device)
-        return torch.empty_like(out).index_copy_(0, rows, out)  # back in the batch's order
+    def _forward(self, model, batch: Batch, component: str, one_pass: bool = False) -> torch.Tensor:
+        passes = None if one_pass else self.passes
+        return batch_logprobs(
+            model, batch, self.strategy, passes, self.config.rollout.temperature, component, self.ctx.device
+        )
+
+    def policy_tensors(self):
+        """The policy's full weights for the engine, named as in the base model (LoRA: merged)."""
+        tensors = self.strategy.full_tensors(self.policy)
+        return lora.merged_tensors(tensors, lora.scalings(self.policy)) if self.config.model.lora else tensors
 
     def _on_policy(self, batch_size: int) -> bool:
         t = self.config.trainer
@@ -346,8 +358,7 @@ class Trainer:
         t = self.config.trainer
         settings = dict(
             seed=t.seed,
-            micro_batch_size=t.micro_batch_size,
-            micro_batch_tokens=t.micro_batch_tokens,
+            passes=self.passes,
             on_nonfinite=lambda what: self.nonfinite(step, what),
         )
         metrics = {}

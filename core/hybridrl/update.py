@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from hybridrl import distributed
-from hybridrl.batch import Batch, real_rows, token_budget_split
+from hybridrl.batch import Batch, real_rows
 from hybridrl.functional import LossAggregation
+from hybridrl.memory import MicroBatches, consecutive, memory_errors, pass_fix, pass_sizes
 from hybridrl.metrics import WeightedStats
 
 
@@ -48,15 +49,6 @@ def raise_nonfinite(what: str) -> None:
     raise FloatingPointError(what)
 
 
-def micro_batches(batch: Batch, size: int | None = None, tokens: int | None = None) -> list[list[int]]:
-    """Row indices of each pass over ``batch``: token-budget groups (``tokens``), or consecutive rows
-    ``size`` at a time (default all)."""
-    if tokens:
-        return token_budget_split(batch, tokens)
-    size = size or len(batch)
-    return [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
-
-
 def mini_batch_rows(mini_batch_size: int | None, batch_size: int) -> int:
     """Responses per optimizer step on this rank (``mini_batch_size`` is over all ranks)."""
     return mini_batch_size // distributed.world_size() if mini_batch_size else batch_size
@@ -69,18 +61,17 @@ def run_update(
     strategy,
     *,
     seed: int = 0,
-    micro_batch_size: int | None = None,
-    micro_batch_tokens: int | None = None,
+    passes: MicroBatches | None = None,
     on_nonfinite: Callable[[str], None] = raise_nonfinite,
 ) -> dict[str, float]:
     """Train ``t`` on ``batch``; every rank calls it with the same number of rows (collectives run in
-    each pass). ``micro_batch_size`` / ``micro_batch_tokens`` apply where ``t`` sets no micro-batch
-    size. ``on_nonfinite(message)`` raises to stop the run, or returns to skip that optimizer step.
-    Returns the metrics: the loss's, token-weighted over passes and ranks, and ``<name>/grad_norm``,
-    ``<name>/lr`` and (when steps were skipped) ``<name>/skipped_updates``."""
+    each pass). The trainer's ``passes`` (its micro-batches) apply where ``t`` sets no micro-batch
+    size; without either, a mini-batch is one pass. ``on_nonfinite(message)`` raises to stop the
+    run, or returns to skip that optimizer step. Returns the metrics: the loss's, token-weighted
+    over passes and ranks, and ``<name>/grad_norm``, ``<name>/lr`` and (when steps were skipped)
+    ``<name>/skipped_updates``."""
     world = distributed.world_size()
     mini = mini_batch_rows(t.mini_batch_size, len(batch))
-    size, tokens = (t.micro_batch_size, None) if t.micro_batch_size else (micro_batch_size, micro_batch_tokens)
     gen = torch.Generator().manual_seed(seed * 7919 + step)
     stats, norms, skipped = WeightedStats(), [], 0
     t.model.train()
@@ -92,11 +83,15 @@ def run_update(
             # the global normaliser: what the mini-batch of every rank divides its loss by
             total = distributed.sum_over_ranks(t.aggregation.normaliser(mb["response_mask"], real_rows(mb)))
             finite = True
-            for part in (mb.select(g) for g in micro_batches(mb, size, tokens)):
-                loss, metrics = t.loss(part)
-                # ranks average gradients: world x this part's normaliser / the global one
-                weight = world * t.aggregation.normaliser(part["response_mask"]) / total if total > 0 else 0.0
-                (loss * weight).backward()  # a non-finite loss's gradients are dropped below
+            own = t.micro_batch_size or passes is None  # the model's own micro-batch size, or none
+            size = t.micro_batch_size if own else passes.size
+            for part in (mb.select(g) for g in (consecutive(len(mb), size) if own else passes.groups(mb))):
+                device = part["responses"].device
+                with memory_errors(f"the update of the {t.label}", device, pass_sizes(part), pass_fix(part, size)):
+                    loss, metrics = t.loss(part)
+                    # ranks average gradients: world x this part's normaliser / the global one
+                    weight = world * t.aggregation.normaliser(part["response_mask"]) / total if total > 0 else 0.0
+                    (loss * weight).backward()  # a non-finite loss's gradients are dropped below
                 # host syncs wait for queued device work: these after the backward pass, so that the
                 # forward and backward passes run without a pause between them
                 if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none

