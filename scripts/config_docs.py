@@ -21,6 +21,7 @@ SECTIONS = [
     ("sharding", config.ShardingConfig, "sharding strategy"),
     ("trainer", config.TrainerConfig, None),
     ("logging", config.LoggingConfig, "logger"),
+    ("online", config.OnlineConfig, None),
 ]
 
 

@@ -1,4 +1,4 @@
-"""``hybridrl train | validate | plugins``."""
+"""``hybridrl train | validate | serve | export | plugins``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="New output directory.")
     p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in.")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("serve", help="Answer users with the policy and learn from their ratings (docs/online.md).")
+    p.add_argument("config", help="YAML run config with rewards: [{function: user_rating}].")
+    p.add_argument("overrides", nargs="*", help="Dotted overrides: online.update_every=32")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0: any free one).")
+    p.add_argument(
+        "--token", default=None, help="Require 'Authorization: Bearer TOKEN' (default: $HYBRIDRL_SERVE_TOKEN)."
+    )
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
@@ -75,6 +85,28 @@ def cmd_train(args) -> int:
             f"done: {cfg.trainer.steps} steps, final reward {metrics.get('reward/mean', float('nan')):.3f}; "
             f"metrics in {trainer.run_dir / 'metrics.jsonl'}"
         )
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from hybridrl.online import TOKEN_ENV, Server
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("hybridrl serve runs in one process: start it without torchrun.")
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.trainer.run_dir:  # the same folder each time: a restart continues from its checkpoints
+        cfg.trainer.run_dir = f"runs/serve-{Path(args.config).stem}"
+    server = Server(cfg, args.host, args.port, args.token or os.environ.get(TOKEN_ENV) or None)
+    t = server.trainer
+    print(
+        f"hybridrl {__version__}: serving policy version {server.learner.version} on {server.url} "
+        f"(POST /v1/chat/completions, POST /v1/feedback, GET /v1/status); run directory {t.run_dir}",
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print(f"serve: stopped at policy version {server.learner.version}", file=sys.stderr)
     return 0
 
 

@@ -242,6 +242,33 @@ class LoggingConfig(BaseModel):
     _options: dict[str, Any] = PrivateAttr(default_factory=dict)
 
 
+class OnlineConfig(Strict):
+    """``hybridrl serve``: answer users with the policy, learn from their ratings (docs/online.md)."""
+
+    update_every: int = Field(16, gt=0, description="Run an update once this many new ratings are in.")
+    update_every_s: float = Field(
+        0, ge=0, description="Also run one when the oldest untrained rating is this many seconds old; 0: off."
+    )
+    max_batch: int = Field(256, gt=0, description="Most ratings one update trains on (the oldest first).")
+    baseline: Literal["auto", "leave_one_out", "running"] = Field(
+        "auto",
+        description="Advantage = rating - baseline. leave_one_out: the mean rating of the other answers to the same "
+        "prompt in the update; running: the mean of all earlier ratings; auto: leave_one_out where the update "
+        "has another answer to the prompt, running otherwise.",
+    )
+    rating_min: float = Field(0.0, description="Lowest rating accepted; 'down' (thumbs down) stores it.")
+    rating_max: float = Field(1.0, description="Highest rating accepted; 'up' (thumbs up) stores it.")
+    max_request_bytes: int = Field(65536, gt=0, description="Larger request bodies get 413.")
+    requests_per_minute: int = Field(120, gt=0, description="Per client address; more get 429.")
+    save_every: int = Field(1, gt=0, description="Checkpoint every this many updates (the last one always).")
+
+    @model_validator(mode="after")
+    def _range(self):
+        if not self.rating_min < self.rating_max:
+            raise ValueError(f"online.rating_min={self.rating_min} must be below online.rating_max={self.rating_max}.")
+        return self
+
+
 class RunConfig(Strict):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
@@ -251,6 +278,7 @@ class RunConfig(Strict):
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    online: OnlineConfig = Field(default_factory=OnlineConfig)
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self):

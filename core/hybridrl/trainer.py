@@ -63,6 +63,7 @@ class Trainer:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(t.run_dir or f"runs/{name}-{stamp}")
         self.start_step = 0
+        self.extra_state: dict = {}  # more objects whose state_dict goes into checkpoints (hybridrl serve's learner)
         self.signals = StopSignals()
         self.pm = plugins.get_plugin_manager()
 
@@ -170,7 +171,7 @@ class Trainer:
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
-        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch}
+        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch, **self.extra_state}
         return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------

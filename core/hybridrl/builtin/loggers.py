@@ -82,7 +82,7 @@ def _fmt(m: dict, key: str, spec: str) -> str:
 
 def summary_line(step: int, total: int, m: dict[str, float]) -> str:
     """``step 3/20 | reward 0.22 ± 0.41 | kl 0.0012 | len 14.2 | rollout 9.8s | step 21.3s``."""
-    parts = [f"step {step}/{total}"]
+    parts = [f"step {step}/{total}" if total else f"update {step}"]
     if "reward/mean" in m:
         parts.append(f"reward {_fmt(m, 'reward/mean', '.3f')} ± {_fmt(m, 'reward/std', '.3f')}")
     if "actor/kl" in m:
@@ -109,7 +109,7 @@ class ConsoleLogger(Logger):
         self.total = total_steps
         self.console = Console(stderr=False)
         self.progress = None
-        if self.options.progress and self.console.is_terminal:
+        if self.options.progress and self.console.is_terminal and total_steps:
             self.progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),

@@ -10,12 +10,10 @@ Standard library HTTP server, one scoring at a time (models are not re-entrant);
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -23,8 +21,8 @@ import torch
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext
-from hybridrl.config import ConfigError, RunConfig, load_config
-from hybridrl.http import is_loopback
+from hybridrl.config import RunConfig, load_config
+from hybridrl.http import JsonHandler, listen, require_token
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
 from hybridrl.shaping import ShapingState
 
@@ -114,62 +112,39 @@ def request_batch(request) -> Batch:
 
 def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None):
     """A ThreadingHTTPServer serving ``rewards`` (not started: call serve_forever)."""
-    if not is_loopback(host) and not token:
-        raise ConfigError(
-            f"serve-reward: --host {host} accepts connections from other machines, and no token is set. "
-            f"Pass --token (or set {TOKEN_ENV}), or keep the default --host 127.0.0.1."
-        )
+    require_token("serve-reward", host, token, TOKEN_ENV)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def _send(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
             if self.path.rstrip("/") != "/health":
-                return self._send(404, {"error": f"no such endpoint {self.path}: use GET /health or POST /score"})
-            self._send(200, {"status": "ok", "rewards": rewards.describe()})
+                return self.send_json(404, {"error": f"no such endpoint {self.path}: use GET /health or POST /score"})
+            self.send_json(200, {"status": "ok", "rewards": rewards.describe()})
 
         def do_POST(self):
             if self.path.rstrip("/") != "/score":
-                return self._send(404, {"error": f"no such endpoint {self.path}: use POST /score"})
+                return self.send_json(404, {"error": f"no such endpoint {self.path}: use POST /score"})
             size = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(size) if 0 < size <= MAX_BODY else b""
-            if token:
-                sent = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                    return self._send(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>'"})
+            if not self.authorized():
+                return
             if size > MAX_BODY:
                 self.close_connection = True  # the body was not read
-                return self._send(413, {"error": f"body of {size} bytes is over {MAX_BODY}: send smaller batches"})
+                return self.send_json(413, {"error": f"body of {size} bytes is over {MAX_BODY}: send smaller batches"})
             try:
                 request = json.loads(body)
             except json.JSONDecodeError as e:
-                return self._send(400, {"error": f"the body is not JSON: {e}"})
+                return self.send_json(400, {"error": f"the body is not JSON: {e}"})
             try:
-                self._send(200, rewards.score(request))
+                self.send_json(200, rewards.score(request))
             except BadRequest as e:
-                self._send(400, {"error": str(e)})
+                self.send_json(400, {"error": str(e)})
             except ValueError as e:  # the reward rejects this input: retrying will not help
-                self._send(422, {"error": str(e)})
+                self.send_json(422, {"error": str(e)})
             except Exception as e:
-                self._send(500, {"error": str(e)})
+                self.send_json(500, {"error": str(e)})
 
-    try:
-        return ThreadingHTTPServer((host, port), Handler)
-    except OSError as e:
-        raise ConfigError(
-            f"serve-reward: cannot listen on {host}:{port} ({e.strerror or e}). Pick another --port (0: any free one)."
-        ) from None
+    Handler.token = token
+    return listen("serve-reward", host, port, Handler)
 
 
 def build_context(cfg: RunConfig) -> RunContext:
@@ -207,8 +182,7 @@ def add_command(subparsers) -> None:
 def cmd_serve_reward(args) -> int:
     cfg = load_config(args.config, args.overrides)
     token = args.token or os.environ.get(TOKEN_ENV) or None
-    if not is_loopback(args.host) and not token:  # refuse before loading any model
-        make_server(None, args.host, args.port, token)
+    require_token("serve-reward", args.host, token, TOKEN_ENV)  # before loading any model
     rewards = RewardSet(cfg, build_context(cfg))
     server = make_server(rewards, args.host, args.port, token)
     host, port = server.server_address[:2]

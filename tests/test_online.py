@@ -1,0 +1,265 @@
+"""``hybridrl serve``: answers over real HTTP on 127.0.0.1, ratings kept in SQLite, a learner that
+improves the policy while it serves, and a restart after SIGKILL that loses nothing acknowledged."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sqlite3
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.online import Server, advantages, make_server
+
+spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
+online_user = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(online_user)
+post, get = online_user.post, online_user.get
+
+
+def config(model, run_dir, **online):
+    return {
+        "model": {"path": str(model)},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rollout": {"n": 1, "max_tokens": 12},
+        "rewards": [{"function": "user_rating"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01, "rollout_correction": "token"},
+        "trainer": {"lr": 1e-2, "seed": 0, "threads": 1, "run_dir": str(run_dir), "sample_every": 0},
+        "logging": {"loggers": ["jsonl"]},
+        "online": {"update_every": 8, **online},
+    }
+
+
+class Running:
+    """A Server on a free port of 127.0.0.1, serving from a thread."""
+
+    def __init__(self, data: dict, token: str | None = None):
+        self.server = Server(load_config(data=data), "127.0.0.1", 0, token)
+        self.url = self.server.url
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.http.shutdown()
+        self.thread.join()
+
+
+@pytest.fixture
+def serving(tiny_model, tmp_path):
+    started = []
+
+    def start(token=None, **online):
+        started.append(Running(config(tiny_model, tmp_path / "run", **online), token))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def ask(url, text="Say 7", token=None):
+    code, answer = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, token)
+    assert code == 200, answer
+    return answer
+
+
+def rows(run_dir, table):
+    with sqlite3.connect(Path(run_dir) / "online.sqlite") as db:
+        return db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+
+
+def test_advantages_by_hand():
+    ratings, prompts = [1.0, 0.0, 1.0, 0.5], [[1], [1], [2], [3]]
+    # prompt [1] answered twice: each against the other (leave-one-out); the others against 0.4
+    assert advantages(ratings, prompts, "auto", 0.4) == pytest.approx([1.0, -1.0, 0.6, 0.1])
+    assert advantages(ratings, prompts, "running", 0.4) == pytest.approx([0.6, -0.4, 0.6, 0.1])
+    assert advantages(ratings, prompts, "leave_one_out", 0.4) == pytest.approx([1.0, -1.0, 0.6, 0.1])
+    # the first update: no earlier ratings, the baseline is these ratings' mean (0.625)
+    assert advantages(ratings, prompts, "running", None) == pytest.approx([0.375, -0.625, 0.375, -0.125])
+
+
+def test_an_answer_carries_an_id_and_the_policy_version_and_is_stored_with_its_tokens(serving, tmp_path):
+    s = serving()
+    answer = ask(s.url)
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    assert answer["policy_version"] == 0 and isinstance(answer["choices"][0]["message"]["content"], str)
+    with sqlite3.connect(tmp_path / "run" / "online.sqlite") as db:
+        ids, logprobs, version = db.execute(
+            "SELECT response_ids, logprobs, version FROM answers WHERE id = ?", (answer["id"],)
+        ).fetchone()
+    assert len(json.loads(ids)) == len(json.loads(logprobs)) == answer["usage"]["completion_tokens"] and version == 0
+    code, ack = post(s.url, "/v1/feedback", {"id": answer["id"], "rating": "up"})
+    assert code == 200 and ack["stored"] and ack["rating"] == 1.0
+    assert get(s.url, "/v1/status")["ratings"] == 1
+
+
+def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
+    s = serving(max_request_bytes=2048)
+    answer = ask(s.url)
+    run = tmp_path / "run"
+    before = rows(run, "answers"), rows(run, "ratings")
+    cases = [
+        ("/v1/feedback", {"id": "chatcmpl-nope", "rating": 1}, 404, "no answer with id 'chatcmpl-nope'"),
+        ("/v1/feedback", {"id": answer["id"], "rating": 1.5}, 400, "'rating' must be a number from 0 to 1"),
+        ("/v1/feedback", {"id": answer["id"], "rating": "meh"}, 400, "or 'up' / 'down'"),
+        ("/v1/feedback", {"rating": 1}, 400, "'id' must be the id of a chat completion"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "each message needs a role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 99},
+            400,
+            "from 1 to 12",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+            400,
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 4000}]},
+            413,
+            "max_request_bytes=2048",
+        ),
+        ("/v1/nothing", {}, 404, "no such endpoint"),
+    ]
+    for path, body, code, message in cases:
+        got, reply = post(s.url, path, body)
+        assert got == code and message in reply["error"], (path, body, got, reply)
+    assert (rows(run, "answers"), rows(run, "ratings")) == before
+    assert post(s.url, "/v1/feedback", {"id": answer["id"], "rating": 0.5})[0] == 200
+    code, reply = post(s.url, "/v1/feedback", {"id": answer["id"], "rating": 0.5})
+    assert code == 409 and "rated already" in reply["error"] and rows(run, "ratings") == before[1] + 1
+
+
+def test_a_token_is_required_off_localhost_and_checked_when_set(serving, tiny_model, tmp_path):
+    cfg = load_config(data=config(tiny_model, tmp_path / "x"))
+    with pytest.raises(ConfigError, match="--host 0.0.0.0 accepts connections from other machines, and no token"):
+        make_server(None, "0.0.0.0", 0, None, cfg.online)
+    s = serving(token="s3cret")
+    code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert code == 401 and "Bearer" in reply["error"] and rows(tmp_path / "run", "answers") == 0
+    ask(s.url, token="s3cret")
+
+
+def test_requests_over_the_rate_limit_get_429(serving):
+    s = serving(requests_per_minute=3)
+    for _ in range(3):
+        ask(s.url)
+    code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert code == 429 and "3 requests a minute" in reply["error"]
+
+
+def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(serving, tmp_path):
+    s = serving(update_every=8)
+    first = [ask(s.url) for _ in range(8)]
+    answers, errors = [], []
+
+    def keep_asking():  # users go on asking while the learner trains
+        for _ in range(10):
+            try:
+                answers.append(ask(s.url))
+            except AssertionError as e:
+                errors.append(e)
+
+    thread = threading.Thread(target=keep_asking)
+    thread.start()
+    for i, a in enumerate(first):
+        post(s.url, "/v1/feedback", {"id": a["id"], "rating": i % 2})
+    deadline = time.time() + 60
+    while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    thread.join()
+    assert not errors and len(answers) == 10
+    status = get(s.url, "/v1/status")
+    assert status["policy_version"] == 1 and status["untrained_ratings"] == 0 and status["learner_error"] is None
+    assert ask(s.url)["policy_version"] == 1
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["step"] == 1 and metrics[0]["online/ratings"] == 8 and "actor/pg_loss" in metrics[0]
+    assert metrics[0]["reward/mean"] == pytest.approx(0.5)
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
+    # the engine answers with the new weights: its logprobs are the policy's
+    t = s.server.trainer
+    engine = t.engine.model.state_dict()
+    assert all((engine[k] == v).all() for k, v in t.policy_tensors())
+
+
+def test_simulated_users_ratings_rise(serving):
+    """Users rate answers by the fraction of '7's, which the server does not know: after a few
+    hundred ratings, the mean rating is higher than at the start."""
+    s = serving(update_every=16, requests_per_minute=100_000)
+    curve = online_user.simulate(s.url, 320, rule="sevens", repeat=4, every=64)
+    means = [m for _, m, _ in curve]
+    assert curve[-1][2] >= 15  # the last window came from a policy updated 15+ times
+    assert means[-1] > means[0] + 0.1, curve
+
+
+def test_sigkill_during_an_update_loses_no_acknowledged_rating(tiny_model, tmp_path):
+    """The server process is killed while it trains; restarted, it has every rating it
+    acknowledged, continues from the last saved policy version and trains on the rest."""
+    run = tmp_path / "run"
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump(config(tiny_model, run, update_every=8, max_batch=64, requests_per_minute=100_000)))
+    proc, url = online_user.start_server(str(cfg), log=tmp_path / "serve.log")
+    acked, killed_learning = 0, False
+    try:
+        while not killed_learning and acked < 400:
+            a = ask(url)
+            code, _ = post(url, "/v1/feedback", {"id": a["id"], "rating": acked % 3 / 2})
+            acked += code == 200
+            status = get(url, "/v1/status")
+            if status["learning"] and status["policy_version"] >= 1:  # a saved version to go back to
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_learning = True
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_learning, "no update was seen in progress"
+    assert rows(run, "ratings") == acked
+    last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert last >= 1
+    proc, url = online_user.start_server(str(cfg), log=tmp_path / "serve2.log")
+    try:
+        status = get(url, "/v1/status")
+        assert status["policy_version"] == last and status["ratings"] == acked
+        assert ask(url)["policy_version"] == last  # answers keep flowing
+        deadline = time.time() + 60  # the ratings of the killed update are untrained: 8 or more
+        while get(url, "/v1/status")["policy_version"] == last and time.time() < deadline:
+            time.sleep(0.1)
+        assert get(url, "/v1/status")["policy_version"] == last + 1  # it trained on what it had not
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def test_the_config_must_rate_by_users_and_log_locally(tiny_model, tmp_path):
+    data = config(tiny_model, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"set rewards: \[\{function: user_rating\}\] \(the config has format\)"):
+        Server(load_config(data=data | {"rewards": [{"function": "format", "pattern": "7"}]}))
+    with pytest.raises(ConfigError, match="logging.loggers wandb would send them elsewhere"):
+        Server(load_config(data=data | {"logging": {"loggers": ["jsonl", "wandb"]}}))
+
+
+def test_dashboard_shows_the_online_metrics(serving, tmp_path):
+    from hybridrl.dashboard.server import RunFiles
+
+    s = serving(update_every=4)
+    for _ in range(4):
+        post(s.url, "/v1/feedback", {"id": ask(s.url)["id"], "rating": 1})
+    deadline = time.time() + 60
+    while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    rows_ = RunFiles(tmp_path / "run").metric_rows(None, 0)["rows"]
+    assert {"online/ratings_per_min", "online/rating_mean_all", "online/version"} <= set(rows_[0])
+    with urllib.request.urlopen(s.url + "/health") as r:
+        assert json.loads(r.read())["status"] == "ok"
