@@ -215,8 +215,7 @@ class Learner:
         batch = Batch.from_rollout(prompts, out, 1, t.tokenizer.pad_token_id)
         batch["rating"] = torch.tensor([r["rating"] for r in rows], dtype=torch.float32)
         batch["response_text"] = [r["text"] for r in rows]
-        tok = t.tokenizer
-        batch["prompt_text"] = tok.batch_decode(prompts)
+        batch["prompt_text"] = t.tokenizer.batch_decode(prompts)
         batch["answer"] = batch["metadata"] = [None] * len(rows)
         return batch
 
