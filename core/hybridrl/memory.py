@@ -135,6 +135,18 @@ def pass_fix(part: Batch, size: int | None) -> str:
     )
 
 
+def per_pass(batch: Batch, groups: list[list[int]], what: str, device, size: int | None, forward) -> torch.Tensor:
+    """``forward(part)`` of each pass's rows (out-of-memory errors naming ``what``), concatenated
+    back in the batch's order."""
+    parts = []
+    for part in (batch.select(g) for g in groups):
+        with memory_errors(what, device, pass_sizes(part), pass_fix(part, size)):
+            parts.append(forward(part))
+    out = torch.cat(parts)
+    rows = torch.tensor([i for g in groups for i in g], device=out.device)
+    return torch.empty_like(out).index_copy_(0, rows, out)
+
+
 @contextlib.contextmanager
 def memory_errors(what: str, device: torch.device, sizes: str, fix: str) -> Iterator[None]:
     """Re-raise an out-of-memory error inside as :class:`OutOfMemory` naming what ran out of

@@ -18,7 +18,7 @@ from hybridrl import functional as F
 from hybridrl.components import Algorithm
 from hybridrl.correction import RolloutCorrectionOptions, rollout_correction
 from hybridrl.hookspecs import hookimpl
-from hybridrl.memory import consecutive, memory_errors, pass_fix, pass_sizes
+from hybridrl.memory import consecutive, per_pass
 from hybridrl.models import disable_dropout
 from hybridrl.update import Trainable
 from hybridrl_algo_ppo import functional as PF
@@ -199,20 +199,17 @@ class PPO(Algorithm):
         self.critic.eval()
         T, size, passes = batch["responses"].shape[1], self.options.critic_micro_batch_size, self.ctx.passes
         groups = consecutive(len(batch), size) if size or passes is None else passes.groups(batch)
-        parts = []
         with self.ctx.strategy.autocast():  # the policy's precision (e.g. bf16 autocast on a GPU)
-            for mb in (batch.select(g) for g in groups):
-                with memory_errors(
-                    "the values of the critic (algorithm 'ppo')",
-                    mb["responses"].device,
-                    pass_sizes(mb),
-                    pass_fix(mb, size),
-                ):
-                    parts.append(response_values(self.critic, mb.input_ids, mb.attention_mask, T))
+            values = per_pass(
+                batch,
+                groups,
+                "the values of the critic (algorithm 'ppo')",
+                batch["responses"].device,
+                size,
+                lambda mb: response_values(self.critic, mb.input_ids, mb.attention_mask, T),
+            )
         self.critic.train()
-        out = torch.cat(parts)
-        rows = torch.tensor([i for g in groups for i in g], device=out.device)
-        return torch.empty_like(out).index_copy_(0, rows, out)  # back in the batch's order
+        return values
 
     # -- policy loss ----------------------------------------------------------------------
 
