@@ -194,6 +194,30 @@ def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(ser
     assert all((engine[k] == v).all() for k, v in t.policy_tensors())
 
 
+def test_requests_that_wait_are_answered_in_one_generate_call(serving):
+    s = serving(batch_requests=8)
+    engine, calls = s.server.trainer.engine, []
+    generate = engine.generate
+
+    def slow_generate(prompts, sampling):  # the first call keeps the engine busy while the others arrive
+        calls.append(len(prompts))
+        time.sleep(0.3 if len(calls) == 1 else 0)
+        return generate(prompts, sampling)
+
+    engine.generate = slow_generate
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(ask(s.url))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 6 and len({a["id"] for a in answers}) == 6
+    assert calls[0] == 1 and max(calls) > 1 and sum(calls) == 6, calls
+    code, a = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert code == 200 and a["usage"]["completion_tokens"] <= 2
+
+
 def test_simulated_users_ratings_rise(serving):
     """Users rate answers by the fraction of '7's, which the server does not know: after a few
     hundred ratings, the mean rating is higher than at the start."""

@@ -258,6 +258,9 @@ class OnlineConfig(Strict):
     )
     rating_min: float = Field(0.0, description="Lowest rating accepted; 'down' (thumbs down) stores it.")
     rating_max: float = Field(1.0, description="Highest rating accepted; 'up' (thumbs up) stores it.")
+    batch_requests: int = Field(
+        16, gt=0, description="Requests that wait while the engine is busy are answered together, up to this many."
+    )
     max_request_bytes: int = Field(65536, gt=0, description="Larger request bodies get 413.")
     requests_per_minute: int = Field(120, gt=0, description="Per client address; more get 429.")
     save_every: int = Field(1, gt=0, description="Checkpoint every this many updates (the last one always).")

@@ -20,6 +20,7 @@ One process, three parts (docs/online.md):
 from __future__ import annotations
 
 import json
+import queue
 import sqlite3
 import sys
 import threading
@@ -152,6 +153,52 @@ def advantages(ratings: list[float], prompts: list, mode: str, baseline: float |
     return out
 
 
+class Batcher:
+    """Requests that arrive while the engine is busy are answered together: one call of
+    ``generate(prompts, max_tokens)`` for all that wait (up to ``size``), each answer cut to its own
+    ``max_tokens`` (the first k tokens of a sample, with their logprobs, are a sample of k tokens)."""
+
+    def __init__(self, generate, size: int):
+        self.generate, self.size, self.queue = generate, size, queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="hybridrl-batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        """The answer (ids, logprobs, finish reason, version) to one prompt; blocks until it is there."""
+        item = {"prompt": prompt_ids, "max_tokens": max_tokens, "done": threading.Event()}
+        self.queue.put(item)
+        item["done"].wait()
+        if "error" in item:
+            raise item["error"]
+        return item["answer"]
+
+    def _loop(self) -> None:
+        while (first := self.queue.get()) is not None:
+            items = [first]
+            while len(items) < self.size and not self.queue.empty():
+                item = self.queue.get()
+                if item is None:  # closing: answer these, then stop
+                    self.queue.put(None)
+                    break
+                items.append(item)
+            try:
+                answers = self.generate([i["prompt"] for i in items], max(i["max_tokens"] for i in items))
+                for item, a in zip(items, answers):
+                    k = item["max_tokens"]
+                    cut = len(a["ids"]) > k
+                    item["answer"] = a | {"ids": a["ids"][:k], "logprobs": a["logprobs"][:k]}
+                    item["answer"]["finish_reason"] = "length" if cut else a["finish_reason"]
+            except Exception as e:  # every request of the call gets the error
+                for item in items:
+                    item["error"] = e
+            for item in items:
+                item["done"].set()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
 class Learner:
     """Trains the trainer's policy on users' ratings, on its own thread (see the module docstring)."""
 
@@ -164,6 +211,7 @@ class Learner:
         self.wake, self.stopping = threading.Event(), threading.Event()
         self.learning, self.error = False, None
         self.thread = threading.Thread(target=self._loop, name="hybridrl-learner", daemon=True)
+        self.batcher = Batcher(self._generate, self.options.batch_requests)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "rating_sum": self.rating_sum, "rating_count": self.rating_count}
@@ -181,7 +229,9 @@ class Learner:
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
+        self.batcher.close()
 
     def due(self) -> list[dict]:
         """The ratings of the next update, or [] when it is not due."""
@@ -269,28 +319,33 @@ class Learner:
         limit = cfg.rollout.max_tokens
         if max_tokens is not None and not (isinstance(max_tokens, int) and 0 < max_tokens <= limit):
             raise BadRequest(400, f"'max_tokens' must be an integer from 1 to {limit} (rollout.max_tokens)")
-        keys = cfg.rollout.model_dump(include=set(Sampling.model_fields))
-        sampling = SamplingParams(
-            **keys | {"n": 1, "max_tokens": max_tokens or limit, "seed": uuid.uuid4().int % 2**31}
-        )
-        with self.engine_lock, stage_errors(t.rollout.component, "generate"):
-            version = self.version
-            out = t.engine.generate([prompt_ids], sampling)
-        ids, logprobs, reason = out.token_ids[0], out.logprobs[0], out.finish_reasons[0]
-        text = t.tokenizer.decode(ids, skip_special_tokens=True)
+        a = self.batcher.submit(prompt_ids, max_tokens or limit)
         answer = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": time.time(),
-            "version": version,
+            "version": a["version"],
             "messages": json.dumps(messages),
             "prompt_ids": prompt_ids,
-            "response_ids": ids,
-            "logprobs": logprobs,
-            "text": text,
-            "finish_reason": reason,
+            "response_ids": a["ids"],
+            "logprobs": a["logprobs"],
+            "text": t.tokenizer.decode(a["ids"], skip_special_tokens=True),
+            "finish_reason": a["finish_reason"],
         }
         self.store.add_answer(answer)
         return answer
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+        """One sample of up to ``max_tokens`` for each prompt, with the weights of one version."""
+        t = self.trainer
+        keys = t.config.rollout.model_dump(include=set(Sampling.model_fields))
+        sampling = SamplingParams(**keys | {"n": 1, "max_tokens": max_tokens, "seed": uuid.uuid4().int % 2**31})
+        with self.engine_lock, stage_errors(t.rollout.component, "generate"):
+            version = self.version
+            out = t.engine.generate(prompts, sampling)
+        return [
+            {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": version}
+            for ids, lp, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)
+        ]
 
 
 # -- the HTTP server ------------------------------------------------------------------------
