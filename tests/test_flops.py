@@ -30,6 +30,25 @@ def test_update_throughput_counts_real_tokens_and_three_passes(tiny_model):
     assert "throughput/update_mfu" not in m  # no known peak on a CPU
 
 
+def test_shared_prompts_count_once_in_the_flops(tiny_model):
+    """Two rows answer prompt [5, 6, 7] (3 tokens, one left-padding column), one answers [8, 9]."""
+    model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    batch = Batch()
+    batch["prompts"] = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [0, 0, 8, 9]])
+    batch["prompt_mask"] = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]])
+    batch["response_mask"] = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    full = update_throughput(model, batch, epochs=1, seconds=1.0, device=torch.device("cpu"))
+    shared = update_throughput(model, batch, epochs=1, seconds=1.0, device=torch.device("cpu"), share_prompts=True)
+    assert full["throughput/train_tokens_per_s"] == shared["throughput/train_tokens_per_s"] == 5 + 6 + 3
+    c = model.config
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    # the second row's prompt: 3 tokens fewer through the body, its 3 x 3 attention square fewer
+    saved = 2 * 2 * per_layer * 3 + 2 * 2 * 64 * 3 * 3
+    assert c.num_hidden_layers == 2
+    want = full["throughput/update_tflops"] - 3 * saved / 1e12
+    assert abs(shared["throughput/update_tflops"] - want) < 1e-15
+
+
 def test_peaks_match_the_most_specific_name_first():
     names = [n for n, _ in PEAK_BF16]
     assert names.index("H100 PCIe") < names.index("H100") and names.index("GH200") < names.index("H200")

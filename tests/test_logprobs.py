@@ -218,3 +218,113 @@ def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(mode
         del model._hybridrl_fused_head
     assert calls == [(3 * 6, model.config.hidden_size)]  # one chunk: the 6 kept response columns of 3 rows
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def grouped_batch(vocab: int):
+    """3 prompts x 3 responses, as GRPO sends them: the rows of a group share their prompt (ids
+    and left padding), the groups differ in prompt length; responses right-padded to 8, the last
+    column padding in every row. P = 6, T = 8."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (9, 14), generator=g)
+    mask = torch.ones_like(ids)
+    for group, lead in enumerate([0, 2, 4]):
+        prompt = torch.randint(3, vocab, (6,), generator=g)
+        for row in range(3 * group, 3 * group + 3):
+            ids[row, :6], mask[row, :lead] = prompt, 0
+            mask[row, 6 + [7, 3, 1][row % 3] :] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def prompt_tokens_run(model, fn):
+    """``fn()``, and the number of input tokens the model's embedding saw."""
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    try:
+        out = fn()
+    finally:
+        hook.remove()
+    return out, sum(seen)
+
+
+@pytest.mark.parametrize("path", ["chunked", "plain"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma", "gpt2"])
+def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
+    model = disable_dropout(small_model(arch))
+    if path == "plain":
+        model._hybridrl_head_split = False  # as under FSDP or for models that transform their logits
+    assert (head_split(model) is None) == (path == "plain")  # checked before tokens are counted
+    ids, mask = grouped_batch(64)
+    T = 8
+    resp = mask[:, -T:].bool()
+
+    def run(share):
+        model.zero_grad()
+        lp, ent = response_logprobs(model, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=share)
+        (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (want_lp, want_ent, want_grad), full_tokens = prompt_tokens_run(model, lambda: run(False))
+    (lp, ent, grad), shared_tokens = prompt_tokens_run(model, lambda: run(True))
+    assert full_tokens == 9 * 13  # every row's prompt and response, the padding column cut
+    assert shared_tokens == 3 * 6 + 9 * 7  # each prompt once, then every response
+    assert (lp[resp] - want_lp[resp]).abs().max() < 1e-5
+    assert (ent[resp] - want_ent[resp]).abs().max() < 1e-5
+    assert (lp[:, -1] == 0).all()  # the column of padding in every row comes back as zeros
+    for n in want_grad:
+        assert (grad[n] - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max(), n
+
+
+def test_shared_prompts_keep_the_plain_pass_without_repeated_prompts_or_with_checkpointing(model):
+    ids, mask = padded_batch(model.config.vocab_size)  # three different prompts
+    _, tokens = prompt_tokens_run(model, lambda: response_logprobs(model, ids, mask, 9))
+    assert tokens == 3 * (16 - 2 - 3)  # one pass over every row
+    ids, mask = grouped_batch(model.config.vocab_size)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model.train()
+        with torch.no_grad():
+            want, _ = reference(model, ids, mask, 8)
+        lp, tokens = prompt_tokens_run(model, lambda: response_logprobs(model, ids, mask, 8)[0])
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert tokens == 9 * 13  # recomputed layers cannot fill a KV cache: one plain pass
+    resp = mask[:, -8:].bool()
+    assert (lp[resp] - want[resp]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("share", ["auto", False])
+def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
+    tiny_model, tmp_path, share, register_plugin, monkeypatch
+):
+    """One GRPO step: with trainer.share_prompts 'auto' (on for the CPU) the reference's and the
+    policy's passes run each prompt once; with false, once per response."""
+    from hybridrl import logprobs, trainer
+    from hybridrl.config import load_config
+    from hybridrl.testing import SevensPlugin
+
+    calls = []
+
+    def recording(model, *args, share_prompts=True, **kw):
+        calls.append((model, share_prompts))
+        return response_logprobs(model, *args, share_prompts=share_prompts, **kw)
+
+    monkeypatch.setattr(logprobs, "response_logprobs", recording)
+    monkeypatch.setattr(trainer, "response_logprobs", recording)
+    register_plugin(SevensPlugin(), name="sevens")
+    t = trainer.Trainer(load_config(data={
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rollout": {"n": 4, "max_tokens": 6},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "trainer": {"prompts_per_step": 2, "share_prompts": share, "run_dir": str(tmp_path / "run")},
+        "logging": {"loggers": []},
+    }))  # fmt: skip
+    t.setup()
+    for logger in t.loggers:  # train() would open them
+        logger.open(1, 0)
+    t.step(1)
+    assert {model is t.ref for model, _ in calls} == {True, False}  # the reference's pass and the policy's
+    assert {on for _, on in calls} == {share == "auto"}

@@ -344,3 +344,21 @@ def test_model_with_its_own_code_loads_with_trust_remote_code(tiny_model, tmp_pa
     assert type(engine.model).__name__ == "TinyCustomForCausalLM"
     with pytest.raises(ValueError, match="trust_remote_code"):
         cls(cls.Options(), RunContext(str(folder), tok, torch.device("cpu"), torch.float32, 0, tmp_path))
+
+
+def test_the_trainer_tells_engines_how_many_responses_a_call_holds(tiny_model, tmp_path):
+    """Engines size themselves (CUDA graphs, batch slots) by the responses one generate call asks for."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    cfg = load_config(data={
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rollout": {"n": 6},
+        "rewards": [{"function": "reasoning_gym"}],
+        "trainer": {"prompts_per_step": 5, "run_dir": str(tmp_path / "run")},
+        "logging": {"loggers": []},
+    })  # fmt: skip
+    t = Trainer(cfg)
+    t.setup()
+    assert t.engine.ctx.responses_per_call == 30  # what SGLang sizes its CUDA graphs by

@@ -45,6 +45,7 @@ class RunContext:
     trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
     dropout: bool = False  # model.dropout: keep dropout active in the models that train
     response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
+    responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
     passes: Any = None  # the trainer's micro-batches (hybridrl.memory.MicroBatches): .groups(batch)
 
     @property

@@ -197,6 +197,14 @@ class TrainerConfig(Strict):
         "'auto': on a GPU, 80% of the memory free at the first pass over the activations a token needs (printed "
         "at the start); on the CPU, no budget. None: the whole mini-batch in one pass.",
     )
+    share_prompts: bool | Literal["auto"] = Field(
+        "auto",
+        description="In the policy and reference passes, run each distinct prompt of a pass once and give "
+        "its keys and values to every response of it (the n samples of a group) instead of running it once "
+        "per response: the same logprobs and gradients from fewer tokens. 'auto': on the CPU (where it "
+        "measured 1.26x faster steps), off on a GPU (where the two-part pass measured slower). Off with "
+        "activation checkpointing.",
+    )
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0

@@ -37,9 +37,13 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16 if key in name), None)
 
 
-def forward_flops(model: torch.nn.Module, seq_lens: list[int], logit_tokens: int) -> float:
+def forward_flops(
+    model: torch.nn.Module, seq_lens: list[int], logit_tokens: int, shared_prompts: list[tuple[int, int]] = ()
+) -> float:
     """FLOPs of one forward pass over sequences of ``seq_lens`` tokens, of which
-    ``logit_tokens`` positions go through the output layer."""
+    ``logit_tokens`` positions go through the output layer. ``shared_prompts``: (length, rows) of
+    each prompt that ``rows`` of the sequences begin with and that ran once for all of them
+    (``trainer.share_prompts``): its tokens and its own attention count once."""
     cfg = model.config
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     skip = {id(p) for m in (embed, head) if m is not None for p in m.parameters()}
@@ -47,7 +51,9 @@ def forward_flops(model: torch.nn.Module, seq_lens: list[int], logit_tokens: int
     head_params = head.weight.numel() if head is not None else 0
     heads = cfg.num_attention_heads
     attn_dim = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    attention = (
-        2 * cfg.num_hidden_layers * attn_dim * sum(s * s for s in seq_lens)
-    )  # causal: half the square, x2 matmuls x2
-    return 2.0 * body * sum(seq_lens) + 2.0 * head_params * logit_tokens + attention
+    tokens = sum(seq_lens) - sum(p * (rows - 1) for p, rows in shared_prompts)
+    # causal: half the square, x2 matmuls x2; a shared prompt's own square once (its rows' responses
+    # still attend to it: (P + R)^2 = P^2 + 2PR + R^2)
+    squares = sum(s * s for s in seq_lens) - sum(p * p * (rows - 1) for p, rows in shared_prompts)
+    attention = 2 * cfg.num_hidden_layers * attn_dim * squares
+    return 2.0 * body * tokens + 2.0 * head_params * logit_tokens + attention

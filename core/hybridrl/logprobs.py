@@ -12,18 +12,26 @@ from hybridrl.models import response_logprobs
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: Batch, strategy, passes: MicroBatches | None, temperature: float, component: str, device: torch.device
+    model,
+    batch: Batch,
+    strategy,
+    passes: MicroBatches | None,
+    temperature: float,
+    component: str,
+    device: torch.device,
+    share_prompts: bool = True,
 ) -> torch.Tensor:
     """(B, T) logprobs of ``batch``'s responses under ``model`` at ``temperature``, computed in the
     trainer's micro-batches (``passes``; None: one pass) on the model's device, returned on
-    ``device`` in the batch's order."""
+    ``device`` in the batch's order; ``share_prompts``: see :func:`response_logprobs`."""
     groups = passes.groups(batch) if passes is not None else consecutive(len(batch), None)
     T = batch["responses"].shape[1]
     inputs = strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
     size = passes.size if passes is not None else None
 
     def forward(mb):
-        return response_logprobs(model, mb.input_ids.to(inputs), mb.attention_mask.to(inputs), T, temperature)[0]
+        ids, mask = mb.input_ids.to(inputs), mb.attention_mask.to(inputs)
+        return response_logprobs(model, ids, mask, T, temperature, share_prompts=share_prompts)[0]
 
     with model_device_errors(component, model, inputs, device), strategy.autocast():
         return per_pass(batch, groups, f"the logprobs of the {component}", inputs, size, forward).to(device)

@@ -125,13 +125,23 @@ def mismatch_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor, mask: tor
     }
 
 
-def update_throughput(policy, batch: Batch, epochs: int, seconds: float, device: torch.device) -> dict[str, float]:
+def update_throughput(
+    policy, batch: Batch, epochs: int, seconds: float, device: torch.device, share_prompts: bool = False
+) -> dict[str, float]:
     """Tokens/s and model FLOP/s through the policy's forward+backward passes of the update
-    stage (all epochs; padding not counted), and the MFU where the GPU's peak is known."""
+    stage (all epochs; padding not counted), and the MFU where the GPU's peak is known. Tokens
+    count every row's prompt; FLOPs count a prompt once for the rows that share it when
+    ``share_prompts`` (the work done, at most: a prompt whose rows went to several passes ran
+    once in each)."""
     lengths = (batch["prompt_mask"].sum(-1) + batch.response_lengths()).tolist()
     responses = int(batch.response_lengths().sum())
     seconds = max(seconds, 1e-9)
-    flops = 3 * epochs * forward_flops(policy, lengths, responses) / seconds
+    shared = []
+    if share_prompts:
+        prompts, mask = batch["prompts"], batch["prompt_mask"]
+        unique, counts = torch.unique(torch.cat([prompts * mask, mask], 1), dim=0, return_counts=True)
+        shared = list(zip(unique[:, prompts.shape[1] :].sum(-1).tolist(), counts.tolist()))
+    flops = 3 * epochs * forward_flops(policy, lengths, responses, shared) / seconds
     out = {"throughput/train_tokens_per_s": sum(lengths) * epochs / seconds, "throughput/update_tflops": flops / 1e12}
     peak = peak_flops(device)
     if peak:

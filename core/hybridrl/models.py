@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 
+from hybridrl import distributed
 from hybridrl import functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -225,6 +226,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (B, T) of the response tokens (the last T columns) and optionally entropies.
 
@@ -232,7 +234,8 @@ def response_logprobs(
     common right padding) are cut before the forward pass; their outputs are 0. Only response
     positions reach the output layer, and where the model allows it (:func:`head_split`) the
     output layer runs in chunks of tokens whose vocabulary-sized logits are recomputed in the
-    backward pass instead of kept, so no (B, T, V) float32 tensor is ever materialised.
+    backward pass instead of kept, so no (B, T, V) float32 tensor is ever materialised. With
+    ``share_prompts``, rows with the same prompt run it once (:func:`predicting_outputs`).
     """
     T = response_len
     used = attention_mask.any(0)  # (P + T,) columns some row attends to
@@ -241,25 +244,81 @@ def response_logprobs(
     kept = T - tail  # at least one column when T > 0, so that the output stays part of the graph
     ids = input_ids[:, first : input_ids.shape[1] - tail]
     mask = attention_mask[:, first : attention_mask.shape[1] - tail]
-    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
     tokens = ids[:, ids.shape[1] - kept :]
+    share = share_prompts and kept > 0 and not is_checkpointing(model)
     split = head_split(model) if kept else None
     if split is not None:
         body, head = split
-        hidden = body(**kwargs).last_hidden_state[:, -kept - 1 : -1]  # position t predicts token t + 1
+        hidden = predicting_outputs(lambda **kw: _hidden(body, kw), ids, mask, kept, share)
         keep = getattr(model, "_hybridrl_fused_head", None)  # set by fuse_output_layer
         logprobs, entropy = chunked_head_logprobs(
             hidden, head, tokens, temperature, with_entropy, entropy_grad, fused=keep is not None, keep_bytes=keep
         )
     else:
-        logits = model(**kwargs, logits_to_keep=kept + 1).logits[:, :-1] / temperature  # (B, kept, V)
-        logprobs = F.logprobs_from_logits(logits, tokens)
+        logits = predicting_outputs(lambda **kw: _logits(model, kw), ids, mask, kept, share) / temperature
+        logprobs = F.logprobs_from_logits(logits, tokens)  # (B, kept)
         entropy = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = F.entropy_from_logits(logits)
     pad = (0, tail)
     return torch.nn.functional.pad(logprobs, pad), (torch.nn.functional.pad(entropy, pad) if with_entropy else None)
+
+
+def predicting_outputs(forward, ids: torch.Tensor, mask: torch.Tensor, kept: int, share: bool) -> torch.Tensor:
+    """The outputs at the positions that predict the last ``kept`` tokens of ``ids`` (B, L): (B, kept, ...).
+
+    ``forward(input_ids=, attention_mask=, position_ids=, keep=k, ...)`` -> (outputs at the last k
+    positions, the KV cache). With ``share``, rows whose prompt (ids and mask before the last
+    ``kept`` columns) is the same, such as the n samples of a GRPO group, run the prompt once: its
+    keys and values are copied to each of its rows, which then run their responses on top. The
+    result is the full forward pass's up to rounding, gradients included (the copies' gradients
+    add up in the prompt's), with the prompt's tokens computed once per distinct prompt instead
+    of once per response (the shared-prefix forward of Prefix Grouper, arXiv:2506.05433).
+    """
+    B, L = ids.shape
+    P = L - kept
+    pos = position_ids(mask)
+    if share and P > 0:
+        unique, inverse = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
+        # ranks of a sharded model run the same forward passes (each one is collective)
+        share = len(unique) < B or distributed.world_size() > 1
+    if not (share and P > 0):
+        return forward(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, keep=kept + 1)[0][:, :-1]
+    rows = torch.zeros(len(unique), dtype=torch.long, device=ids.device).scatter_(
+        0, inverse, torch.arange(B, device=ids.device)
+    )  # one row of each distinct prompt
+    last, cache = forward(
+        input_ids=ids[rows, :P], attention_mask=mask[rows, :P], position_ids=pos[rows, :P], use_cache=True, keep=1
+    )
+    cache.reorder_cache(inverse)
+    out, _ = forward(
+        input_ids=ids[:, P:],
+        attention_mask=mask,
+        position_ids=pos[:, P:],
+        past_key_values=cache,
+        use_cache=True,
+        keep=kept,
+    )
+    # the prompt's last position predicts the first response token; the response's last predicts nothing
+    return torch.cat([last[inverse], out[:, :-1]], 1)
+
+
+def _hidden(body, kwargs):
+    keep = kwargs.pop("keep")
+    out = body(**kwargs)
+    return out.last_hidden_state[:, -keep:], out.past_key_values
+
+
+def _logits(model, kwargs):
+    keep = kwargs.pop("keep")
+    out = model(**kwargs, logits_to_keep=keep)
+    return out.logits[:, -keep:], out.past_key_values
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation checkpointing is on in ``model``: its recomputed layers cannot fill a KV cache."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def head_split(model: torch.nn.Module):

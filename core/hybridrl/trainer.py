@@ -95,6 +95,7 @@ class Trainer:
             trust_remote_code=cfg.model.trust_remote_code,
             dropout=cfg.model.dropout,
             response_tokens=cfg.rollout.max_tokens,
+            responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
         )
         self.data = self._build("dataset", cfg.data.source, cfg.data.options)
         check_columns(self.data, cfg)
@@ -266,7 +267,8 @@ class Trainer:
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         if batch is not None:
             t = self.config.trainer
-            metrics |= update_throughput(self.policy, batch, t.epochs, timer.times["update"], self.ctx.device)
+            seconds = timer.times["update"]
+            metrics |= update_throughput(self.policy, batch, t.epochs, seconds, self.ctx.device, self.share_prompts)
         return self.log(step, metrics, rollout if batch is None else batch)
 
     # -- stages -----------------------------------------------------------------------------
@@ -341,14 +343,19 @@ class Trainer:
 
     def _forward(self, model, batch: Batch, component: str, one_pass: bool = False) -> torch.Tensor:
         passes = None if one_pass else self.passes
-        return batch_logprobs(
-            model, batch, self.strategy, passes, self.config.rollout.temperature, component, self.ctx.device
-        )
+        temperature, share = self.config.rollout.temperature, self.share_prompts
+        return batch_logprobs(model, batch, self.strategy, passes, temperature, component, self.ctx.device, share)
 
     def policy_tensors(self):
         """The policy's full weights for the engine, named as in the base model (LoRA: merged)."""
         tensors = self.strategy.full_tensors(self.policy)
         return lora.merged_tensors(tensors, lora.scalings(self.policy)) if self.config.model.lora else tensors
+
+    @property
+    def share_prompts(self) -> bool:
+        """trainer.share_prompts, with 'auto' resolved for the policy's device (see docs/performance.md)."""
+        choice = self.config.trainer.share_prompts
+        return self.ctx.device.type == "cpu" if choice == "auto" else choice
 
     def _on_policy(self, batch_size: int) -> bool:
         t = self.config.trainer
@@ -395,6 +402,7 @@ class Trainer:
                     self.config.rollout.temperature,
                     with_entropy=True,
                     entropy_grad=self.algorithm.needs_entropy_grad,
+                    share_prompts=self.share_prompts,
                 )
         mask = part["response_mask"]
         metrics = {"actor/entropy": F.masked_mean(entropy, mask).detach()}
