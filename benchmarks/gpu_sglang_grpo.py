@@ -157,7 +157,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
             "enable_memory_saver": True,
             "release_weights": True,
             "log_level": "info",
-            "engine_kwargs": {"cuda_graph_max_bs_decode": 256, **json.loads(args.engine_kwargs)},
+            "engine_kwargs": json.loads(args.engine_kwargs),  # CUDA graphs: sized by the plugin to the batch
         }
         if args.attention_backend:
             rollout["attention_backend"] = args.attention_backend

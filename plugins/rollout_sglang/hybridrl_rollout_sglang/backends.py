@@ -145,12 +145,17 @@ def engine_kwargs(options, ctx) -> dict:
         kwargs["context_length"] = options.context_length
     if options.attention_backend is not None:
         kwargs["attention_backend"] = options.attention_backend
+    if getattr(ctx, "responses_per_call", None):
+        # decoding batches above SGLang's largest CUDA graph (256 on an H200 by default) run without
+        # graphs: capture them up to the batch the trainer sends (multiples of 8, as SGLang's list)
+        kwargs["cuda_graph_max_bs_decode"] = -(-ctx.responses_per_call // 8) * 8
     if ctx.device.type == "cuda" and ctx.device.index:
         kwargs["base_gpu_id"] = ctx.device.index  # colocate with the policy
     if ctx.world_size > 1:  # an engine per rank: each node's engines need ports of their own
         kwargs["port"] = 30000 + 100 * ctx.local_rank
         kwargs["nccl_port"] = 30050 + 100 * ctx.local_rank
-    clash = sorted(set(options.engine_kwargs) & (set(kwargs) - {"port", "nccl_port"} | {"model_path", "random_seed"}))
+    own = set(kwargs) - {"port", "nccl_port", "cuda_graph_max_bs_decode"}  # engine_kwargs may set these
+    clash = sorted(set(options.engine_kwargs) & (own | {"model_path", "random_seed"}))
     if clash:
         raise ValueError(
             f"{COMPONENT}: engine_kwargs sets {', '.join(clash)}, which the plugin sets itself. Use the "

@@ -277,6 +277,24 @@ def test_under_torchrun_each_rank_gets_its_own_engine_ports_and_no_tensor_parall
     SGLangEngine.check_launch(SGLangEngine.Options(base_url="http://127.0.0.1:30000"), ctx)  # a server: fine
 
 
+def test_cuda_graphs_cover_the_batch_the_trainer_sends(sglang_module, tmp_path):
+    """Contract test: SGLang decodes batches above cuda_graph_max_bs_decode without CUDA graphs (its default
+    is 256 on an H200, below GRPO's 64 prompts x 8 samples), so the plugin sizes it to the responses
+    one generate call asks for, rounded up to a multiple of 8; engine_kwargs still decides."""
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    from hybridrl.components import RunContext
+
+    def graphs(responses, **options):
+        ctx = RunContext("/m", None, torch.device("cuda:0"), torch.bfloat16, 0, tmp_path, responses_per_call=responses)
+        return engine_kwargs(SGLangEngine.Options(**options), ctx).get("cuda_graph_max_bs_decode")
+
+    assert graphs(512) == 512
+    assert graphs(60) == 64
+    assert graphs(None) is None  # not called by the trainer: SGLang's own default
+    assert graphs(512, engine_kwargs={"cuda_graph_max_bs_decode": 128}) == 128
+
+
 def test_multi_turn_trajectories_keep_the_engines_tokens(make_engine, sglang_module, tiny_model):
     """Contract test: the agent loop on the SGLang plugin, each turn seeded on its own."""
     from hybridrl.testing import agent_check
