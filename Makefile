@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh CPU machine (Python 3.10+, no GPU; root only for the
 # browser used by one test):
-#   make demo   install into .venv and run GRPO on SmolLM2-135M (about 10 minutes on 2 cores)
+#   make demo   install into .venv and run GRPO on SmolLM2-135M (about 6 minutes on 2 cores)
 #   make test   install into .venv (with vLLM for CPU and test tools) and run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -41,6 +41,8 @@ QWEN05 = dict(
     use_sliding_window=False,
     max_window_layers=24,
 )
+QWEN3B = dict(QWEN05, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+              max_window_layers=36)  # fmt: skip
 # CPU checks of the scripts (vLLM's CPU attention wants head sizes of 32 or more)
 TINY = dict(QWEN05, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, max_window_layers=2)  # fmt: skip
@@ -108,19 +110,39 @@ def save_tokenizer(folder: Path, vocab_size: int, chat_template: str | None = No
     return vocab
 
 
-def build_model(folder: Path, shape: dict, dtype: str = "bfloat16", chat_template: str | None = None) -> str:
-    """A random Qwen2ForCausalLM and a byte-level tokenizer of the model's vocabulary, saved once."""
+def build_model(
+    folder: Path, shape: dict, dtype: str = "bfloat16", chat_template: str | None = None, end_ids: int = 0
+) -> str:
+    """A random Qwen2ForCausalLM and a byte-level tokenizer of the model's vocabulary, saved once.
+    ``end_ids``: that many more end ids in generation_config.json (see :func:`long_tail_end_ids`)."""
     if (folder / "READY").is_file():
         return str(folder)
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     vocab = save_tokenizer(folder, shape["vocab_size"], chat_template)
-    cfg = Qwen2Config(**shape, eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
+    eos, pad = vocab["<|im_end|>"], vocab["<|endoftext|>"]
+    cfg = Qwen2Config(**shape, eos_token_id=eos, pad_token_id=pad)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(folder)
+    if end_ids:
+        ends = [eos, *long_tail_end_ids(shape["vocab_size"], end_ids)]
+        GenerationConfig(eos_token_id=ends, pad_token_id=pad).save_pretrained(folder)
     (folder / "READY").write_text("ok")
     return str(folder)
+
+
+def long_tail_end_ids(vocab_size: int, count: int) -> list[int]:
+    """``count`` filler ids spread over the vocabulary, to end responses at random lengths.
+
+    A random-weight model samples nearly uniformly, so with these as end ids (in
+    generation_config.json, which every engine reads: transformers, vLLM, SGLang, hybridrl's)
+    each token ends its response with probability about count / vocab_size: lengths are
+    geometric, most responses short and a few at max_tokens. With count = 4 x vocab_size /
+    max_tokens the mean is about max_tokens / 4 and about e^-4 = 1.8% reach max_tokens."""
+    first = 300  # past the 256 bytes and the special tokens
+    stride = (vocab_size - first) // count
+    return [first + i * stride for i in range(count)]
 
 
 def prompt(i: int, chars: int = PROMPT_CHARS) -> str:

@@ -4,11 +4,21 @@
     python benchmarks/gpu_vs_trl.py                          # all four sides, one after the other
     python benchmarks/gpu_vs_trl.py --sides trl-hf,hybridrl-hf
     python benchmarks/gpu_vs_trl.py --smoke                  # CPU check of the script (tiny model)
+    python benchmarks/gpu_vs_trl.py --lengths long-tail --bare   # realistic lengths; plugin vs bare vLLM
+    python benchmarks/gpu_vs_trl.py --shape 3b --trl-options '{"gradient_checkpointing": false,
+        "per_device_train_batch_size": 8, "gradient_accumulation_steps": 8}'
 
 The reference configuration: GRPO on a Qwen2.5-0.5B-shaped model (random weights, see
 common.py), float32 master weights with bf16 compute, prompts of exactly 128 tokens, 8 prompts
 x 8 samples = 64 completions of exactly 256 tokens per step (EOS ignored), one optimizer update
 per step, KL loss k3 with beta 0.04 (a reference model on both sides), AdamW at lr 1e-6.
+``--shape 3b``: a Qwen2.5-3B-shaped model instead. ``--lengths long-tail``: responses end at
+random lengths (geometric, mean about max_tokens / 4, about 1.8% at max_tokens: see
+``common.long_tail_end_ids``), the same distribution on every side; tokens per second then count
+the tokens generated. TRL runs with ``--trl-options`` over its defaults, by default
+``gradient_checkpointing: false``, its fastest setting here; hybridrl with its defaults and
+``--trainer-options``/``--sharding``/``--engine-options``. ``--bare``: the vllm side also times
+the same engine called directly with the prompts of its last step, and profiles one call.
 
 Sides, each in its own process (two in-process vLLM engines do not share one process), run back
 to back: ``trl-hf`` (TRL 1.16 defaults, transformers generation), ``trl-vllm`` (TRL with its
@@ -73,7 +83,8 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
     pm.register(common.bench_plugin({"bench_prompts": Prompts}, {"even_bytes": EvenBytes}), name="bench")
     plugins.invalidate_registry()
 
-    rollout = {"engine": engine, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True}
+    fixed = args.lengths == "fixed"
+    rollout = {"engine": engine, "n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": fixed}
     if engine == "vllm":
         rollout |= {
             "dtype": "float32" if args.smoke else "bfloat16",
@@ -97,6 +108,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             "device": "cpu" if args.smoke else "cuda",
             "run_dir": str(Path(args.workdir) / f"hybridrl-{engine}-{int(time.time())}"),
             "sample_every": 0,
+            **json.loads(args.trainer_options),
         },
         "logging": {"loggers": []},
     }
@@ -105,6 +117,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
     trainer = Trainer(load_config(data=cfg), name="bench")
     trainer.setup()
     result["setup_s"] = round(time.perf_counter() - t, 1)
+    calls = record_calls(trainer.engine)
     for logger in trainer.loggers:  # train() would open them; this drives step() itself, to time each
         logger.open(args.warmup + args.steps, 0)
     keep = ("rollout", "logprobs", "update", "sync", "reward", "advantages")
@@ -117,14 +130,77 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         row |= {f"{k}_s": m.get(f"timing/{k}", 0.0) for k in keep}
         row |= {k.split("/")[-1]: m[k] for k in THROUGHPUT if k in m}
         row["reward"] = m.get("reward/mean")
+        row["response_length"] = m.get("response_length/mean")
         row["logprob_diff_mean"] = m.get("rollout/logprob_diff_mean")  # engine vs trainer, same weights
         result["steps"].append(row)
         print(f"[{result['side']}] step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if v), flush=True)
         dump_side(args, result)
-    if engine == "vllm":
+    if engine == "vllm" and args.sync_sweep:
         result["sync_sweep"] = sync_sweep(trainer)
         dump_side(args, result)
+    if engine == "vllm" and args.bare:
+        largest = max(calls, key=lambda c: len(c[0]) * c[1].n)  # a rollout, not a sync check's probe
+        result["bare"] = bare_vllm(trainer.engine, *largest)
+        dump_side(args, result)
     trainer.engine.close()
+
+
+def number(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def record_calls(engine) -> list:
+    """Keep the (prompts, sampling) of each ``engine.generate`` call."""
+    calls, generate = [], engine.generate
+
+    def recorded(prompts, sampling):
+        calls.append((prompts, sampling))
+        return generate(prompts, sampling)
+
+    engine.generate = recorded
+    return calls
+
+
+def bare_vllm(engine, prompts, sampling, reps: int = 3) -> dict:
+    """The vllm plugin's generate against its vLLM engine called directly, on the same prompts:
+    with the plugin's parameters (a seed per prompt, the sampled token's logprob), with one
+    unseeded parameter set, and without logprobs; medians of ``reps``, then a profile of one
+    plugin call (where its time goes)."""
+    from vllm import SamplingParams as VSP
+
+    local = engine.backend  # the plugin's in-process engine: its vllm.LLM and request parameters
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+    seeded = local.sampling_params(sampling, len(prompts))
+    one = seeded[0] if isinstance(seeded, list) else seeded
+    same = {k: getattr(one, k) for k in ("n", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos")}
+    unseeded, no_logprobs = VSP(**same, logprobs=0, detokenize=False), VSP(**same, detokenize=False)
+    variants = {
+        "plugin generate": lambda: sum(map(len, engine.generate(prompts, sampling).token_ids)),
+        "vLLM, the plugin's parameters": lambda: count(local.llm.generate(inputs, seeded, use_tqdm=False)),
+        "vLLM, unseeded": lambda: count(local.llm.generate(inputs, unseeded, use_tqdm=False)),
+        "vLLM, unseeded, no logprobs": lambda: count(local.llm.generate(inputs, no_logprobs, use_tqdm=False)),
+    }
+    out = {}
+    for name, fn in variants.items():
+        times, tokens = [], 0
+        for _ in range(reps):
+            common.wait_for_gpu()
+            start = time.perf_counter()
+            tokens = fn()
+            common.wait_for_gpu()
+            times.append(time.perf_counter() - start)
+        out[name] = {"median_s": statistics.median(times), "tokens": tokens,
+                     "tokens_per_s": tokens / statistics.median(times)}  # fmt: skip
+        print(f"bare: {name}: {out[name]}", flush=True)
+    out["profile_by_own_time"] = profile(lambda: engine.generate(prompts, sampling), "tottime", 25)
+    return out
+
+
+def count(results) -> int:
+    return sum(len(c.token_ids) for r in results for c in r.outputs)
 
 
 def sync_sweep(trainer, reps: int = 3) -> dict:
@@ -154,20 +230,25 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
         times.append(time.perf_counter() - start)
     out["8192 MiB, bf16 sent"] = {"median_s": statistics.median(times), "all_s": times}
     print(f"sync, bf16 sent: {out['8192 MiB, bf16 sent']}", flush=True)
+    out["profile"] = profile(lambda: trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy)))
+    return out
+
+
+def profile(fn, sort: str = "cumulative", rows: int = 30) -> str:
+    """cProfile's table of one call of ``fn`` (the GPU waited for), printed and returned."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
     prof.enable()
-    trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
+    fn()
     common.wait_for_gpu()
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-    out["profile"] = text.getvalue()[-6000:]
-    print(out["profile"], flush=True)
-    return out
+    pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(rows)
+    print(text.getvalue()[-8000:], flush=True)
+    return text.getvalue()[-8000:]
 
 
 THROUGHPUT = (
@@ -197,6 +278,9 @@ def run_trl(args, vllm: bool, result: dict) -> None:
     extra = {"use_cpu": True} if args.smoke else {}
     if vllm:
         extra |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_memory_utilization}
+    if args.lengths == "fixed":  # EOS ignored
+        extra["generation_kwargs"] = {"ignore_eos": True} if vllm else {"min_new_tokens": args.max_tokens}
+    extra |= json.loads(args.trl_options)
     config = common.trl_grpo_config(
         str(Path(args.workdir) / "trl"),
         args.prompts,
@@ -204,12 +288,19 @@ def run_trl(args, vllm: bool, result: dict) -> None:
         args.max_tokens,
         max_steps=args.warmup + args.steps,
         logging_steps=1,
-        generation_kwargs={"ignore_eos": True} if vllm else {"min_new_tokens": args.max_tokens},
         **extra,
     )
     result["trl_defaults"] = {
         k: getattr(config, k)
-        for k in ("bf16", "gradient_checkpointing", "loss_type", "num_iterations", "steps_per_generation")
+        for k in (
+            "bf16",
+            "gradient_checkpointing",
+            "loss_type",
+            "num_iterations",
+            "steps_per_generation",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+        )  # fmt: skip
         if hasattr(config, k)
     }
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -229,7 +320,7 @@ def run_trl(args, vllm: bool, result: dict) -> None:
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and result["steps"]:
-                result["steps"][-1]["trl_log"] = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
+                result["steps"][-1]["trl_log"] = {k: number(v) for k, v in logs.items() if number(v) is not None}
 
     t = time.perf_counter()
     trainer = GRPOTrainer(
@@ -288,9 +379,14 @@ def summarize(side: dict, args) -> dict:
         values = [r[key] for r in timed if r.get(key) is not None]
         return statistics.median(values) if values else None
 
+    for r in timed:  # TRL logs its mean completion length
+        r.setdefault("response_length", r.get("trl_log", {}).get("completions/mean_length"))
     out = {"timed_steps": len(timed), "step_s": med("step_s"), "peak_gib": side.get("peak_gib")}
     out["steps_per_s"] = 1 / out["step_s"]
-    out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * args.max_tokens / out["step_s"]
+    length = args.max_tokens if args.lengths == "fixed" else med("response_length")
+    out["response_length_mean"] = length
+    if length:
+        out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * length / out["step_s"]
     for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s",
                 "update_tflops", "update_mfu"):  # fmt: skip
         if med(key) is not None:
@@ -335,7 +431,8 @@ def print_table(summary: dict) -> None:
         print(" | ".join(cells))
 
 
-FORWARD = ("prompts", "n", "max_tokens", "warmup", "steps", "gpu_memory_utilization", "sharding", "engine_options")
+FORWARD = ("prompts", "n", "max_tokens", "warmup", "steps", "gpu_memory_utilization", "sharding", "engine_options",
+           "trainer_options", "trl_options", "lengths")  # fmt: skip
 
 
 def main(args) -> int:
@@ -344,8 +441,10 @@ def main(args) -> int:
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "vs_trl_gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
-    shape = common.TINY if args.smoke else common.QWEN05
-    model = common.build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), shape)
+    shape = common.TINY if args.smoke else {"0.5b": common.QWEN05, "3b": common.QWEN3B}[args.shape]
+    name = "tiny" if args.smoke else f"qwen2.5-{args.shape}-shaped"
+    ends = 0 if args.lengths == "fixed" else round(4 * shape["vocab_size"] / args.max_tokens)
+    model = common.build_model(workdir / (name + (f"-{ends}-ends" if ends else "")), shape, end_ids=ends)
     R = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
@@ -360,7 +459,8 @@ def main(args) -> int:
         cmd = [sys.executable, __file__, "--side", side, "--result", str(result_file), "--model", model]
         for key in FORWARD:
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        cmd += ["--workdir", str(workdir)] + (["--smoke"] if args.smoke else [])
+        cmd += ["--workdir", str(workdir)] + (["--smoke"] if args.smoke else []) + (["--bare"] if args.bare else [])
+        cmd += ["--sync-sweep"] if args.sync_sweep else []
         start = time.perf_counter()
         try:
             code = subprocess.run(cmd, timeout=args.side_timeout).returncode
@@ -392,6 +492,12 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share on both sides")
     p.add_argument("--sharding", default="{}", help="JSON of hybridrl sharding options (strategy single)")
     p.add_argument("--engine-options", default="{}", help="JSON of extra hybridrl rollout options")
+    p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
+    p.add_argument("--trl-options", default='{"gradient_checkpointing": false}', help="JSON over TRL's GRPOConfig")
+    p.add_argument("--shape", choices=["0.5b", "3b"], default="0.5b")
+    p.add_argument("--lengths", choices=["fixed", "long-tail"], default="fixed")
+    p.add_argument("--bare", action="store_true", help="vllm side: also time the bare engine, profile a call")
+    p.add_argument("--sync-sweep", action="store_true", help="vllm side: also time weight syncs by bucket size")
     p.add_argument("--side-timeout", type=float, default=900)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
