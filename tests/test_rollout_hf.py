@@ -46,6 +46,22 @@ def test_n_samples_grouped_by_prompt_and_reproducible(engine):
     assert engine.generate(p, SamplingParams(n=3, max_tokens=8, seed=2)).token_ids != out.token_ids
 
 
+def test_the_cpu_path_prefills_each_prompt_once_for_its_samples(engine):
+    """generate's dynamic-cache path: the prompts' forward pass runs on one row per prompt (all
+    but the last token, which generate then runs for each sample), not on n rows each."""
+    p = prompts(engine.tokenizer, TEXTS)
+    fed = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, a, out: fed.append(tuple(a[0].shape)))
+    try:
+        out = engine.generate(p, SamplingParams(n=4, max_tokens=5, seed=0, ignore_eos=True))
+    finally:
+        hook.remove()
+    P = max(map(len, p))
+    assert fed[0] == (3, P - 1)  # the shared prefill
+    assert fed[1] == (12, 1)  # then every sample, one token at a time
+    assert len(out.token_ids) == 12 and all(len(t) == 5 for t in out.token_ids)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_equal_trainer_logprobs(make_engine, tiny_model, cache, temperature):
