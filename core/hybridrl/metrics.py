@@ -130,9 +130,9 @@ def update_throughput(
 ) -> dict[str, float]:
     """Tokens/s and model FLOP/s through the policy's forward+backward passes of the update
     stage (all epochs; padding not counted), and the MFU where the GPU's peak is known. Tokens
-    count every row's prompt; FLOPs count a prompt once for the rows that share it when
-    ``share_prompts`` (the work done, at most: a prompt whose rows went to several passes ran
-    once in each)."""
+    count every row's prompt. With ``share_prompts`` FLOPs count a prompt once for all the rows
+    that share it: a lower bound of the work done, since a prompt whose rows went to several
+    passes ran once in each."""
     lengths = (batch["prompt_mask"].sum(-1) + batch.response_lengths()).tolist()
     responses = int(batch.response_lengths().sum())
     seconds = max(seconds, 1e-9)

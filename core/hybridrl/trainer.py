@@ -41,6 +41,7 @@ from hybridrl.models import (
     check_model_path,
     disable_dropout,
     end_token_ids,
+    is_checkpointing,
     load_causal_lm,
     load_tokenizer,
     resolve_model_path,
@@ -267,8 +268,8 @@ class Trainer:
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         if batch is not None:
             t = self.config.trainer
-            seconds = timer.times["update"]
-            metrics |= update_throughput(self.policy, batch, t.epochs, seconds, self.ctx.device, self.share_prompts)
+            seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
+            metrics |= update_throughput(self.policy, batch, t.epochs, seconds, self.ctx.device, shared)
         return self.log(step, metrics, rollout if batch is None else batch)
 
     # -- stages -----------------------------------------------------------------------------
