@@ -24,11 +24,48 @@ def masks(prompt_lens, response_lens):
 def test_groups_fit_the_budget_longest_first_and_cover_every_row_once():
     b = masks([3, 5, 4, 3, 2], [10, 2, 7, 1, 30])
     groups = token_budget_split(b, 24)
-    # longest first: row 4 (32 tokens, over the budget: alone), row 0 (13) and row 2 (11) -> 2 x 13 = 26 > 24,
-    # so row 0 alone; row 2 (11) + row 1 (7): 2 x (5 + 7) = 24; + row 3: 3 x 12 = 36 > 24
-    assert groups == [[4], [0], [2, 1], [3]]
+    # longest first: 4 (32 tokens, over the budget: alone), 0 (13), 2 (11), 1 (7), 3 (4). Row 0 goes
+    # alone (with row 2: 2 x 14 = 28 > 24); the rest takes 2 passes at least, and of those cuts
+    # [2] [1, 3] (11 + 2 x 7 = 25 tokens) pads less than [2, 1] [3] (2 x 12 + 4 = 28)
+    assert groups == [[4], [0], [2], [1, 3]]
     assert sorted(i for g in groups for i in g) == list(range(5))
-    assert token_budget_split(b, 10**6) == [[4, 0, 2, 1, 3]]
+    assert token_budget_split(b, 10**6) == [[4, 0, 2, 1, 3]]  # by default: one pass, as it fits
+    assert token_budget_split(b, 10**6, pass_cost=0) == [[4], [0], [2], [1], [3]]  # no padding at all
+
+
+def padded(b, groups):
+    p, r = b["prompt_mask"].sum(-1), b.response_lengths()
+    return sum(len(g) * int(p[g].max() + r[g].max()) for g in groups)
+
+
+def test_long_tail_lengths_run_the_few_long_responses_apart():
+    # 60 responses of 20-40 tokens and 4 of 250-256 behind 100-token prompts: one pass pads all 64 to
+    # 356 tokens (22,784); apart, the short ones take 60 x 216 fewer, more than a pass costs
+    lengths = [20 + i % 21 for i in range(60)] + [250, 252, 254, 256]
+    b = masks([100] * 64, lengths)
+    assert len(token_budget_split(b, 10**6)) == 1  # by default: one pass, as it fits
+    groups = token_budget_split(b, 10**6, pass_cost=4096)
+    assert sorted(map(sorted, groups)) == [list(range(60)), [60, 61, 62, 63]]
+    assert padded(b, groups) == 4 * 356 + 60 * 140 < 64 * 356
+
+
+def test_the_cut_is_the_cheapest_of_every_cut_within_the_budget():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        n = int(torch.randint(1, 8, (1,), generator=gen))
+        prompts, responses = torch.randint(1, 20, (n,), generator=gen), torch.randint(1, 60, (n,), generator=gen)
+        b = masks(prompts.tolist(), responses.tolist())
+        budget, cost = int(torch.randint(20, 300, (1,), generator=gen)), int(torch.randint(0, 80, (1,), generator=gen))
+        groups = token_budget_split(b, budget, pass_cost=cost)
+        order = [i for g in groups for i in g]
+        best = float("inf")
+        for mask in range(2 ** (n - 1)):  # every cut of the rows in this order into runs
+            cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
+            runs = [order[a:z] for a, z in zip(cuts, cuts[1:])]
+            if all(len(g) == 1 or padded(b, [g]) <= budget for g in runs):
+                best = min(best, padded(b, runs) + cost * len(runs))
+        assert padded(b, groups) + cost * len(groups) == best
+        assert all(len(g) == 1 or padded(b, [g]) <= budget for g in groups)
 
 
 def config(model, run_dir, **trainer):
