@@ -19,6 +19,11 @@ difference between the engine's logprobs and the trainer's (``hybridrl.models.re
 of a float32 policy on the same tokens). This runs for the bfloat16 engine (the default on
 CUDA) and for a float32 copy (``dtype: float32``), where the logprobs should match the
 trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
+
+``--profile`` then profiles one call of the decoding loop (torch.profiler, CPU and CUDA): the
+GPU's busy time against the call's wall time (a gap is time the GPU waits for the host), the
+number of kernels per decoding step and the kernels that take the most GPU time. ``--shape 3b``
+takes the Qwen2.5-3B shape instead; ``--paths decode`` skips transformers ``generate``.
 """
 
 from __future__ import annotations
@@ -94,25 +99,57 @@ def logprob_diff(policy, prompts, out, n: int, pad_id: int, device) -> tuple[flo
     return diff.mean().item(), diff.max().item()
 
 
+def profile_decode(engine, prompts, sampling, rows: int = 20) -> dict:
+    """One call of the engine's decoding loop under torch.profiler: wall time, GPU busy time,
+    kernels per decoding step and the kernels with the most GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    common.wait_for_gpu()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds, _ = timed_rollout(engine, prompts, sampling)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> s (overlaps counted twice)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]
+    return {
+        "wall_s": seconds,
+        "gpu_busy_s": busy,
+        "gpu_busy_fraction": busy / seconds,
+        "kernels": len(kernels),
+        "kernels_per_token": len(kernels) / sampling.max_tokens,
+        "ms_per_token": 1e3 * seconds / sampling.max_tokens,
+        "top_kernels": [
+            {"name": name[:120], "calls": len(ms), "total_ms": sum(ms), "mean_us": 1e3 * sum(ms) / len(ms)}
+            for name, ms in top
+        ],
+    }
+
+
 def run_engine(args, ctx, dtype: str, policy, prompts, sampling) -> dict:
     """Warm-up, then alternating timed blocks of both paths on one engine; its rows of the table."""
     from hybridrl import plugins
 
     cls = plugins.lookup("rollout engine", "hf")
     engine = cls(cls.Options(compile="on", cache="static", dtype=dtype), ctx)
-    res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": []} for p in PATHS}
+    paths = args.paths.split(",")
+    res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": []} for p in paths}
     last = {}
     try:
-        for path in PATHS:
+        for path in paths:
             with decoding_path(engine, path):
                 for _ in range(args.warmup):
                     res[path]["warmup_calls_s"].append(timed_rollout(engine, prompts, sampling)[0])
         for _ in range(args.rounds):
-            for path in PATHS:
+            for path in paths:
                 with decoding_path(engine, path):
                     for _ in range(args.calls):
                         seconds, last[path] = timed_rollout(engine, prompts, sampling)
                         res[path]["calls_s"].append(seconds)
+        if args.profile:
+            res["decode"]["profile"] = profile_decode(engine, prompts, sampling)
     finally:
         engine.close()
     tokens = len(prompts) * sampling.n * sampling.max_tokens
@@ -141,15 +178,16 @@ def main(args) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_hf_engine: no CUDA GPU visible; --smoke runs the CPU check of the script.")
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
-    model_dir = args.model or common.build_model(
-        workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"), common.TINY if args.smoke else common.QWEN05
-    )
+    shape = {"0.5b": ("qwen2.5-0.5b-shaped", common.QWEN05), "3b": ("qwen2.5-3b-shaped", common.QWEN3B)}[args.shape]
+    model_dir = args.model or common.build_model(*((workdir / "tiny", common.TINY) if args.smoke else
+                                                   (workdir / shape[0], shape[1])))  # fmt: skip
     R["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     R["machine"] = platform.machine() + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__}  # fmt: skip
     R["config"] = {
         "model": model_dir,
+        "shape": args.shape,
         "device": str(device),
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_chars,
@@ -163,6 +201,8 @@ def main(args) -> None:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "calls": args.calls,
+        "paths": args.paths,
+        "profile": args.profile,
     }
     tokenizer = load_tokenizer(model_dir)
     ctx = RunContext(model_dir, tokenizer, device, torch.float32, 0, workdir / "run")
@@ -176,6 +216,14 @@ def main(args) -> None:
         for row in R["engines"][dtype].values():
             step += 1
             common.print_row({"step": step, **row}, COLUMNS)
+        prof = R["engines"][dtype]["decode"].get("profile")
+        if prof:
+            print(
+                f"profile ({dtype}, decode): {prof['ms_per_token']:.2f} ms a token, GPU busy "
+                f"{prof['gpu_busy_fraction']:.0%} of the call, {prof['kernels_per_token']:.0f} kernels a token"
+            )
+            for k in prof["top_kernels"]:
+                print(f"  {k['total_ms']:>9.1f} ms {k['calls']:>7} x {k['mean_us']:>7.1f} us  {k['name']}")
     R["summary"] = {
         f"{dtype}_{key}": float(f"{R['engines'][dtype][path][field]:.4g}")
         for dtype in R["engines"]
@@ -186,6 +234,7 @@ def main(args) -> None:
             ("same_token_fraction", "generate", "same_token_fraction"),
             ("decode_logprob_diff_max", "decode", "logprob_diff_max"),
         )
+        if path in R["engines"][dtype]
     }
     R["ok"] = True
 
@@ -206,6 +255,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda (--smoke: cpu)")
     p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--shape", choices=("0.5b", "3b"), default="0.5b", help="the random model's shape")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"decoding paths, ','-separated, from {', '.join(PATHS)}")
+    p.add_argument("--profile", action="store_true", help="then profile one call of the decoding loop")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.max_tokens, args.prompt_chars = 2, 2, 16, 32

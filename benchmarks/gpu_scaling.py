@@ -18,7 +18,8 @@ after the other), so every ratio compares sides measured minutes apart on one ma
 
 TRL's side: colocated vLLM, gradient checkpointing off (faster than its default, on), and where
 a step's completions do not fit one pass, gradient accumulation over micro-batches of 64 (8 for
-the 3B shape), the largest that fit in earlier runs; hybridrl's side: its defaults with
+the 3B shape, 16 for 1024 tokens, 4 for 4096), the largest that fit in earlier runs (64 x 1024
+ran out of memory); hybridrl's side: its defaults with
 ``compile``. Prints the table and writes JSON (``--out``, default ``$OUT/scaling_gpu.json``).
 """
 
@@ -46,8 +47,8 @@ ROWS = {
     "ref-long": dict(prompts=8, max_tokens=256, lengths="long-tail", sides="hybridrl-hf,hybridrl-vllm,trl-vllm"),
     "c512": dict(prompts=64, max_tokens=256),
     "c2048": dict(prompts=256, max_tokens=256),
-    "t1024": dict(prompts=8, max_tokens=1024, lengths="long-tail"),
-    "t4096": dict(prompts=8, max_tokens=4096, lengths="long-tail"),
+    "t1024": dict(prompts=8, max_tokens=1024, lengths="long-tail", micro=16),
+    "t4096": dict(prompts=8, max_tokens=4096, lengths="long-tail", micro=4),
     "3b": dict(prompts=8, max_tokens=256, shape="3b", micro=8),
 }
 

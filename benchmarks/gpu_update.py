@@ -13,6 +13,12 @@ Each variant is a fresh Trainer (its real ``update``, as a step runs it) with ot
 model options; ``--warmup`` updates, then ``--steps`` timed ones, the GPU synchronised around
 each. MFU counts the matrix multiplications of the forward and backward passes
 (hybridrl.flops) against the GPU's dense bf16 peak. Writes ``$OUT/update_gpu.json``.
+
+``--lengths long-tail`` gives each step new response lengths, geometric with a mean of about
+max/4 and capped at ``--max-tokens`` (what a real run sees), and ``--pass-costs`` runs each
+variant once per cost of a pass in the trainer's micro-batch cut (``token_budget_split``;
+``budget``: its default). Rows then report the passes of an update and how many graphs
+torch.compile has built by the end (a number that keeps growing means recompiles each step).
 """
 
 from __future__ import annotations
@@ -49,25 +55,42 @@ VARIANTS = {
 }
 
 
-def reference_batch(args, tokenizer, vocab: int):
+def reference_batch(args, tokenizer, vocab: int, step: int = 0):
     import torch
 
     from hybridrl.batch import Batch
     from hybridrl.components import RolloutOutput
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(step if args.lengths == "long-tail" else 0)
     prompts = [tokenizer(common.prompt(i))["input_ids"] for i in range(args.prompts)]
     n = args.prompts * args.n
     tokens = torch.randint(300, vocab, (n, args.max_tokens), generator=g).tolist()
-    out = RolloutOutput(tokens, [[-5.0] * args.max_tokens for _ in range(n)], ["length"] * n)
+    if args.lengths == "long-tail":  # geometric, mean about max/4, a few at max
+        lengths = torch.empty(n).exponential_(4 / args.max_tokens, generator=g).ceil().clamp(1, args.max_tokens)
+        tokens = [row[: int(k)] for row, k in zip(tokens, lengths)]
+    reasons = ["length" if len(t) == args.max_tokens else "stop" for t in tokens]
+    out = RolloutOutput(tokens, [[-5.0] * len(t) for t in tokens], reasons)
     batch = Batch.from_rollout(prompts, out, args.n, tokenizer.pad_token_id)
     batch["scores"] = torch.rand(n, generator=g)
     return batch
 
 
-def run_variant(args, model_dir: str, name: str, device) -> dict:
+def compiled_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except (ImportError, KeyError):
+        return 0
+
+
+def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budget") -> dict:
+    import functools
+
     import torch
 
+    from hybridrl import batch as batch_module
+    from hybridrl import memory
     from hybridrl.config import load_config
     from hybridrl.metrics import update_throughput
     from hybridrl.trainer import Trainer
@@ -95,11 +118,16 @@ def run_variant(args, model_dir: str, name: str, device) -> dict:
         trainer.policy._hybridrl_head_split = False  # the plain path: (B, T, V) logits from the model
         trainer.ref._hybridrl_head_split = False
     trainer.engine.close()
-    batch = reference_batch(args, trainer.tokenizer, trainer.policy.config.vocab_size).to(trainer.ctx.device)
+    cost = None if pass_cost == "budget" else int(pass_cost)
+    memory.token_budget_split = functools.partial(batch_module.token_budget_split, pass_cost=cost)
+    vocab = trainer.policy.config.vocab_size
+    batch = reference_batch(args, trainer.tokenizer, vocab).to(trainer.ctx.device)
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(1, args.warmup + args.steps + 1):
+        if args.lengths == "long-tail":
+            batch = reference_batch(args, trainer.tokenizer, vocab, step).to(trainer.ctx.device)
         b = batch.select(list(range(len(batch))))
         common.wait_for_gpu()
         start = time.perf_counter()
@@ -111,10 +139,14 @@ def run_variant(args, model_dir: str, name: str, device) -> dict:
         common.wait_for_gpu()
         end = time.perf_counter()
         m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
-        rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()}})
+        groups = trainer.passes.groups(b)
+        padded = sum(len(g) * memory.width_of(b.select(g)) for g in groups)
+        rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()},
+                     "passes": len(groups), "padded_tokens": padded, "graphs": compiled_graphs()})  # fmt: skip
         print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)
     timed = rows[args.warmup :]
     res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    res["steps"] = rows
     if device.type == "cuda":
         res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del trainer, batch
@@ -152,13 +184,17 @@ def main(args) -> int:
             "prompt_tokens": common.PROMPT_CHARS,
             "response_tokens": args.max_tokens,
         },  # fmt: skip
+        "lengths": args.lengths,
+        "pass_costs": args.pass_costs,
         "variants": {},
         "errors": {},
     }
     names = [v for v in VARIANTS if not args.only or v in args.only.split(";")]
-    for name in names:
+    costs = args.pass_costs.split(",")
+    for name in [f"{v} | pass cost {c}" if len(costs) > 1 else v for v in names for c in costs]:
+        variant, _, cost = name.partition(" | pass cost ")
         try:
-            R["variants"][name] = run_variant(args, model_dir, name, device)
+            R["variants"][name] = run_variant(args, model_dir, variant, device, cost or costs[0])
         except Exception as e:  # noqa: BLE001 - one variant failing keeps the others
             R["errors"][name] = traceback.format_exc()[-3000:]
             print(f"  [{name}] failed: {e!r}", flush=True)
@@ -166,13 +202,14 @@ def main(args) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         out.write_text(json.dumps(R, indent=1) + "\n")
-    head = ["update s", "train tok/s", "TFLOP/s", "MFU", "logprobs s", "peak GiB"]
-    print(f"\n{'variant':<34} " + " ".join(f"{h:>11}" for h in head))
+    head = ["update s", "train tok/s", "TFLOP/s", "MFU", "logprobs s", "peak GiB", "passes", "padded", "graphs"]
+    print(f"\n{'variant':<48} " + " ".join(f"{h:>11}" for h in head))
     for name, r in R["variants"].items():
         mfu = f"{r['update_mfu']:.1%}" if "update_mfu" in r else "-"
         cells = [f"{r['update_s']:.3f}", f"{r['train_tokens_per_s']:,.0f}", f"{r['update_tflops']:.1f}", mfu,
-                 f"{r['logprobs_s']:.3f}", f"{r.get('peak_alloc_gib', 0):.1f}"]  # fmt: skip
-        print(f"{name:<34} " + " ".join(f"{c:>11}" for c in cells))
+                 f"{r['logprobs_s']:.3f}", f"{r.get('peak_alloc_gib', 0):.1f}", f"{r['passes']:.1f}",
+                 f"{r['padded_tokens']:,.0f}", f"{r['graphs']:.0f}"]  # fmt: skip
+        print(f"{name:<48} " + " ".join(f"{c:>11}" for c in cells))
     print(f"wrote {out}")
     return 0
 
@@ -191,6 +228,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda (--smoke: cpu)")
     p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--lengths", choices=("fixed", "long-tail"), default="fixed", help="response lengths")
+    p.add_argument("--pass-costs", default="budget", help="','-separated: 'budget' (the default) or tokens")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 16, 1, 1
