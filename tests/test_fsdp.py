@@ -46,7 +46,7 @@ CASES = {
         "sharding": {"mode": "hybrid_shard", "shard_group_size": 1},
         "trainer": {"max_grad_norm": 0.05},
     },
-    "token_budget": {  # a token budget under torchrun: budget / the widest row of any rank, rows a pass
+    "token_budget": {  # a token budget under torchrun: each rank cut by its lengths, as many passes as the most
         "algorithm": {"name": "grpo", "loss_agg_mode": "seq-mean-token-mean"},
         "trainer": {"micro_batch_tokens": 80, "max_grad_norm": 1e6},
     },

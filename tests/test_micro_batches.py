@@ -6,6 +6,7 @@ import torch
 
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
+from hybridrl.memory import split_widest
 from hybridrl.models import head_split
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
@@ -66,6 +67,19 @@ def test_the_cut_is_the_cheapest_of_every_cut_within_the_budget():
                 best = min(best, padded(b, runs) + cost * len(runs))
         assert padded(b, groups) + cost * len(groups) == best
         assert all(len(g) == 1 or padded(b, [g]) <= budget for g in groups)
+
+
+def test_a_rank_with_fewer_passes_splits_its_most_padded_ones_to_match_the_others():
+    # under torchrun every rank runs as many passes as the rank with the most
+    b = masks([10] * 6, [40, 38, 30, 5, 4, 3])
+    groups = token_budget_split(b, 10**6)
+    assert groups == [[0, 1, 2, 3, 4, 5]]  # 6 x 50 = 300 tokens
+    three = split_widest(b, groups, 3)
+    # halves of the widest each time: [0, 1, 2] [3, 4, 5] (150 + 45), then [0] [1, 2] (50 + 96)
+    assert three == [[0], [1, 2], [3, 4, 5]]
+    assert padded(b, three) == 50 + 2 * 48 + 3 * 15 < padded(b, groups)
+    assert split_widest(b, groups, 1) == groups
+    assert sorted(i for g in split_widest(b, groups, 6) for i in g) == list(range(6))
 
 
 def config(model, run_dir, **trainer):

@@ -194,10 +194,10 @@ class TrainerConfig(Strict):
         "passes). Each mini-batch's responses, longest first, are cut into as few micro-batches as keep their padded "
         "size (rows x (longest prompt + longest response)) within it (one more only where it saves more padded "
         "tokens than a pass holds), with the least padding; a longer response goes alone (verl's "
-        "ppo_max_token_len_per_gpu). Under torchrun, budget / the widest row of "
-        "any rank responses a pass. 'auto': on a GPU, 80% of the memory free at the first pass over the "
-        "activations a token needs (printed at the start); on the CPU, no budget. None: the whole mini-batch in "
-        "one pass.",
+        "ppo_max_token_len_per_gpu). Under torchrun, each rank cuts its own rows, and splits its most padded "
+        "passes until it has as many as the rank with the most. 'auto': on a GPU, 80% of the memory free at the "
+        "first pass over the activations a token needs (printed at the start); on the CPU, no budget. None: the "
+        "whole mini-batch in one pass.",
     )
     share_prompts: bool | Literal["auto"] = Field(
         "auto",

@@ -69,8 +69,9 @@ class MicroBatches:
     ``trainer.micro_batch_tokens`` tokens (an int, or ``auto``), or the whole batch.
 
     Under a multi-process strategy every rank must run the same number of passes (each one is
-    collective), so a token budget there becomes a number of rows: the budget over the widest
-    padded row of any rank."""
+    collective): each rank cuts its own rows by their lengths, and a rank with fewer passes
+    than another splits its most padded ones until it has as many (verl's dynamic batch size
+    likewise gives every data-parallel rank the largest rank's number of micro-batches)."""
 
     def __init__(self, size: int | None, tokens: int | str | None, model_config, strategy, device: torch.device):
         self.size, self.tokens, self.device = size, None if size else tokens, device
@@ -100,10 +101,30 @@ class MicroBatches:
     def groups(self, batch: Batch) -> list[list[int]]:
         """Row indices of each pass over ``batch``."""
         tokens = self.budget()
-        if tokens and distributed.world_size() > 1:
-            width = int(distributed.all_reduce([float(width_of(batch))], "max")[0])
-            return consecutive(len(batch), max(1, tokens // width))
-        return token_budget_split(batch, tokens) if tokens else consecutive(len(batch), self.size)
+        if not tokens:
+            return consecutive(len(batch), self.size)
+        groups = token_budget_split(batch, tokens)
+        if distributed.world_size() > 1:  # every rank the same number of passes, each cut by its own lengths
+            passes = int(distributed.all_reduce([float(len(groups))], "max")[0])
+            groups = split_widest(batch, groups, passes)
+        return groups
+
+
+def split_widest(batch: Batch, groups: list[list[int]], passes: int) -> list[list[int]]:
+    """``groups`` (rows longest first within each) cut further until there are ``passes``: each
+    time the pass of the most padded tokens, into halves (neither pads more than it did). Needs
+    ``passes`` <= rows."""
+    prompt, response = batch["prompt_mask"].sum(-1).tolist(), batch.response_lengths().tolist()
+
+    def padded(g):
+        return len(g) * (max(prompt[i] for i in g) + max(response[i] for i in g))
+
+    groups = list(groups)
+    while len(groups) < passes:
+        k = max((k for k, g in enumerate(groups) if len(g) > 1), key=lambda k: padded(groups[k]))
+        g = groups[k]
+        groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups
 
 
 def consecutive(rows: int, size: int | None) -> list[list[int]]:
