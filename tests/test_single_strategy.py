@@ -6,7 +6,7 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.components import RunContext
-from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.models import head_split, load_causal_lm, load_tokenizer, response_logprobs
 
 
 def strategy(tiny_model, tmp_path, **options):
@@ -64,7 +64,11 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
     model = compiled.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers)
     assert model._hybridrl_fused_head == 8 * 2**30  # the output layer's compiled chunk, keep_logits_gib 8
+    torch._dynamo.reset()  # no graphs of earlier tests
+    assert head_split(model) is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # its probe compiled nothing
     lp2, grads2 = loss_and_grads(model, compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the passes did
     assert torch.allclose(lp, lp2, atol=1e-5)
     for n in grads:
         assert torch.allclose(grads[n], grads2[n], rtol=1e-4, atol=1e-6), n

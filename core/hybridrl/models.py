@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -352,7 +353,10 @@ def _find_head_split(model):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():  # called as response_logprobs calls them
+        # called as response_logprobs calls them; compiled blocks run eagerly here, so that this
+        # one-token-batch probe neither compiles a graph of its own nor takes one of the
+        # recompilations torch.compile allows a function
+        with torch.no_grad(), _eager():
             want = model(**kwargs, use_cache=False).logits[:, -1].float()
             got = head(body(**kwargs, use_cache=False).last_hidden_state[:, -1]).float()
     except Exception:  # noqa: BLE001 - an unusual body signature: the plain path works for every model
@@ -361,6 +365,12 @@ def _find_head_split(model):
         model.train(was_training)
     same = torch.allclose(want, got, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1)))
     return (body, head) if same else None
+
+
+def _eager():
+    """Inside it, compiled functions and modules run their Python code, compiling nothing."""
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return stance("force_eager") if stance else contextlib.nullcontext()
 
 
 def fuse_output_layer(model: torch.nn.Module, keep_bytes: int) -> None:
