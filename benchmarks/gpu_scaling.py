@@ -18,8 +18,8 @@ after the other), so every ratio compares sides measured minutes apart on one ma
 
 TRL's side: colocated vLLM, gradient checkpointing off (faster than its default, on), and where
 a step's completions do not fit one pass, gradient accumulation over micro-batches of 64 (8 for
-the 3B shape, 16 for 1024 tokens, 4 for 4096), the largest that fit in earlier runs (64 x 1024
-ran out of memory); hybridrl's side: its defaults with
+the 3B shape), the largest that fit in earlier runs, and of 16 at 1024 tokens and 4 at 4096
+(64 x 1024 ran out of memory; larger ones were not tried); hybridrl's side: its defaults with
 ``compile``. Prints the table and writes JSON (``--out``, default ``$OUT/scaling_gpu.json``).
 """
 
