@@ -151,11 +151,11 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
 
 
-def launch(tmp_path: Path, name: str, data: dict, mode="train", *overrides: str, timeout: float = 600, nproc=2):
+def launch(tmp_path: Path, name: str, data: dict, mode="train", *overrides: str, timeout=600.0, nproc=2, env=None):
     out = tmp_path / f"{name}-out"
     out.mkdir(exist_ok=True)
     cfg = write_config(tmp_path / f"{name}.yaml", data)
-    return torchrun([__file__, mode, str(out), cfg, *overrides], nproc=nproc, timeout=timeout), out
+    return torchrun([__file__, mode, str(out), cfg, *overrides], nproc=nproc, timeout=timeout, env=env), out
 
 
 def test_fsdp_step_with_an_engine_per_rank_equals_one_process(model_dir, tmp_path):
@@ -233,7 +233,11 @@ def test_killed_at_step_3_and_resumed_gives_the_same_metrics(model_dir, tmp_path
 
 def test_a_rank_killed_in_the_sync_stops_the_other_with_its_name(model_dir, tmp_path):
     data = config(model_dir, tmp_path / "run", trainer={"steps": 3, "timeout_s": 60})
-    proc, _ = launch(tmp_path, "run", data, "die-in-sync", timeout=300)  # a hang fails here
+    # torchrun stops the other ranks once it sees one exit, by default within 0.1 s, which on a
+    # loaded machine came before rank 0 had said what it saw (torchrun's own report names the dead
+    # rank then); here its agent looks every 5 s (--monitor-interval, from PET_MONITOR_INTERVAL)
+    slow_agent = {"PET_MONITOR_INTERVAL": "5"}
+    proc, _ = launch(tmp_path, "run", data, "die-in-sync", timeout=300, env=slow_agent)  # a hang fails here
     assert proc.returncode != 0
     err = proc.stderr
     assert "step 2: rank 0 lost the other ranks in stage 'sync'" in err, err[-4000:]
