@@ -208,8 +208,8 @@ def token_budget_split(batch: Batch, max_tokens: int, pass_cost: int | None = No
     tokens than a whole pass holds, so most batches run in the fewest passes, with the least
     padding of those: on an H200 with compiled blocks, cutting a long-tail batch of 64
     responses by length at a cost of 4,096 tokens took longer (update 0.26-0.46 s) than one
-    padded pass (0.165 s), see docs/performance.md. Found exactly by dynamic programming over the cut
-    points (rows x rows steps, vectorised).
+    padded pass (0.165 s), see docs/performance.md. Found exactly by dynamic programming over
+    the cut points (rows x rows steps, vectorised).
     """
     import numpy as np
 

@@ -354,7 +354,7 @@ def _find_head_split(model):
     model.eval()
     try:
         # called as response_logprobs calls them; compiled blocks run eagerly here, so that this
-        # one-token-batch probe neither compiles a graph of its own nor takes one of the
+        # probe of one row neither compiles a graph of its own nor takes one of the
         # recompilations torch.compile allows a function
         with torch.no_grad(), _eager():
             want = model(**kwargs, use_cache=False).logits[:, -1].float()
