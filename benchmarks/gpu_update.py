@@ -140,8 +140,8 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
         end = time.perf_counter()
         m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
         groups = trainer.passes.groups(b)
-        prompt, response = b["prompt_mask"].sum(-1), b.response_lengths()
-        padded = sum(len(g) * int(prompt[g].max() + response[g].max()) for g in groups)  # what the passes run
+        prompt, response = b["prompt_mask"].sum(-1).tolist(), b.response_lengths().tolist()
+        padded = sum(batch_module.padded_tokens(prompt, response, g) for g in groups)  # what the passes run
         rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()},
                      "passes": len(groups), "padded_tokens": padded, "graphs": compiled_graphs()})  # fmt: skip
         print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)

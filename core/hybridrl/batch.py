@@ -196,6 +196,12 @@ def first_groups(batch: Batch, k: int) -> Batch:
     return batch.select(torch.nonzero(keep).squeeze(-1).cpu())
 
 
+def padded_tokens(prompt: list[int], response: list[int], rows: list[int]) -> int:
+    """Tokens a pass of ``rows`` runs, of rows with ``prompt[i]`` and ``response[i]`` tokens: each
+    row at its longest prompt + its longest response (the shared padding is cut)."""
+    return len(rows) * (max(prompt[i] for i in rows) + max(response[i] for i in rows))
+
+
 def token_budget_split(batch: Batch, max_tokens: int, pass_cost: int | None = None) -> list[list[int]]:
     """Row indices of micro-batches whose padded size fits ``max_tokens``, longest rows first.
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from hybridrl import distributed
-from hybridrl.batch import Batch, token_budget_split
+from hybridrl.batch import Batch, padded_tokens, token_budget_split
 from hybridrl.errors import StageError
 
 AUTO_FRACTION = 0.8  # of the free memory; the estimate is an upper bound (see docs/performance.md)
@@ -115,13 +115,11 @@ def split_widest(batch: Batch, groups: list[list[int]], passes: int) -> list[lis
     time the pass of the most padded tokens, into halves (neither pads more than it did). Needs
     ``passes`` <= rows."""
     prompt, response = batch["prompt_mask"].sum(-1).tolist(), batch.response_lengths().tolist()
-
-    def padded(g):
-        return len(g) * (max(prompt[i] for i in g) + max(response[i] for i in g))
-
     groups = list(groups)
     while len(groups) < passes:
-        k = max((k for k, g in enumerate(groups) if len(g) > 1), key=lambda k: padded(groups[k]))
+        k = max(
+            (k for k, g in enumerate(groups) if len(g) > 1), key=lambda k: padded_tokens(prompt, response, groups[k])
+        )
         g = groups[k]
         groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
     return groups
