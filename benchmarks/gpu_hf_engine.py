@@ -23,7 +23,9 @@ trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
 ``--profile`` then profiles one call of the decoding loop (torch.profiler, CPU and CUDA): the
 GPU's busy time against the call's wall time (a gap is time the GPU waits for the host), the
 number of kernels per decoding step and the kernels that take the most GPU time. ``--shape 3b``
-takes the Qwen2.5-3B shape instead; ``--paths decode`` skips transformers ``generate``.
+takes the Qwen2.5-3B shape instead; ``--paths decode`` skips transformers ``generate``, and
+``--paths decode,decode:0,decode:1`` adds the loop with ``graph_tokens`` 0 (no CUDA graphs) and 1
+(a CUDA graph a token) against its default (16).
 """
 
 from __future__ import annotations
@@ -59,13 +61,18 @@ COLUMNS = [
 @contextlib.contextmanager
 def decoding_path(engine, path: str):
     """Let ``engine`` decode through ``path`` inside the block: 'decode' is what it does on the
-    static cache; 'generate' binds its ``_generate_hf`` in place of ``_decode`` on this instance."""
+    static cache, 'decode:K' the same with ``graph_tokens`` K (0: no CUDA graphs); 'generate'
+    binds its ``_generate_hf`` in place of ``_decode`` on this instance."""
+    default = engine.graph_tokens
     if path == "generate":
         engine._decode = engine._generate_hf
+    elif path.startswith("decode:"):
+        engine.graph_tokens = int(path.split(":")[1])
     try:
         yield engine
     finally:
         vars(engine).pop("_decode", None)
+        engine.graph_tokens = default
 
 
 def timed_rollout(engine, prompts, sampling):
@@ -256,7 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--shape", choices=("0.5b", "3b"), default="0.5b", help="the random model's shape")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"decoding paths, ','-separated, from {', '.join(PATHS)}")
+    paths = ", ".join(PATHS)
+    p.add_argument("--paths", default=",".join(PATHS), help=f"decoding paths, ','-separated: {paths}, decode:K")
     p.add_argument("--profile", action="store_true", help="then profile one call of the decoding loop")
     args = p.parse_args(argv)
     if args.smoke:

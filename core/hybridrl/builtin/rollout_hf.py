@@ -5,10 +5,11 @@ values preallocated for prompt + ``max_tokens``) and our own decoding loop (``_d
 loop samples exactly as ``generate`` does (its temperature/top-k/top-p processors, softmax,
 ``torch.multinomial``: the same tokens for the same seed) and records each token's logprob
 under the temperature-scaled distribution the trainer scores. Compiled, one decoding step (the
-attention mask, the forward, the sampling) is one graph, a CUDA graph on CUDA, and the host
-waits for the device only every ``FINISHED_CHECK_EVERY`` tokens to see whether every sequence
-has ended (at an end token, or with a stop string in its decoded text); the prefill runs
-eagerly. On the static cache the model's SDPA attention is swapped for
+attention mask, the forward, the sampling, the bookkeeping of tokens and ended rows) is one
+graph, whose state lives on the device (``_Loop``); on CUDA ``graph_tokens`` steps (16) are
+captured as one CUDA graph and replayed as one launch, and the host waits for the device only
+between two such runs, to see whether every sequence has ended (at an end token, or with a stop
+string in its decoded text); the prefill runs eagerly. On the static cache the model's SDPA attention is swapped for
 :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
 q/k/v and gate/up projections run as one matrix multiplication each (:func:`fuse_projections`).
 To keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
@@ -44,7 +45,8 @@ from hybridrl.models import end_token_ids, load_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
-FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended
+FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
+KEPT_SHAPES = 2  # decoding shapes whose static cache and CUDA graphs an engine keeps
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 
@@ -188,6 +190,37 @@ def fuse_projections(model: torch.nn.Module) -> int:
     return fused
 
 
+class _Loop:
+    """The decoding loop's state for one shape (rows, prompt and response lengths) on the device:
+    the static KV cache, the tokens and logprobs so far, which rows have ended, the next token and
+    the index of the last one recorded. Every call of that shape reuses them in place, at fixed
+    addresses, so that the CUDA graphs captured over them (``graphs``, one per number of steps and
+    sampling settings, in the loop's own memory pool) replay from call to call."""
+
+    def __init__(self, model, batch: int, prompt: int, tokens: int, pad_id: int, device: torch.device):
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt + tokens)
+        self.tokens = torch.full((batch, tokens), pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(batch, tokens, device=device)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.token = torch.zeros(batch, dtype=torch.long, device=device)
+        self.at = torch.zeros((), dtype=torch.long, device=device)  # index of the last token recorded
+        self.full = torch.ones(batch, prompt + tokens, dtype=torch.long, device=device)  # future slots: causal
+        self.next_pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: warmed up, not yet captured
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+    def reset(self, mask: torch.Tensor, pad_id: int) -> None:
+        self.cache.reset()
+        self.tokens.fill_(pad_id)
+        self.logprobs.zero_()
+        self.done.zero_()
+        self.at.zero_()
+        self.full[:, : mask.shape[1]].copy_(mask)
+        self.next_pos.copy_(mask.long().sum(-1, keepdim=True))  # where the first response token goes
+
+
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the engine's copy: ``choice``, or for 'auto' bfloat16 on a CUDA GPU that
     supports it when the policy is float32, else the policy's."""
@@ -201,7 +234,7 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
 class HFEngine(RolloutEngine):
     """A transformers copy of the policy, with the logprob of each sampled token.
     Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a compiled decoding
-    loop (a CUDA graph per token), with prompts padded to a multiple of 64 tokens so that the compiled graphs
+    loop (a CUDA graph per 16 tokens), with prompts padded to a multiple of 64 tokens so that the compiled graphs
     serve every step; the first steps are slower while it compiles (set compile: off for short
     runs). On the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's
     dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
@@ -217,9 +250,9 @@ class HFEngine(RolloutEngine):
         )
         compile: Literal["auto", "on", "off"] = Field(
             "auto",
-            description="Compile each decoding step (mask, forward, sampling) with torch.compile, as one "
-            "CUDA graph on CUDA; needs the static cache. 'auto': on with the static cache on CUDA, off "
-            "elsewhere. The first steps are slower while it compiles.",
+            description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
+            "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
+            "on CUDA, off elsewhere. The first steps are slower while it compiles.",
         )
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
             "auto",
@@ -232,6 +265,14 @@ class HFEngine(RolloutEngine):
             description="Run each layer's q/k/v projections, and its gate and up projections, as one "
             "matrix multiplication each in the engine's copy (fewer, wider kernels per decoding step). "
             "'auto': on with the static cache.",
+        )
+        graph_tokens: int = Field(
+            FINISHED_CHECK_EVERY,
+            ge=0,
+            description="Compiled decoding on CUDA: this many decoding steps are captured as one CUDA "
+            "graph and launched as one, and the host checks whether every sequence has ended between two "
+            "of them. 0: no CUDA graphs (each step's compiled kernels launched one by one, the check every "
+            f"{FINISHED_CHECK_EVERY} tokens).",
         )
         pad_prompts_to_multiple: int = Field(
             0,
@@ -268,7 +309,8 @@ class HFEngine(RolloutEngine):
         from transformers import GenerationConfig
 
         self.model.generation_config = GenerationConfig()
-        self._cache, self._cache_key, self._compiled_step = None, None, None
+        self._loops: dict[tuple, _Loop] = {}
+        self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
@@ -331,59 +373,92 @@ class HFEngine(RolloutEngine):
         token = torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), num_samples=1).squeeze(1)
         return token, logp.gather(-1, token[:, None]).squeeze(1)
 
-    def _step(self, token, pos, full, sampling, warpers):
-        """One decoding step on the static cache: the next token and its logprob."""
+    def _record(self, loop, token, logprob, sampling):
+        """Write the token and logprob of every row at ``loop.at`` (padding and 0 where the row has
+        ended), then mark the rows whose token ends them."""
+        token = torch.where(loop.done, self.pad_id, token)
+        loop.tokens.index_copy_(1, loop.at.view(1), token[:, None])
+        loop.logprobs.index_copy_(1, loop.at.view(1), logprob.masked_fill(loop.done, 0.0)[:, None])
+        loop.token.copy_(token)
+        if not sampling.ignore_eos:
+            loop.done.logical_or_(self._is_end[token])
+
+    def _step(self, loop, sampling, warpers):
+        """One decoding step on the static cache, on the device alone: the forward of the last token,
+        the next one sampled and recorded."""
         inputs = self.model.prepare_inputs_for_generation(
-            token[:, None], past_key_values=self._cache, attention_mask=full, position_ids=pos, use_cache=True
+            loop.token[:, None],
+            past_key_values=loop.cache,
+            attention_mask=loop.full,
+            position_ids=loop.next_pos + loop.at,
+            use_cache=True,
         )
-        return self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
+        token, logprob = self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
+        loop.at.add_(1)
+        self._record(loop, token, logprob, sampling)
 
     def _decode(self, ids, mask, sampling):
         """Our own sampling loop on the static KV cache. It samples as ``generate`` does (the same
-        tokens for the same seed) without its per-token overhead: compiled, a whole step (mask,
-        forward, sampling) is one graph (a CUDA graph on CUDA), and nothing waits for the device
-        except a check that every sequence has ended, every ``FINISHED_CHECK_EVERY`` tokens."""
+        tokens for the same seed) without its per-token overhead: each step is one compiled graph
+        (mask, forward, sampling, bookkeeping), on CUDA ``graph_tokens`` steps are captured as one
+        CUDA graph, and nothing waits for the device except a check that every sequence has ended,
+        between two such runs of steps."""
         model, n, T = self.model, sampling.n, sampling.max_tokens
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         (B, P), device = ids.shape, ids.device
-        cache = self._static_cache(B, P + T)
-        full = torch.cat([mask, mask.new_ones(B, T)], dim=1)  # future slots: hidden by causality
+        loop = self._loop(B, P, T, device)
+        loop.reset(mask, self.pad_id)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         warpers = self._warpers(sampling)
+        if self._is_end is None:
+            # a table lookup per token: torch.isin over more than a few end ids sorts on the device and
+            # waits for it, which stalls the queue of compiled steps at every token
+            vocab = max(model.get_output_embeddings().weight.shape[0], max(self.eos_ids, default=0) + 1)
+            self._is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._is_end[sorted(self.eos_ids)] = True
         if self.compile and self._compiled_step is None:
-            mode = "reduce-overhead" if device.type == "cuda" else "default"  # CUDA graphs
-            self._compiled_step = torch.compile(self._step, mode=mode, dynamic=False)
-        step = self._compiled_step if self.compile else self._step
-        # a table lookup per token: torch.isin over more than a few end ids sorts on the device and
-        # waits for it, which stalls the queue of compiled steps at every token
-        vocab = max(model.get_output_embeddings().weight.shape[0], max(self.eos_ids, default=0) + 1)
-        is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
-        is_end[sorted(self.eos_ids)] = True
-        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
-        logprobs = torch.zeros(B, T, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
+            self._compiled_step = torch.compile(self._step, dynamic=False)  # CUDA graphs: _run_steps
 
         inputs = model.prepare_inputs_for_generation(
-            ids, past_key_values=cache, attention_mask=full, position_ids=pos, use_cache=True, is_first_iteration=True
-        )
+            ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
+            is_first_iteration=True,
+        )  # fmt: skip
         token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
-        next_pos = pos[:, -1:] + 1
-        ends = not sampling.ignore_eos or bool(sampling.stop)
-        for t in range(T):  # prefill eager, like generate: its shapes change from call to call
-            token = torch.where(done, self.pad_id, token)
-            tokens[:, t], logprobs[:, t] = token, logprob.masked_fill(done, 0.0)
-            if not sampling.ignore_eos:
-                done |= is_end[token]
-            if ends and (t + 1) % FINISHED_CHECK_EVERY == 0:
+        self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
+        every = self.graph_tokens or FINISHED_CHECK_EVERY
+        ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
+        while recorded < T:
+            steps = min(every - recorded % every, T - recorded)
+            self._run_steps(loop, steps, sampling, warpers)
+            recorded += steps
+            if ends and recorded % every == 0:
                 if sampling.stop:
-                    done |= self._stopped(tokens[:, : t + 1], done, sampling.stop)
-                if bool(done.all()):
-                    tokens, logprobs = tokens[:, : t + 1], logprobs[:, : t + 1]
+                    loop.done.logical_or_(self._stopped(loop.tokens[:, :recorded], loop.done, sampling.stop))
+                if bool(loop.done.all()):
                     break
-            if t + 1 < T:
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read
-                token, logprob = step(token, next_pos + t, full, sampling, warpers)
-        return tokens, logprobs
+        return loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
+
+    def _run_steps(self, loop, steps, sampling, warpers):
+        """``steps`` decoding steps. On CUDA with compile (and ``graph_tokens``), the first run of a
+        number of steps and sampling settings runs them as they are (which compiles the step), the
+        second captures them as one CUDA graph, and every run from then on replays it: the host
+        launches one graph instead of each step's kernels, and keeps no per-step bookkeeping."""
+        step = self._compiled_step if self.compile else self._step
+        key = (steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
+        graphs = loop.graphs if self.compile and self.graph_tokens and loop.pool is not None else None
+        if graphs is None or key not in graphs:
+            for _ in range(steps):
+                step(loop, sampling, warpers)
+            if graphs is not None:
+                graphs[key] = None
+            return
+        if graphs[key] is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=loop.pool):
+                for _ in range(steps):
+                    step(loop, sampling, warpers)
+            graphs[key] = graph
+        graphs[key].replay()
 
     def _stopped(self, tokens, done, stops):
         """Rows not yet done whose text so far holds a stop string. Rows go on sampling until this
@@ -396,18 +471,15 @@ class HFEngine(RolloutEngine):
         stopped[hit] = True
         return stopped
 
-    def _static_cache(self, batch, length):
-        """One static cache per shape, reset and reused: compiled graphs keep its addresses."""
-        from transformers import StaticCache
-
-        key = (batch, length)
-        if self._cache_key != key:
-            self._cache = None  # free the old one first
-            self._cache = StaticCache(config=self.model.config, max_cache_len=length)
-            self._cache_key = key
-        else:
-            self._cache.reset()
-        return self._cache
+    def _loop(self, batch, prompt, tokens, device) -> _Loop:
+        """The loop state of this shape: kept for the last ``KEPT_SHAPES`` shapes (a rollout's and the
+        sync check's one-token probe), whose captured graphs hold their addresses."""
+        key = (batch, prompt, tokens)
+        loop = self._loops.pop(key, None) or _Loop(self.model, batch, prompt, tokens, self.pad_id, device)
+        self._loops[key] = loop  # the most recent last
+        while len(self._loops) > KEPT_SHAPES:
+            self._loops.pop(next(iter(self._loops)))
+        return loop
 
     def _generate_hf(self, ids, mask, sampling):
         """transformers ``generate``: the dynamic cache."""
