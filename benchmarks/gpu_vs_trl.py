@@ -120,7 +120,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
     calls = record_calls(trainer.engine)
     for logger in trainer.loggers:  # train() would open them; this drives step() itself, to time each
         logger.open(args.warmup + args.steps, 0)
-    keep = ("rollout", "logprobs", "update", "sync", "reward", "advantages")
+    keep = ("rollout", "logprobs", "update", "sync", "sync_check", "reward", "advantages")
     for step in range(1, args.warmup + args.steps + 1):
         common.wait_for_gpu()
         start = time.perf_counter()
@@ -387,8 +387,8 @@ def summarize(side: dict, args) -> dict:
     out["response_length_mean"] = length
     if length:
         out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * length / out["step_s"]
-    for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s",
-                "update_tflops", "update_mfu"):  # fmt: skip
+    for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "sync_check_s", "rollout_tokens_per_s",
+                "train_tokens_per_s", "update_tflops", "update_mfu"):  # fmt: skip
         if med(key) is not None:
             out[key] = med(key)
     return out
@@ -419,6 +419,7 @@ COLUMNS = [
     ("train tok/s", "train_tokens_per_s", "{:>11,.0f}"),
     ("MFU", "update_mfu", "{:>6.1%}"),
     ("sync s", "sync_s", "{:>6.3f}"),
+    ("check s", "sync_check_s", "{:>7.3f}"),
 ]
 
 

@@ -47,7 +47,12 @@ def rows(run_dir):
 
 
 def comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/"))}
+    """A row's metrics but times and the sync check's, which runs again after the first sync of a resume."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "throughput/")) and k != "rollout/sync_check_diff_max"
+    }
 
 
 # A runner that registers a plugin which blocks in on_step_end of a chosen step, so the test
@@ -219,6 +224,18 @@ class StaleEngine(HFEngine):
             pass
 
 
+class LateStaleEngine(HFEngine):
+    """The hf engine, taking the weights of its first two syncs and none after (a sync that breaks
+    mid-run)."""
+
+    def update_weights(self, named_tensors):
+        self.syncs = getattr(self, "syncs", 0) + 1
+        if self.syncs <= 2:
+            return super().update_weights(named_tensors)
+        for _ in named_tensors:
+            pass
+
+
 class ClosingReward(RewardFunction):
     """Counts its close() calls, as reward_hf's models and HTTP sessions release themselves there."""
 
@@ -242,6 +259,7 @@ class TestPlugins:
     def register_rollout_engines(self, register):
         register("empty", EmptyEngine)
         register("stale", StaleEngine)
+        register("late-stale", LateStaleEngine)
 
 
 def test_nan_reward_aborts_naming_the_reward_and_keeps_the_checkpoint(tiny_model, tmp_path, register_plugin, capfd):
@@ -296,6 +314,17 @@ def test_an_engine_that_did_not_take_the_weights_stops_the_run_after_the_sync(ti
     data["trainer"]["run_dir"] = str(tmp_path / "unchecked")
     metrics = Trainer(load_config(data=data)).train()
     assert metrics["rollout/logprob_diff_mean"] > 0.01 and "rollout/sync_check_diff_max" not in metrics
+
+
+@pytest.mark.parametrize("every, caught", [(1, 3), (2, 4)])
+def test_the_sync_check_runs_after_the_first_sync_then_every_n(tiny_model, tmp_path, register_plugin, every, caught):
+    """The engine stops taking the weights at the sync of step 3: a check every step sees it there;
+    every 2 steps (after steps 1, 2, 4) at step 4."""
+    register_plugin(TestPlugins(), name="test-plugins")
+    data = config(tiny_model, tmp_path / "run", steps=5, lr=0.1)
+    data["rollout"] |= {"engine": "late-stale", "sync_check_every": every}
+    with pytest.raises(StageError, match=rf"'late-stale' on rank\(s\) \[0\]: after the weight sync of step {caught} "):
+        Trainer(load_config(data=data)).train()
 
 
 def test_failing_reward_is_named(tiny_model, tmp_path, register_plugin):

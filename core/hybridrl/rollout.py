@@ -41,13 +41,16 @@ class RolloutStage:
         return SamplingParams(**r.model_dump(include=set(Sampling.model_fields)), seed=seed)
 
     @torch.no_grad()
-    def check_sync(self, step: int, policy_logprobs, samples: int = 8) -> dict[str, float]:
+    def check_sync(self, step: int, policy_logprobs, first: bool = True, samples: int = 8) -> dict[str, float]:
         """After a weight sync, on every rank: the engine samples one token ``samples`` times for the
         first row's prompt, and its logprobs are compared with ``policy_logprobs(batch)`` (B, T); a
-        mean difference above ``rollout.sync_check`` is an error naming the ranks."""
-        tol = self.config.rollout.sync_check
-        if not tol or not self.engine.holds_latest_weights():
+        mean difference above ``rollout.sync_check`` is an error naming the ranks. It runs after the
+        ``first`` sync of a run and then every ``rollout.sync_check_every`` steps."""
+        r = self.config.rollout
+        due = first or (r.sync_check_every > 0 and step % r.sync_check_every == 0)
+        if not r.sync_check or not due or not self.engine.holds_latest_weights():
             return {}
+        tol = r.sync_check
         self.engine.wake_up()  # the next step's rollout needs it awake anyway
         ids, _ = encode_prompt(self.data[0], self.config.data, self.tokenizer, self.tools)
         keys = self.config.rollout.model_dump(include={"temperature", "top_p", "top_k"})

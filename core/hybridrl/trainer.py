@@ -257,11 +257,15 @@ class Trainer:
             with timer("update"):
                 metrics |= self.update(batch, step)
         # also after a skipped update: an engine may have released its weights in sleep()
-        with timer("sync"), stage_errors(engine, "update_weights"), self.engine_free():
-            self.engine.update_weights(self.policy_tensors())
-            metrics |= self.rollout.check_sync(
-                step, lambda probe: self._forward(self.policy, probe, "policy", one_pass=True)
-            )
+        with self.engine_free():
+            with timer("sync"), stage_errors(engine, "update_weights"):
+                self.engine.update_weights(self.policy_tensors())
+            with timer("sync_check"):
+                metrics |= self.rollout.check_sync(
+                    step,
+                    lambda probe: self._forward(self.policy, probe, "policy", one_pass=True),
+                    first=step == self.start_step + 1,
+                )
             metrics |= self.engine.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))

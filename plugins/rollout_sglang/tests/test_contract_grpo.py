@@ -49,8 +49,9 @@ def test_grpo_learns_against_an_sglang_server(tiny_model, tmp_path, sglang_serve
     # the server generated with the weights the trainer had: the sync after every step arrived
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     paths = [p for p, _ in sglang_server.requests]
-    # per step: the rollout (two batches of 16), and after the sync the probe of rollout.sync_check
-    assert paths.count("/update_weights_from_disk") == 12 and paths.count("/generate") == 12 * 3
+    # per step: the rollout (two batches of 16); the probe of rollout.sync_check after the syncs of
+    # steps 1 and 10 (the first sync, then every rollout.sync_check_every steps)
+    assert paths.count("/update_weights_from_disk") == 12 and paths.count("/generate") == 12 * 2 + 2
     assert sorted(p.name for p in (run / "sglang_weights").iterdir()) == ["v000012"]
 
 
@@ -58,7 +59,8 @@ def test_grpo_in_process_releases_and_reloads_around_training(tiny_model, tmp_pa
     """Contract test: in-process engine; each step releases memory for training and reloads weights."""
     register_plugin(SevensPlugin(), name="sevens")
     run = tmp_path / "run"
-    Trainer(load_config(data=config(tiny_model, run, {"update_bucket_mb": 0.1}, steps=3))).train()
+    data = config(tiny_model, run, {"update_bucket_mb": 0.1, "sync_check_every": 1}, steps=3)
+    Trainer(load_config(data=data)).train()
 
     rows = metrics(run)
     assert len(rows) == 3 and max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
