@@ -48,7 +48,7 @@ class VLLMEngine(RolloutEngine):
         self.backend.update_weights(named_tensors)
 
     def seeds_each_request(self) -> bool:
-        return True
+        return self.options.seed_requests
 
     def runs_apart(self) -> bool:
         return bool(self.options.base_url)  # a server generates in its own process

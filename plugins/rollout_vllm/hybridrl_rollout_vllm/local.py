@@ -192,7 +192,8 @@ class LocalEngine:
         return out
 
     def sampling_params(self, s: SamplingParams, num_prompts: int):
-        """One vLLM SamplingParams, or one per prompt when seeded (prompt i: seed + i*n, + j per sample)."""
+        """One vLLM SamplingParams, or one per prompt when seeded (prompt i: seed + i*n, + j per sample;
+        none with ``seed_requests`` off)."""
         from vllm import SamplingParams as VSP
 
         base = dict(
@@ -212,6 +213,8 @@ class LocalEngine:
             logprobs=0,  # the sampled token's logprob only
             detokenize=bool(s.stop),  # text is needed only to find stop strings
         )
+        if not self.options.seed_requests:
+            return VSP(**base)
         if s.seeds is not None:  # one seed per prompt (the agent loop's trajectories)
             return [VSP(**base, seed=seed) for seed in s.seeds]
         if s.seed is None:

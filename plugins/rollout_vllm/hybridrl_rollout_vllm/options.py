@@ -63,6 +63,14 @@ class VLLMOptions(Options):
         description="Seed of the engine's own random state; default trainer.seed. Each generate call "
         "also seeds its requests from the trainer's per-step seed, so runs are reproducible.",
     )
+    seed_requests: bool = Field(
+        True,
+        description="Give every request its own seed, from the trainer's per-step seed: runs and resumes are "
+        "reproducible sample for sample, whatever the batching. vLLM then samples the seeded requests one by "
+        "one at every token: on one H200, 64 completions of the 0.5B shape took 0.72 s seeded against 0.54 s "
+        "unseeded. false: requests carry no seed and draw from the engine's own random state (faster; samples "
+        "then differ from run to run and after a resume). Also in server mode.",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra keyword arguments for vllm.LLM, passed as they are and overriding the "

@@ -63,6 +63,8 @@ class ServerEngine:
         seeds = s.seeds or (
             [None] * len(prompts) if s.seed is None else [s.seed + i * s.n for i in range(len(prompts))]
         )
+        if not self.options.seed_requests:
+            seeds = [None] * len(prompts)
         payloads = [
             base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
         ]

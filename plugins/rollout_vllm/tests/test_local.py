@@ -215,6 +215,21 @@ def test_multi_turn_trajectories_keep_the_engines_tokens(engine, model_dir):
     assert engine.seeds_each_request()
 
 
+def test_seed_requests_off_sends_requests_without_seeds(engine, tok):
+    """seed_requests: each prompt's request seeded from the call's seed (samples j: + j), or none at
+    all (vLLM's own random state), which also tells the agent loop that requests are not seeded."""
+    sampling = SamplingParams(n=2, max_tokens=4, seed=5)
+    assert [p.seed for p in engine.backend.sampling_params(sampling, 3)] == [5, 7, 9]
+    engine.options.seed_requests = False
+    try:
+        params = engine.backend.sampling_params(sampling, 3)
+        assert params.seed is None and params.n == 2 and not engine.seeds_each_request()
+        out = engine.generate(encode(tok, ["abc", "hello"]), sampling)
+        assert len(out.token_ids) == 4 and all(len(t) == len(lp) > 0 for t, lp in zip(out.token_ids, out.logprobs))
+    finally:
+        engine.options.seed_requests = True
+
+
 @pytest.mark.parametrize("sync", ENGINES)
 @pytest.mark.parametrize("bucket_mb", [512, 1e-4])  # one bucket; one per layer (~100-byte limit)
 def test_update_weights_then_greedy_equals_transformers(request, model_dir, tok, bucket_mb, sync):
