@@ -98,6 +98,20 @@ def test_static_cache_samples_equal_dynamic_cache(make_engine, sampling):
     assert_same_rollout(static.generate(p, sp), dynamic.generate(p, sp))
 
 
+def test_a_one_token_call_keeps_the_rollouts_decoding_state(make_engine):
+    """The sync check's probe (one token) runs the prefill alone: the same samples as generate, and
+    the rollout's static cache (and on CUDA its captured graphs) stays for the next rollout."""
+    dynamic, static = make_engine(cache="dynamic"), make_engine(cache="static", pad_prompts_to_multiple=16)
+    p = prompts(static.tokenizer, TEXTS)
+    rollout = SamplingParams(n=2, max_tokens=12, seed=1)
+    static.generate(p, rollout)
+    state = static._loop_state
+    probe = SamplingParams(n=8, max_tokens=1, seed=4, **WARPED)
+    assert_same_rollout(static.generate(p[:1], probe), dynamic.generate(p[:1], probe))
+    assert static._loop_state is state
+    assert_same_rollout(static.generate(p, rollout), dynamic.generate(p, rollout))
+
+
 def test_compiled_decoding_equals_eager(make_engine):
     """compile 'on' on the CPU (inductor, no CUDA graphs); a short last chunk is filled up."""
     eager, compiled = make_engine(batch_size=2), make_engine(batch_size=2, compile="on")

@@ -46,7 +46,6 @@ from hybridrl.models import end_token_ids, load_causal_lm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
-KEPT_SHAPES = 2  # decoding shapes whose static cache and CUDA graphs an engine keeps
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 
@@ -309,7 +308,7 @@ class HFEngine(RolloutEngine):
         from transformers import GenerationConfig
 
         self.model.generation_config = GenerationConfig()
-        self._loops: dict[tuple, _Loop] = {}
+        self._loop_key, self._loop_state = None, None
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
@@ -406,10 +405,14 @@ class HFEngine(RolloutEngine):
         model, n, T = self.model, sampling.n, sampling.max_tokens
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         (B, P), device = ids.shape, ids.device
-        loop = self._loop(B, P, T, device)
-        loop.reset(mask, self.pad_id)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         warpers = self._warpers(sampling)
+        if T == 1:  # one token (the sync check's probe): the prefill alone, the rollout's loop kept
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **self._last_logits_only).logits
+            token, logprob = self._sample(logits[:, -1], sampling, warpers)
+            return token[:, None], logprob[:, None]
+        loop = self._loop(B, P, T, device)
+        loop.reset(mask, self.pad_id)
         if self._is_end is None:
             # a table lookup per token: torch.isin over more than a few end ids sorts on the device and
             # waits for it, which stalls the queue of compiled steps at every token
@@ -472,14 +475,13 @@ class HFEngine(RolloutEngine):
         return stopped
 
     def _loop(self, batch, prompt, tokens, device) -> _Loop:
-        """The loop state of this shape: kept for the last ``KEPT_SHAPES`` shapes (a rollout's and the
-        sync check's one-token probe), whose captured graphs hold their addresses."""
+        """The loop state of this shape, kept for the next call of the same shape (its captured graphs
+        hold its addresses); another shape frees it first."""
         key = (batch, prompt, tokens)
-        loop = self._loops.pop(key, None) or _Loop(self.model, batch, prompt, tokens, self.pad_id, device)
-        self._loops[key] = loop  # the most recent last
-        while len(self._loops) > KEPT_SHAPES:
-            self._loops.pop(next(iter(self._loops)))
-        return loop
+        if self._loop_key != key:
+            self._loop_state = None
+            self._loop_state, self._loop_key = _Loop(self.model, batch, prompt, tokens, self.pad_id, device), key
+        return self._loop_state
 
     def _generate_hf(self, ids, mask, sampling):
         """transformers ``generate``: the dynamic cache."""
