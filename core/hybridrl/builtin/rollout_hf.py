@@ -9,8 +9,9 @@ attention mask, the forward, the sampling, the bookkeeping of tokens and ended r
 graph, whose state lives on the device (``_Loop``); on CUDA ``graph_tokens`` steps (16) are
 captured as one CUDA graph and replayed as one launch, and the host waits for the device only
 between two such runs, to see whether every sequence has ended (at an end token, or with a stop
-string in its decoded text); the prefill runs eagerly. On the static cache the model's SDPA attention is swapped for
-:func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
+string in its decoded text); the prefill runs eagerly, and a call for one token (the sync
+check's probe) is the prefill alone. On the static cache the model's SDPA attention is swapped
+for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
 q/k/v and gate/up projections run as one matrix multiplication each (:func:`fuse_projections`).
 To keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
 ``pad_prompts_to_multiple`` tokens and, when compiling, a short last chunk of prompts is filled
@@ -233,8 +234,8 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
 class HFEngine(RolloutEngine):
     """A transformers copy of the policy, with the logprob of each sampled token.
     Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a compiled decoding
-    loop (a CUDA graph per 16 tokens), with prompts padded to a multiple of 64 tokens so that the compiled graphs
-    serve every step; the first steps are slower while it compiles (set compile: off for short
+    loop (a CUDA graph per 16 tokens), with prompts padded to a multiple of 64 tokens so that the
+    compiled graphs serve every step; the first steps are slower while it compiles (set compile: off for short
     runs). On the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's
     dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
     the plain path."""
