@@ -61,7 +61,7 @@ class VLLMOptions(Options):
     seed: int | None = Field(
         None,
         description="Seed of the engine's own random state; default trainer.seed. Each generate call "
-        "also seeds its requests from the trainer's per-step seed, so runs are reproducible.",
+        "also seeds its requests from the trainer's per-step seed (seed_requests), so runs are reproducible.",
     )
     seed_requests: bool = Field(
         True,
