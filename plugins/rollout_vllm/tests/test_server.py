@@ -80,6 +80,19 @@ def test_generate_groups_samples_and_matches_trainer_logprobs(server, model_dir,
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_seed_requests_decides_whether_requests_carry_seeds(server, model_dir, tmp_path, monkeypatch, seeded):
+    from hybridrl_rollout_vllm import server as server_mode
+
+    sent, post = [], server_mode.post_json
+    monkeypatch.setattr(server_mode, "post_json", lambda url, body, **kw: sent.append(body) or post(url, body, **kw))
+    engine = make_engine(model_dir, tmp_path, base_url=server, seed_requests=seeded)
+    tok = load_tokenizer(model_dir)
+    out = engine.generate([tok(t)["input_ids"] for t in ["abc", "hello"]], SamplingParams(n=2, max_tokens=4, seed=5))
+    assert len(out.token_ids) == 4 and engine.seeds_each_request() == seeded
+    assert [body.get("seed") for body in sent] == ([5, 7] if seeded else [None, None])
+
+
 def test_sampler_is_the_config_not_the_generation_config(server, model_dir, tmp_path):
     """The server reads the model folder's generation_config.json (top_k 5, min_p 0.2,
     repetition_penalty 1.8, temperature 0.3) for every field a request leaves out; the engine leaves
