@@ -60,11 +60,10 @@ class ServerEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        seeds = s.seeds or (
-            [None] * len(prompts) if s.seed is None else [s.seed + i * s.n for i in range(len(prompts))]
-        )
-        if not self.options.seed_requests:
+        if not self.options.seed_requests or (s.seeds is None and s.seed is None):
             seeds = [None] * len(prompts)
+        else:
+            seeds = s.seeds or [s.seed + i * s.n for i in range(len(prompts))]
         payloads = [
             base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
         ]
