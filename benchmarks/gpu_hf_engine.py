@@ -25,7 +25,12 @@ GPU's busy time against the call's wall time (a gap is time the GPU waits for th
 number of kernels per decoding step and the kernels that take the most GPU time. ``--shape 3b``
 takes the Qwen2.5-3B shape instead; ``--paths decode`` skips transformers ``generate``, and
 ``--paths decode,decode:0,decode:1`` adds the loop with ``graph_tokens`` 0 (no CUDA graphs) and 1
-(a CUDA graph a token) against its default (16).
+(a CUDA graph a token) against its default (16), and ``decode:full`` the loop without
+``compact_rows`` (every row decoded until the last one ends). ``--lengths long-tail`` lets
+responses end at random (the end ids of ``gpu_vs_trl.py --lengths long-tail``: geometric lengths,
+mean about max_tokens / 4) instead of ignoring EOS; tokens per second then count the tokens
+returned, and ``decoded rows`` is the fraction of row-steps the loop computed
+(``hf/decoded_row_fraction``).
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ COLUMNS = [
     ("warm-up s", "warmup_s", "{:>9.2f}"),
     ("s/rollout", "median_s", "{:>9.3f}"),
     ("tokens/s", "tokens_per_s", "{:>8,.0f}"),
+    ("mean len", "mean_length", "{:>8.1f}"),
     ("time ratio", "over_decode", "{:>10.2f}"),
     ("same tokens", "same_token_fraction", "{:>11.3f}"),
+    ("decoded rows", "decoded_row_fraction", "{:>12.3f}"),
     ("lp diff mean", "logprob_diff_mean", "{:>12.2e}"),
     ("lp diff max", "logprob_diff_max", "{:>11.2e}"),
 ]
@@ -63,16 +70,18 @@ def decoding_path(engine, path: str):
     """Let ``engine`` decode through ``path`` inside the block: 'decode' is what it does on the
     static cache, 'decode:K' the same with ``graph_tokens`` K (0: no CUDA graphs); 'generate'
     binds its ``_generate_hf`` in place of ``_decode`` on this instance."""
-    default = engine.graph_tokens
+    default, compact = engine.graph_tokens, engine.options.compact_rows
     if path == "generate":
         engine._decode = engine._generate_hf
+    elif path == "decode:full":
+        engine.options.compact_rows = False
     elif path.startswith("decode:"):
         engine.graph_tokens = int(path.split(":")[1])
     try:
         yield engine
     finally:
         vars(engine).pop("_decode", None)
-        engine.graph_tokens = default
+        engine.graph_tokens, engine.options.compact_rows = default, compact
 
 
 def timed_rollout(engine, prompts, sampling):
@@ -142,28 +151,34 @@ def run_engine(args, ctx, dtype: str, policy, prompts, sampling) -> dict:
     cls = plugins.lookup("rollout engine", "hf")
     engine = cls(cls.Options(compile="on", cache="static", dtype=dtype), ctx)
     paths = args.paths.split(",")
-    res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": []} for p in paths}
+    res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": [], "tokens": [], "decoded": []}
+           for p in paths}  # fmt: skip
     last = {}
     try:
         for path in paths:
             with decoding_path(engine, path):
                 for _ in range(args.warmup):
                     res[path]["warmup_calls_s"].append(timed_rollout(engine, prompts, sampling)[0])
+                    engine.metrics()  # read: the next call's figures are its own
         for _ in range(args.rounds):
             for path in paths:
                 with decoding_path(engine, path):
                     for _ in range(args.calls):
                         seconds, last[path] = timed_rollout(engine, prompts, sampling)
                         res[path]["calls_s"].append(seconds)
+                        res[path]["tokens"].append(sum(map(len, last[path].token_ids)))
+                        res[path]["decoded"].append(engine.metrics().get("hf/decoded_row_fraction"))
         if args.profile:
             res["decode"]["profile"] = profile_decode(engine, prompts, sampling)
     finally:
         engine.close()
-    tokens = len(prompts) * sampling.n * sampling.max_tokens
     for path, r in res.items():
         r["warmup_s"] = sum(r["warmup_calls_s"])
         r["median_s"] = statistics.median(r["calls_s"])
-        r["tokens_per_s"] = tokens / r["median_s"]
+        r["tokens_per_s"] = sum(r["tokens"]) / sum(r["calls_s"])
+        r["mean_length"] = sum(r["tokens"]) / len(r["tokens"]) / (len(prompts) * sampling.n)
+        known = [d for d in r["decoded"] if d is not None]
+        r["decoded_row_fraction"] = sum(known) / len(known) if known else None
         r["over_decode"] = r["median_s"] / res["decode"]["median_s"]
         r["same_token_fraction"] = same_token_fraction(last["decode"], last[path])
         mean, worst = logprob_diff(policy, prompts, last[path], sampling.n, ctx.tokenizer.pad_token_id, ctx.device)
@@ -186,8 +201,10 @@ def main(args) -> None:
         raise SystemExit("gpu_hf_engine: no CUDA GPU visible; --smoke runs the CPU check of the script.")
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
     shape = {"0.5b": ("qwen2.5-0.5b-shaped", common.QWEN05), "3b": ("qwen2.5-3b-shaped", common.QWEN3B)}[args.shape]
-    model_dir = args.model or common.build_model(*((workdir / "tiny", common.TINY) if args.smoke else
-                                                   (workdir / shape[0], shape[1])))  # fmt: skip
+    folder, dims = (workdir / "tiny", common.TINY) if args.smoke else (workdir / shape[0], shape[1])
+    ends = 0 if args.lengths == "fixed" else round(4 * dims["vocab_size"] / args.max_tokens)
+    folder = folder.with_name(folder.name + (f"-{ends}-ends" if ends else ""))
+    model_dir = args.model or common.build_model(folder, dims, end_ids=ends)
     R["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     R["machine"] = platform.machine() + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
@@ -201,7 +218,8 @@ def main(args) -> None:
         "n": args.n,
         "max_tokens": args.max_tokens,
         "temperature": 1.0,
-        "ignore_eos": True,
+        "ignore_eos": args.lengths == "fixed",
+        "lengths": args.lengths,
         "seed": 0,
         "engine": {"compile": "on", "cache": "static"},
         "dtypes": args.dtypes,
@@ -214,7 +232,9 @@ def main(args) -> None:
     tokenizer = load_tokenizer(model_dir)
     ctx = RunContext(model_dir, tokenizer, device, torch.float32, 0, workdir / "run")
     prompts = [tokenizer(common.prompt(i, args.prompt_chars))["input_ids"] for i in range(args.prompts)]
-    sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    sampling = SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=args.lengths == "fixed", seed=0
+    )
     policy = load_causal_lm(model_dir, torch.float32, device).eval()  # the trainer's side of the logprobs
     step = 0
     for dtype in args.dtypes.split(","):
@@ -266,6 +286,7 @@ def parse_args(argv=None):
     paths = ", ".join(PATHS)
     p.add_argument("--paths", default=",".join(PATHS), help=f"decoding paths, ','-separated: {paths}, decode:K")
     p.add_argument("--profile", action="store_true", help="then profile one call of the decoding loop")
+    p.add_argument("--lengths", choices=("fixed", "long-tail"), default="fixed", help="EOS ignored, or long-tail")
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.max_tokens, args.prompt_chars = 2, 2, 16, 32

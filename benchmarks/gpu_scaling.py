@@ -11,6 +11,7 @@ after the other), so every ratio compares sides measured minutes apart on one ma
     ref       8 prompts x 8 samples, 256 tokens, fixed lengths, the 0.5B shape
     ref-long  the same with long-tail lengths (and the vllm plugin against the bare engine)
     c512      64 x 8 = 512 completions of 256 tokens
+    c512-long the same with long-tail lengths (and the vllm plugin against the bare engine)
     c2048     256 x 8 = 2048 completions of 256 tokens
     t1024     8 x 8 completions of up to 1024 tokens, long-tail lengths
     t4096     8 x 8 completions of up to 4096 tokens, long-tail lengths
@@ -20,7 +21,8 @@ TRL's side: colocated vLLM, gradient checkpointing off (faster than its default,
 a step's completions do not fit one pass, gradient accumulation over micro-batches of 64 (8 for
 the 3B shape), the largest that fit in earlier runs, and of 16 at 1024 tokens and 4 at 4096
 (64 x 1024 ran out of memory; larger ones were not tried); hybridrl's side: its defaults with
-``compile``. Prints the table and writes JSON (``--out``, default ``$OUT/scaling_gpu.json``).
+``compile``, and for the vllm plugin ``seed_requests: false`` (its faster setting: vLLM samples
+seeded requests one by one). Prints the table and writes JSON (``--out``, default ``$OUT/scaling_gpu.json``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ ROWS = {
     "ref": dict(prompts=8, max_tokens=256),
     "ref-long": dict(prompts=8, max_tokens=256, lengths="long-tail", sides="hybridrl-hf,hybridrl-vllm,trl-vllm"),
     "c512": dict(prompts=64, max_tokens=256),
+    "c512-long": dict(prompts=64, max_tokens=256, lengths="long-tail", sides="hybridrl-hf,hybridrl-vllm,trl-vllm"),
     "c2048": dict(prompts=256, max_tokens=256),
     "t1024": dict(prompts=8, max_tokens=1024, lengths="long-tail", micro=16),
     "t4096": dict(prompts=8, max_tokens=4096, lengths="long-tail", micro=4),
@@ -60,6 +63,7 @@ def row_args(name: str, args) -> list[str]:
     argv += ["--sides", row.get("sides", "hybridrl-hf,trl-vllm"), "--lengths", row.get("lengths", "fixed")]
     argv += ["--shape", row.get("shape", "0.5b"), "--trl-options", trl(row.get("micro", 64), completions)]
     argv += ["--sharding", json.dumps({"compile": True}), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    argv += ["--vllm-options", json.dumps({"seed_requests": False})]
     argv += ["--out", str(Path(args.out).with_suffix("") / f"{name}.json"), "--side-timeout", str(args.side_timeout)]
     if row.get("lengths") == "long-tail":
         argv += ["--bare"]

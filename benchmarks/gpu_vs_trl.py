@@ -17,7 +17,8 @@ random lengths (geometric, mean about max_tokens / 4, about 1.8% at max_tokens: 
 ``common.long_tail_end_ids``), the same distribution on every side; tokens per second then count
 the tokens generated. TRL runs with ``--trl-options`` over its defaults, by default
 ``gradient_checkpointing: false``, its fastest setting here; hybridrl with its defaults and
-``--trainer-options``/``--sharding``/``--engine-options``. ``--bare``: the vllm side also times
+``--trainer-options``/``--sharding``/``--engine-options`` (``--vllm-options`` for its vllm side
+alone). ``--bare``: the vllm side also times
 the same engine called directly with the prompts of its last step, and profiles one call.
 
 Sides, each in its own process (two in-process vLLM engines do not share one process), run back
@@ -92,7 +93,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             "engine_kwargs": {"skip_tokenizer_init": True},
             **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 0}),
         }
-    rollout |= json.loads(args.engine_options)
+    rollout |= json.loads(args.engine_options) | (json.loads(args.vllm_options) if engine == "vllm" else {})
     cfg = {
         "model": {"path": args.model, "dtype": "float32"},
         "data": {"source": "bench_prompts", "chat_template": False, "answer_column": None},
@@ -132,6 +133,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         row["reward"] = m.get("reward/mean")
         row["response_length"] = m.get("response_length/mean")
         row["logprob_diff_mean"] = m.get("rollout/logprob_diff_mean")  # engine vs trainer, same weights
+        row["decoded_row_fraction"] = m.get("hf/decoded_row_fraction")  # the hf engine's compact_rows
         result["steps"].append(row)
         print(f"[{result['side']}] step {step}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if v), flush=True)
         dump_side(args, result)
@@ -388,7 +390,7 @@ def summarize(side: dict, args) -> dict:
     if length:
         out["generated_tokens_per_s_whole_step"] = args.prompts * args.n * length / out["step_s"]
     for key in ("rollout_s", "logprobs_s", "update_s", "sync_s", "sync_check_s", "rollout_tokens_per_s",
-                "train_tokens_per_s", "update_tflops", "update_mfu"):  # fmt: skip
+                "train_tokens_per_s", "update_tflops", "update_mfu", "decoded_row_fraction"):  # fmt: skip
         if med(key) is not None:
             out[key] = med(key)
     return out
@@ -433,7 +435,7 @@ def print_table(summary: dict) -> None:
 
 
 FORWARD = ("prompts", "n", "max_tokens", "warmup", "steps", "gpu_memory_utilization", "sharding", "engine_options",
-           "trainer_options", "trl_options", "lengths")  # fmt: skip
+           "vllm_options", "trainer_options", "trl_options", "lengths")  # fmt: skip
 
 
 def main(args) -> int:
@@ -493,6 +495,7 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share on both sides")
     p.add_argument("--sharding", default="{}", help="JSON of hybridrl sharding options (strategy single)")
     p.add_argument("--engine-options", default="{}", help="JSON of extra hybridrl rollout options")
+    p.add_argument("--vllm-options", default="{}", help="JSON of extra rollout options of the hybridrl-vllm side")
     p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
     p.add_argument("--trl-options", default='{"gradient_checkpointing": false}', help="JSON over TRL's GRPOConfig")
     p.add_argument("--shape", choices=["0.5b", "3b"], default="0.5b")

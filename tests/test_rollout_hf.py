@@ -149,6 +149,63 @@ def test_decoding_stops_once_every_sequence_has_ended(make_engine):
     assert_same_rollout(out, dynamic.generate(p, SamplingParams(n=2, max_tokens=40, seed=5)))
 
 
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory):
+    """A tiny model whose greedy responses differ in length (with tied embeddings a random model
+    repeats its last token)."""
+    from hybridrl.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("untied"), tie=False, seed=1)
+
+
+def untied_engine(untied_model, tmp_path, ends=range(3, 30), **options):
+    tok = load_tokenizer(untied_model)
+    cls = plugins.lookup("rollout engine", "hf")
+    engine = cls(cls.Options(cache="static", **options), RunContext(untied_model, tok, torch.device("cpu"),
+                                                                      torch.float32, 0, tmp_path))  # fmt: skip
+    engine.eos_ids = set(ends)  # by default about a quarter of the tokens end a response
+    return engine
+
+
+MANY = [f"q{i * 37 % 101} {chr(97 + i % 26)}" for i in range(64)]
+
+
+def test_compacted_decoding_gives_the_same_greedy_responses(untied_model, tmp_path):
+    """Once half of the rows have ended, the rest go on in a loop of half as many rows (64 -> 8 -> 4
+    here): the same greedy tokens and logprobs as every row running to the end, for fewer row-steps."""
+    on, off = untied_engine(untied_model, tmp_path), untied_engine(untied_model, tmp_path, compact_rows=False)
+    p = prompts(on.tokenizer, MANY)
+    sp = SamplingParams(n=1, max_tokens=80, seed=0, top_k=1)
+    a, b = on.generate(p, sp), off.generate(p, sp)
+    lengths = sorted(len(t) for t in a.token_ids)
+    assert lengths[0] < 16 < lengths[-1]  # some end before the first check, some go on after it
+    assert_same_rollout(a, b)
+    assert sorted(on._loop_state.smaller) == [4, 8] and not off._loop_state.smaller
+    saved, whole = on.metrics()["hf/decoded_row_fraction"], off.metrics()["hf/decoded_row_fraction"]
+    assert saved < 0.5 and whole == 1.0
+    assert on.metrics() == {}  # read once per step
+    assert_same_rollout(on.generate(p, sp), b)  # the smaller loops serve the next call too
+
+
+@pytest.mark.parametrize("stop", [[], ["Z"]])
+def test_compacted_decoding_logprobs_equal_trainer_logprobs(untied_model, tmp_path, stop):
+    """Sampled rows moved between loops keep their cache, positions and masks: their logprobs are
+    the trainer's for the tokens they return."""
+    engine = untied_engine(untied_model, tmp_path, ends=range(3, 8))
+    tok = engine.tokenizer
+    p = prompts(tok, MANY[:16])
+    out = engine.generate(p, SamplingParams(n=4, max_tokens=60, seed=2, stop=stop))
+    assert engine.metrics()["hf/decoded_row_fraction"] < 1.0
+    if stop:
+        assert any(ids and tok.decode(ids).endswith("Z") for ids in out.token_ids)
+    batch = Batch.from_rollout(p, out, 4, tok.pad_token_id)
+    policy = load_causal_lm(untied_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, batch["responses"].shape[1])
+    mask = batch["response_mask"].bool()
+    assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < 1e-4
+
+
 STOPS = ["e", "t", "a"]
 
 
@@ -157,8 +214,10 @@ def test_stop_strings_keep_the_fast_path_and_equal_generate(make_engine, ignore_
     """rollout.stop on the static cache runs our decoding loop, not generate, and gives generate's
     samples; a response ends with the token that completes its stop string, or its first end token,
     whichever comes first (generate pads a row after its stop string with the padding token, itself
-    an end id here, which must not end up in the response)."""
-    dynamic, static = make_engine(cache="dynamic"), make_engine(cache="static", pad_prompts_to_multiple=16)
+    an end id here, which must not end up in the response). Without compact_rows: moving the rows
+    still running to a smaller loop gives them other random draws than generate's."""
+    dynamic = make_engine(cache="dynamic")
+    static = make_engine(cache="static", pad_prompts_to_multiple=16, compact_rows=False)
     calls = []
     loop = static._decode
     static._decode = lambda *a: calls.append(1) or loop(*a)

@@ -10,7 +10,9 @@ graph, whose state lives on the device (``_Loop``); on CUDA ``graph_tokens`` ste
 captured as one CUDA graph and replayed as one launch, and the host waits for the device only
 between two such runs, to see whether every sequence has ended (at an end token, or with a stop
 string in its decoded text); the prefill runs eagerly, and a call for one token (the sync
-check's probe) is the prefill alone. On the static cache the model's SDPA attention is swapped
+check's probe) is the prefill alone. At those checks, once at least half of the rows have ended,
+the rows still running move to a loop of half as many rows (``compact_rows``), so that long-tail
+lengths stop paying for the finished ones. On the static cache the model's SDPA attention is swapped
 for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
 q/k/v and gate/up projections run as one matrix multiplication each (:func:`fuse_projections`).
 To keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
@@ -210,6 +212,8 @@ class _Loop:
         self.next_pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: warmed up, not yet captured
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.rows, self.lengths = batch, (prompt, tokens)
+        self.smaller: dict[int, _Loop] = {}  # the loops of fewer rows that compaction moves to
 
     def reset(self, mask: torch.Tensor, pad_id: int) -> None:
         self.cache.reset()
@@ -219,6 +223,28 @@ class _Loop:
         self.at.zero_()
         self.full[:, : mask.shape[1]].copy_(mask)
         self.next_pos.copy_(mask.long().sum(-1, keepdim=True))  # where the first response token goes
+
+    def take(self, other: _Loop, rows: torch.Tensor) -> None:
+        """Continue ``other``'s decoding for its ``rows`` (one per row of this loop): their keys and
+        values, tokens and logprobs so far, ended flags, next token, masks and positions."""
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            keys, values = theirs.keys[rows], theirs.values[rows]
+            if not mine.is_initialized:
+                mine.lazy_initialization(keys, values)
+            mine.keys.copy_(keys)
+            mine.values.copy_(values)
+            mine.cumulative_length.copy_(theirs.cumulative_length)
+        for name in ("tokens", "logprobs", "done", "token", "full", "next_pos"):
+            getattr(self, name).copy_(getattr(other, name)[rows])
+        self.at.copy_(other.at)
+
+    def can_move(self) -> bool:
+        """Whether :meth:`take` knows this loop's cache: transformers' static layers, filled."""
+        return all(
+            getattr(layer, "is_initialized", False)
+            and all(hasattr(layer, a) for a in ("keys", "values", "cumulative_length", "lazy_initialization"))
+            for layer in getattr(self.cache, "layers", [None])
+        )
 
 
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -253,6 +279,15 @@ class HFEngine(RolloutEngine):
             description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
             "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
             "on CUDA, off elsewhere. The first steps are slower while it compiles.",
+        )
+        compact_rows: bool = Field(
+            True,
+            description="Static cache: at each check of ended sequences (every graph_tokens tokens), once at "
+            "least half of a call's rows have ended, move the rows still running to a loop of half as many "
+            "rows (down to a sixteenth of the call's), so that decoding steps stop computing finished ones. "
+            "Each row count keeps its own cache and compiled graphs. The logprobs are exact either way; the "
+            "random draws fall to other rows, so the samples differ from generate's for the same seed. "
+            "false: every row runs until the last one ends.",
         )
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
             "auto",
@@ -310,6 +345,7 @@ class HFEngine(RolloutEngine):
 
         self.model.generation_config = GenerationConfig()
         self._loop_key, self._loop_state = None, None
+        self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
@@ -431,16 +467,44 @@ class HFEngine(RolloutEngine):
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
+        first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
         while recorded < T:
             steps = min(every - recorded % every, T - recorded)
             self._run_steps(loop, steps, sampling, warpers)
             recorded += steps
+            self._row_steps[0] += loop.rows * steps
             if ends and recorded % every == 0:
                 if sampling.stop:
                     loop.done.logical_or_(self._stopped(loop.tokens[:, :recorded], loop.done, sampling.stop))
-                if bool(loop.done.all()):
+                running = int((~loop.done).sum())
+                if running == 0:
                     break
+                smaller, rows = self._compact(first, loop, running)
+                if smaller is not None:
+                    moves.append((loop, rows))
+                    loop = smaller
+        self._row_steps[1] += B * (recorded - 1)
+        for parent, rows in reversed(moves):  # each loop's rows back into the loop they came from
+            parent.tokens.index_copy_(0, rows, loop.tokens)
+            parent.logprobs.index_copy_(0, rows, loop.logprobs)
+            loop = parent
         return loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
+
+    def _compact(self, first, loop, running):
+        """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended (a
+        power-of-two fraction of ``first``'s rows, at least a sixteenth), with the rows of ``loop``
+        it continues, those running first; or (None, None) to stay."""
+        rows = loop.rows
+        while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= max(1, first.rows // 16):
+            rows //= 2
+        if not self.options.compact_rows or rows == loop.rows or not loop.can_move():
+            return None, None
+        if rows not in first.smaller:
+            first.smaller[rows] = _Loop(self.model, rows, *first.lengths, self.pad_id, loop.done.device)
+        smaller = first.smaller[rows]
+        order = torch.sort(loop.done.to(torch.uint8), stable=True).indices[:rows]  # running, then ended rows
+        smaller.take(loop, order)
+        return smaller, order
 
     def _run_steps(self, loop, steps, sampling, warpers):
         """``steps`` decoding steps. On CUDA with compile (and ``graph_tokens``), the first run of a
@@ -538,6 +602,13 @@ class HFEngine(RolloutEngine):
         )
         cache.batch_repeat_interleave(n)
         return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), cache
+
+    def metrics(self) -> dict[str, float]:
+        """``hf/decoded_row_fraction``: the rows x decoding steps the static loop computed in the
+        step's calls, over what it would have without ``compact_rows`` (1: nothing saved)."""
+        decoded, whole = self._row_steps
+        self._row_steps = [0, 0]
+        return {"hf/decoded_row_fraction": decoded / whole} if whole else {}
 
     @torch.no_grad()
     def update_weights(self, named_tensors):
