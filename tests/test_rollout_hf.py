@@ -6,7 +6,7 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
-from hybridrl.builtin.rollout_hf import GROUPED_ATTENTION, _FusedGroup, _grouped_decode_attention
+from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped_decode_attention
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
@@ -256,7 +256,7 @@ def test_decoding_stops_once_every_sequence_has_met_a_stop_string(make_engine):
 
 
 @pytest.mark.parametrize("boolean", [True, False])
-def test_grouped_decode_attention_equals_sdpa(boolean):
+def testgrouped_decode_attention_equals_sdpa(boolean):
     """Decoding attention without copying KV heads: the same numbers as transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -267,7 +267,7 @@ def test_grouped_decode_attention_equals_sdpa(boolean):
     q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
     keep = torch.rand(2, 1, 1, 12) > 0.3
     mask = keep if boolean else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
-    ours, _ = _grouped_decode_attention(Attention(), q, k, v, mask, scaling=0.3)
+    ours, _ = grouped_decode_attention(Attention(), q, k, v, mask, scaling=0.3)
     ref, _ = sdpa_attention_forward(Attention(), q, k, v, mask, scaling=0.3)
     assert ours.shape == ref.shape == (2, 1, 6, 8)
     assert (ours - ref).abs().max().item() < 1e-5
@@ -337,7 +337,7 @@ def test_fused_projections_run_one_matmul_per_group_with_the_same_outputs(make_e
     plain, fused = make_engine(cache="static", fuse_projections="off"), make_engine(cache="static")
     layers = plain.model.config.num_hidden_layers
     assert plain.fused_groups == 0 and fused.fused_groups == 2 * layers  # attention + MLP of each layer
-    assert sum(isinstance(m, _FusedGroup) for m in fused.model.modules()) == 2 * layers
+    assert sum(isinstance(m, FusedGroup) for m in fused.model.modules()) == 2 * layers
     assert list(fused.model.state_dict()) == list(plain.model.state_dict())  # same names to sync
     ids = torch.randint(0, plain.model.config.vocab_size, (2, 7))
     with torch.no_grad():

@@ -6,16 +6,16 @@ loop samples exactly as ``generate`` does (its temperature/top-k/top-p processor
 ``torch.multinomial``: the same tokens for the same seed) and records each token's logprob
 under the temperature-scaled distribution the trainer scores. Compiled, one decoding step (the
 attention mask, the forward, the sampling, the bookkeeping of tokens and ended rows) is one
-graph, whose state lives on the device (``_Loop``); on CUDA ``graph_tokens`` steps (16) are
-captured as one CUDA graph and replayed as one launch, and the host waits for the device only
-between two such runs, to see whether every sequence has ended (at an end token, or with a stop
-string in its decoded text); the prefill runs eagerly, and a call for one token (the sync
-check's probe) is the prefill alone. At those checks, once at least half of the rows have ended,
-the rows still running move to a loop of half as many rows (``compact_rows``), so that long-tail
-lengths stop paying for the finished ones. On the static cache the model's SDPA attention is swapped
-for :func:`_grouped_decode_attention`, which reads a grouped-query cache in place, and each layer's
-q/k/v and gate/up projections run as one matrix multiplication each (:func:`fuse_projections`).
-To keep the compiled graphs reusable from step to step, prompts are left-padded to a multiple of
+graph, whose state lives on the device (``DecodeState``); on CUDA ``graph_tokens`` steps (16)
+are captured as one CUDA graph and replayed as one launch, and the host waits for the device
+only between two such runs, to see whether every sequence has ended (at an end token, or with
+a stop string in its decoded text); the prefill runs eagerly, and a call for one token (the
+sync check's probe) is the prefill alone. At those checks, once at least half of the rows have
+ended, the rows still running move to a loop of half as many rows (``compact_rows``), so that
+long-tail lengths stop paying for the finished ones. What the fast path changes in the model
+(attention that reads a grouped-query cache in place, q/k/v and gate/up projections as one
+matrix multiplication each) lives in :mod:`hybridrl.builtin.hf_fast_path`. To keep the
+compiled graphs reusable from step to step, prompts are left-padded to a multiple of
 ``pad_prompts_to_multiple`` tokens and, when compiling, a short last chunk of prompts is filled
 up to ``batch_size`` with copies whose samples are dropped.
 
@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from hybridrl.builtin.hf_fast_path import DecodeState, fuse_projections, use_grouped_decode_attention
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
@@ -49,7 +50,6 @@ from hybridrl.models import end_token_ids, load_causal_lm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
-GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 
 class _LogprobRecorder:
@@ -73,178 +73,6 @@ class _LogprobRecorder:
         if self.prev is not None:
             self.steps.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1))
             self.prev = None
-
-
-def _grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention, except for decoding (one query token per sequence): there the
-    query heads that share a KV head attend to the cache as it is. With a mask, transformers'
-    SDPA path first copies every KV head once per query head (the whole static cache, keys and
-    values, in every layer at every token), which was half the GPU time of decoding."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    (B, H, q_len, D), kv_heads = query.shape, key.shape[1]
-    if q_len != 1 or dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    q = query.view(B, kv_heads, H // kv_heads, D)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (D**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # (B, 1, 1, L): boolean (attend) or additive
-        mask = attention_mask[:, :, -1:, : key.shape[2]]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)  # (B, KV heads, group, D)
-    return out.reshape(B, 1, H, D), None
-
-
-def use_grouped_decode_attention(model) -> bool:
-    """Switch an SDPA model to :func:`_grouped_decode_attention`; False where it cannot be."""
-    try:
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-        if model.config._attn_implementation != "sdpa":
-            return False
-        AttentionInterface.register(GROUPED_ATTENTION, _grouped_decode_attention)
-        AttentionMaskInterface.register(GROUPED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-        model.set_attn_implementation(GROUPED_ATTENTION)
-    except (ImportError, AttributeError, ValueError, KeyError):
-        return False
-    return True
-
-
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears that read one input
-
-
-class _FusedGroup(torch.nn.Module):
-    """Linear layers that read the same input, as one matrix multiplication.
-
-    Holds their weights (and biases) concatenated; each layer's own parameters become views of
-    them, so that the state dict keeps its names and loading a weight in place updates the
-    concatenation. The first layer called computes every output and keeps them until the
-    others of the group have taken theirs, for that same input tensor (any other input is
-    computed on its own).
-    """
-
-    def __init__(self, linears: list[torch.nn.Linear]):
-        super().__init__()
-        self.register_buffer("weight", torch.cat([lin.weight for lin in linears]), persistent=False)
-        has_bias = linears[0].bias is not None
-        self.register_buffer("bias", torch.cat([lin.bias for lin in linears]) if has_bias else None, persistent=False)
-        self.bounds, start = [], 0
-        for lin in linears:
-            rows = lin.out_features
-            self.bounds.append((start, start + rows))
-            lin.weight = torch.nn.Parameter(self.weight[start : start + rows], requires_grad=False)
-            if has_bias:
-                lin.bias = torch.nn.Parameter(self.bias[start : start + rows], requires_grad=False)
-            start += rows
-        self.input = self.output = None
-        self.pending = 0
-
-    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self.input is not x:
-            self.input, self.output = x, torch.nn.functional.linear(x, self.weight, self.bias)
-            self.pending = len(self.bounds)
-        lo, hi = self.bounds[index]
-        out = self.output[..., lo:hi]
-        self.pending -= 1
-        if self.pending == 0:  # every layer of the group has its output: keep nothing alive
-            self.input = self.output = None
-        return out
-
-
-class _FusedPart(torch.nn.Module):
-    """One linear layer of a :class:`_FusedGroup`; its parameters are views of the group's."""
-
-    def __init__(self, linear: torch.nn.Linear, group: _FusedGroup, index: int):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        object.__setattr__(self, "group", group)  # not a submodule: the parent owns it once
-        self.index = index
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.part(self.index, x)
-
-
-def fuse_projections(model: torch.nn.Module) -> int:
-    """Compute each attention's q/k/v projections, and each MLP's gate and up projections, as one
-    matrix multiplication (:data:`FUSED_GROUPS`, the Llama/Qwen/Mistral names); in decoding, with
-    a few dozen rows, each multiplication costs about the same whatever its width. Returns the
-    number of groups fused; modules whose layers differ in input size, dtype or bias are left."""
-    fused = 0
-    for module in list(model.modules()):
-        for names in FUSED_GROUPS:
-            linears = [getattr(module, n, None) for n in names]
-            if not all(type(lin) is torch.nn.Linear for lin in linears):
-                continue
-            first = linears[0]
-            if any(
-                lin.in_features != first.in_features
-                or lin.weight.dtype != first.weight.dtype
-                or (lin.bias is None) != (first.bias is None)
-                for lin in linears
-            ):
-                continue
-            group = _FusedGroup(linears)
-            module.add_module(f"hybridrl_fused_{names[0]}", group)
-            for i, (name, lin) in enumerate(zip(names, linears)):
-                setattr(module, name, _FusedPart(lin, group, i))
-            fused += 1
-    return fused
-
-
-class _Loop:
-    """The decoding loop's state for one shape (rows, prompt and response lengths) on the device:
-    the static KV cache, the tokens and logprobs so far, which rows have ended, the next token and
-    the index of the last one recorded. Every call of that shape reuses them in place, at fixed
-    addresses, so that the CUDA graphs captured over them (``graphs``, one per number of steps and
-    sampling settings, in the loop's own memory pool) replay from call to call."""
-
-    def __init__(self, model, batch: int, prompt: int, tokens: int, pad_id: int, device: torch.device):
-        from transformers import StaticCache
-
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt + tokens)
-        self.tokens = torch.full((batch, tokens), pad_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(batch, tokens, device=device)
-        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.token = torch.zeros(batch, dtype=torch.long, device=device)
-        self.at = torch.zeros((), dtype=torch.long, device=device)  # index of the last token recorded
-        self.full = torch.ones(batch, prompt + tokens, dtype=torch.long, device=device)  # future slots: causal
-        self.next_pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: warmed up, not yet captured
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.rows, self.lengths = batch, (prompt, tokens)
-        self.smaller: dict[int, _Loop] = {}  # the loops of fewer rows that compaction moves to
-
-    def reset(self, mask: torch.Tensor, pad_id: int) -> None:
-        self.cache.reset()
-        self.tokens.fill_(pad_id)
-        self.logprobs.zero_()
-        self.done.zero_()
-        self.at.zero_()
-        self.full[:, : mask.shape[1]].copy_(mask)
-        self.next_pos.copy_(mask.long().sum(-1, keepdim=True))  # where the first response token goes
-
-    def take(self, other: _Loop, rows: torch.Tensor) -> None:
-        """Continue ``other``'s decoding for its ``rows`` (one per row of this loop): their keys and
-        values, tokens and logprobs so far, ended flags, next token, masks and positions."""
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            keys, values = theirs.keys[rows], theirs.values[rows]
-            if not mine.is_initialized:
-                mine.lazy_initialization(keys, values)
-            mine.keys.copy_(keys)
-            mine.values.copy_(values)
-            mine.cumulative_length.copy_(theirs.cumulative_length)
-        for name in ("tokens", "logprobs", "done", "token", "full", "next_pos"):
-            getattr(self, name).copy_(getattr(other, name)[rows])
-        self.at.copy_(other.at)
-
-    def can_move(self) -> bool:
-        """Whether :meth:`take` knows this loop's cache: transformers' static layers, filled."""
-        return all(
-            getattr(layer, "is_initialized", False)
-            and all(hasattr(layer, a) for a in ("keys", "values", "cumulative_length", "lazy_initialization"))
-            for layer in getattr(self.cache, "layers", [None])
-        )
 
 
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -494,13 +322,15 @@ class HFEngine(RolloutEngine):
         """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended (a
         power-of-two fraction of ``first``'s rows, at least a sixteenth), with the rows of ``loop``
         it continues, those running first; or (None, None) to stay."""
+        if not self.options.compact_rows:
+            return None, None
         rows = loop.rows
         while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= max(1, first.rows // 16):
             rows //= 2
-        if not self.options.compact_rows or rows == loop.rows or not loop.can_move():
+        if rows == loop.rows or not loop.can_move():
             return None, None
         if rows not in first.smaller:
-            first.smaller[rows] = _Loop(self.model, rows, *first.lengths, self.pad_id, loop.done.device)
+            first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, loop.done.device)
         smaller = first.smaller[rows]
         order = torch.sort(loop.done.to(torch.uint8), stable=True).indices[:rows]  # running, then ended rows
         smaller.take(loop, order)
@@ -539,13 +369,13 @@ class HFEngine(RolloutEngine):
         stopped[hit] = True
         return stopped
 
-    def _loop(self, batch, prompt, tokens, device) -> _Loop:
+    def _loop(self, batch, prompt, tokens, device) -> DecodeState:
         """The loop state of this shape, kept for the next call of the same shape (its captured graphs
         hold its addresses); another shape frees it first."""
         key = (batch, prompt, tokens)
         if self._loop_key != key:
             self._loop_state = None
-            self._loop_state, self._loop_key = _Loop(self.model, batch, prompt, tokens, self.pad_id, device), key
+            self._loop_state, self._loop_key = DecodeState(self.model, batch, prompt, tokens, self.pad_id, device), key
         return self._loop_state
 
     def _generate_hf(self, ids, mask, sampling):
