@@ -7,6 +7,7 @@ import torch
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped_decode_attention
+from hybridrl.builtin.rollout_hf import compacted_rows
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
@@ -185,6 +186,22 @@ def test_compacted_decoding_gives_the_same_greedy_responses(untied_model, tmp_pa
     assert saved < 0.5 and whole == 1.0
     assert on.metrics() == {}  # read once per step
     assert_same_rollout(on.generate(p, sp), b)  # the smaller loops serve the next call too
+
+
+@pytest.mark.parametrize(
+    "rows, running, call_rows, floor, want",
+    [
+        (512, 20, 512, 64, 64),  # halved while the running rows fill at most half, down to the GPU's 64
+        (512, 20, 512, 1, 32),  # a sixteenth of the call's rows at most
+        (512, 300, 512, 1, 512),  # more than half running: stay
+        (256, 128, 512, 1, 128),  # exactly half
+        (64, 5, 64, 64, 64),  # a call of 64 rows on a GPU stays whole
+        (64, 5, 64, 1, 8),
+        (24, 2, 24, 1, 3),  # odd counts stop halving
+    ],
+)
+def test_compacted_rows(rows, running, call_rows, floor, want):
+    assert compacted_rows(rows, running, call_rows, floor) == want
 
 
 @pytest.mark.parametrize("stop", [[], ["Z"]])

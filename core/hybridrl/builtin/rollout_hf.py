@@ -50,6 +50,20 @@ from hybridrl.models import end_token_ids, load_causal_lm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
+# compact_rows: a loop keeps at least a sixteenth of a call's rows, and on a GPU at least 64: there
+# a decoding step of 64 rows of the 0.5B shape took as long as one of fewer (H200), so a smaller
+# loop would only add a compiled step and its CUDA graphs
+COMPACT_FRACTION, GPU_MIN_ROWS = 16, 64
+
+
+def compacted_rows(rows: int, running: int, call_rows: int, floor: int) -> int:
+    """The rows of the loop to go on in when ``running`` rows of a loop of ``rows`` have not ended,
+    in a call of ``call_rows``: halved while the running rows fill at most half, and not below
+    ``call_rows`` / 16 or ``floor``; ``rows`` itself to stay."""
+    least = max(1, call_rows // COMPACT_FRACTION, floor)
+    while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= least:
+        rows //= 2
+    return rows
 
 
 class _LogprobRecorder:
@@ -112,7 +126,8 @@ class HFEngine(RolloutEngine):
             True,
             description="Static cache: at each check of ended sequences (every graph_tokens tokens), once at "
             "least half of a call's rows have ended, move the rows still running to a loop of half as many "
-            "rows (down to a sixteenth of the call's), so that decoding steps stop computing finished ones. "
+            "rows (down to a sixteenth of the call's, and on a GPU to 64), so that decoding steps stop "
+            "computing finished ones. "
             "Each row count keeps its own cache and compiled graphs. The logprobs are exact either way; the "
             "random draws fall to other rows, so the samples differ from generate's for the same seed. "
             "false: every row runs until the last one ends.",
@@ -319,14 +334,13 @@ class HFEngine(RolloutEngine):
         return loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
 
     def _compact(self, first, loop, running):
-        """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended (a
-        power-of-two fraction of ``first``'s rows, at least a sixteenth), with the rows of ``loop``
-        it continues, those running first; or (None, None) to stay."""
+        """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended
+        (:func:`compacted_rows` of ``first``'s, the call's), with the rows of ``loop`` it
+        continues, those running first; or (None, None) to stay."""
         if not self.options.compact_rows:
             return None, None
-        rows = loop.rows
-        while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= max(1, first.rows // 16):
-            rows //= 2
+        floor = GPU_MIN_ROWS if loop.done.device.type == "cuda" else 1
+        rows = compacted_rows(loop.rows, running, first.rows, floor)
         if rows == loop.rows or not loop.can_move():
             return None, None
         if rows not in first.smaller:
