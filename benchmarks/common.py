@@ -111,10 +111,11 @@ def save_tokenizer(folder: Path, vocab_size: int, chat_template: str | None = No
 
 
 def build_model(
-    folder: Path, shape: dict, dtype: str = "bfloat16", chat_template: str | None = None, end_ids: int = 0
+    folder: Path, shape: dict, dtype: str = "bfloat16", chat_template: str | None = None, end_rate: float = 0.0
 ) -> str:
     """A random Qwen2ForCausalLM and a byte-level tokenizer of the model's vocabulary, saved once.
-    ``end_ids``: that many more end ids in generation_config.json (see :func:`long_tail_end_ids`)."""
+    ``end_rate``: responses end at random, each sampled token ending its response with about this
+    probability (:func:`raise_end_logits`)."""
     if (folder / "READY").is_file():
         return str(folder)
     import torch
@@ -124,25 +125,74 @@ def build_model(
     eos, pad = vocab["<|im_end|>"], vocab["<|endoftext|>"]
     cfg = Qwen2Config(**shape, eos_token_id=eos, pad_token_id=pad)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(folder)
-    if end_ids:
-        ends = [eos, *long_tail_end_ids(shape["vocab_size"], end_ids)]
-        GenerationConfig(eos_token_id=ends, pad_token_id=pad).save_pretrained(folder)
+    model = Qwen2ForCausalLM(cfg)
+    ends = long_tail_end_ids(shape["vocab_size"], LONG_TAIL_END_IDS) if end_rate else []
+    measured = raise_end_logits(model, ends, end_rate) if end_rate else None
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
+    if end_rate:  # after the model's own generation_config.json
+        GenerationConfig(eos_token_id=[eos, *ends], pad_token_id=pad).save_pretrained(folder)
+        (folder / "END_RATE.json").write_text(json.dumps({"wanted": end_rate, "calibrated": measured, "ids": ends}))
     (folder / "READY").write_text("ok")
     return str(folder)
 
 
-def long_tail_end_ids(vocab_size: int, count: int) -> list[int]:
-    """``count`` filler ids spread over the vocabulary, to end responses at random lengths.
+LONG_TAIL_END_IDS = 4  # end ids of the long-tail models, besides <|im_end|>
 
-    A random-weight model samples nearly uniformly, so with these as end ids (in
-    generation_config.json, which every engine reads: transformers, vLLM, SGLang, hybridrl's)
-    each token ends its response with probability about count / vocab_size: lengths are
-    geometric, most responses short and a few at max_tokens. With count = 4 x vocab_size /
-    max_tokens the mean is about max_tokens / 4 and about e^-4 = 1.8% reach max_tokens."""
-    first = 300  # past the 256 bytes and the special tokens
+
+def long_tail_end_ids(vocab_size: int, count: int) -> list[int]:
+    """``count`` filler ids spread over the vocabulary (past the bytes and the special tokens)."""
+    first = 300
     stride = (vocab_size - first) // count
     return [first + i * stride for i in range(count)]
+
+
+def raise_end_logits(model, ids: list[int], rate: float, dim: int = 0, c: float = 0.05) -> float:
+    """Make each token that ``model`` samples one of ``ids`` with probability about ``rate``, for
+    responses of random lengths (geometric: with rate = 4 / max_tokens the mean is about
+    max_tokens / 4 and about e^-4 = 1.8% reach max_tokens) that every engine ends alike, with a
+    few end ids in generation_config.json. (Thousands of end ids of a random model's nearly
+    uniform distribution would do the same, but vLLM tests each token against its stop ids with
+    ``in`` on a list, which costs about 30 us a token with 2,373 of them.)
+
+    Qwen2 has no output bias, so one residual dimension (``dim``) is made one: the embedding of
+    every token holds ``c`` there and no layer writes to it (its rows of the attention's and the
+    MLP's output projections are zero), so the final hidden state holds ``c`` / rms there at
+    every position. The output rows of ``ids`` then get a larger value at ``dim`` (their input
+    embeddings too where tied; an end token is the last of its response), chosen by bisection on
+    the hidden states of random tokens after a byte prompt, as engines see them while sampling.
+    Returns the mean probability of ending a token measured there."""
+    import torch
+
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        emb[:, dim] = c
+        head[:, dim] = c
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[dim].zero_()
+            layer.mlp.down_proj.weight[dim].zero_()
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(32, 127, (4, 64), generator=g)
+        sampled = torch.randint(300, emb.shape[0], (4, 64), generator=g)
+        hidden = model.model(input_ids=torch.cat([prompt, sampled], 1)).last_hidden_state[:, 64:].float()
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # (n, H)
+        logits = hidden @ head.float().T  # (n, V): every end id still at c
+        base = logits[:, ids]  # (n, k)
+        others = torch.logsumexp(logits.index_fill(1, torch.tensor(ids), float("-inf")), -1)  # (n,)
+
+        def end_probability(value: float) -> float:
+            ends = base + hidden[:, dim : dim + 1] * (value - c)  # (n, k)
+            lse = torch.logsumexp(ends, -1)
+            return torch.sigmoid(lse - others).mean().item()  # P(any end id) at each position
+
+        lo, hi = c, c + 1.0
+        while end_probability(hi) < rate:
+            hi += 2 * (hi - lo)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if end_probability(mid) < rate else (lo, mid)
+        head[ids, dim] = hi
+        emb[ids, dim] = hi
+    return end_probability(hi)
 
 
 def prompt(i: int, chars: int = PROMPT_CHARS) -> str:

@@ -27,7 +27,7 @@ takes the Qwen2.5-3B shape instead; ``--paths decode`` skips transformers ``gene
 ``--paths decode,decode:0,decode:1`` adds the loop with ``graph_tokens`` 0 (no CUDA graphs) and 1
 (a CUDA graph a token) against its default (16), and ``decode:full`` the loop without
 ``compact_rows`` (every row decoded until the last one ends). ``--lengths long-tail`` lets
-responses end at random (the end ids of ``gpu_vs_trl.py --lengths long-tail``: geometric lengths,
+responses end at random (the model of ``gpu_vs_trl.py --lengths long-tail``: geometric lengths,
 mean about max_tokens / 4) instead of ignoring EOS; tokens per second then count the tokens
 returned, and ``decoded rows`` is the fraction of row-steps the loop computed
 (``hf/decoded_row_fraction``).
@@ -202,9 +202,9 @@ def main(args) -> None:
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
     shape = {"0.5b": ("qwen2.5-0.5b-shaped", common.QWEN05), "3b": ("qwen2.5-3b-shaped", common.QWEN3B)}[args.shape]
     folder, dims = (workdir / "tiny", common.TINY) if args.smoke else (workdir / shape[0], shape[1])
-    ends = 0 if args.lengths == "fixed" else round(4 * dims["vocab_size"] / args.max_tokens)
-    folder = folder.with_name(folder.name + (f"-{ends}-ends" if ends else ""))
-    model_dir = args.model or common.build_model(folder, dims, end_ids=ends)
+    rate = 0.0 if args.lengths == "fixed" else 4 / args.max_tokens
+    folder = folder.with_name(folder.name + (f"-end-rate-{rate:.4g}" if rate else ""))
+    model_dir = args.model or common.build_model(folder, dims, end_rate=rate)
     R["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     R["machine"] = platform.machine() + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,

@@ -14,7 +14,7 @@ x 8 samples = 64 completions of exactly 256 tokens per step (EOS ignored), one o
 per step, KL loss k3 with beta 0.04 (a reference model on both sides), AdamW at lr 1e-6.
 ``--shape 3b``: a Qwen2.5-3B-shaped model instead. ``--lengths long-tail``: responses end at
 random lengths (geometric, mean about max_tokens / 4, about 1.8% at max_tokens: see
-``common.long_tail_end_ids``), the same distribution on every side; tokens per second then count
+``common.raise_end_logits``), the same distribution on every side; tokens per second then count
 the tokens generated. TRL runs with ``--trl-options`` over its defaults, by default
 ``gradient_checkpointing: false``, its fastest setting here; hybridrl with its defaults and
 ``--trainer-options``/``--sharding``/``--engine-options`` (``--vllm-options`` for its vllm side
@@ -446,8 +446,8 @@ def main(args) -> int:
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
     shape = common.TINY if args.smoke else {"0.5b": common.QWEN05, "3b": common.QWEN3B}[args.shape]
     name = "tiny" if args.smoke else f"qwen2.5-{args.shape}-shaped"
-    ends = 0 if args.lengths == "fixed" else round(4 * shape["vocab_size"] / args.max_tokens)
-    model = common.build_model(workdir / (name + (f"-{ends}-ends" if ends else "")), shape, end_ids=ends)
+    rate = 0.0 if args.lengths == "fixed" else 4 / args.max_tokens
+    model = common.build_model(workdir / (name + (f"-end-rate-{rate:.4g}" if rate else "")), shape, end_rate=rate)
     R = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
