@@ -154,7 +154,7 @@ def raise_end_logits(model, ids: list[int], rate: float, dim: int = 0, c: float 
     uniform distribution would do the same, but vLLM tests each token against its stop ids with
     ``in`` on a list, which costs about 30 us a token with 2,373 of them.)
 
-    Qwen2 has no output bias, so one residual dimension (``dim``) is made one: the embedding of
+    Qwen2 has no output bias, so one residual dimension (``dim``) is held constant: the embedding of
     every token holds ``c`` there and no layer writes to it (its rows of the attention's and the
     MLP's output projections are zero), so the final hidden state holds ``c`` / rms there at
     every position. The output rows of ``ids`` then get a larger value at ``dim`` (their input
