@@ -168,9 +168,9 @@ def record_calls(engine) -> list:
 
 def bare_vllm(engine, prompts, sampling, reps: int = 3) -> dict:
     """The vllm plugin's generate against its vLLM engine called directly, on the same prompts:
-    with the plugin's parameters (a seed per prompt, the sampled token's logprob), with one
-    unseeded parameter set, and without logprobs; medians of ``reps``, then a profile of one
-    plugin call (where its time goes)."""
+    with the plugin's parameters (a seed per prompt unless ``seed_requests`` is false, the
+    sampled token's logprob), with one unseeded parameter set, and without logprobs; medians of
+    ``reps``, then a profile of one plugin call (where its time goes)."""
     from vllm import SamplingParams as VSP
 
     local = engine.backend  # the plugin's in-process engine: its vllm.LLM and request parameters
