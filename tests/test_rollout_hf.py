@@ -188,6 +188,18 @@ def test_compacted_decoding_gives_the_same_greedy_responses(untied_model, tmp_pa
     assert_same_rollout(on.generate(p, sp), b)  # the smaller loops serve the next call too
 
 
+def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_path):
+    """compile 'on' on the CPU: each loop of fewer rows compiles its own step, and the greedy
+    responses are those of the eager loop that keeps every row (the call of 64 rows goes down to
+    8 and 4)."""
+    eager = untied_engine(untied_model, tmp_path, compact_rows=False)
+    compiled = untied_engine(untied_model, tmp_path, compile="on")
+    p = prompts(eager.tokenizer, MANY)
+    sp = SamplingParams(n=1, max_tokens=48, seed=0, top_k=1)
+    assert_same_rollout(compiled.generate(p, sp), eager.generate(p, sp))
+    assert sorted(compiled._loop_state.smaller) == [4, 8] and compiled._compiled_step is not None
+
+
 @pytest.mark.parametrize(
     "rows, running, call_rows, floor, want",
     [
