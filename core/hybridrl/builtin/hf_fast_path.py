@@ -146,8 +146,16 @@ class DecodeState:
         self.next_pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: warmed up, not yet captured
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.rows, self.lengths = batch, (prompt, tokens)
         self.smaller: dict[int, DecodeState] = {}  # the loops of fewer rows that compaction moves to
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """Prompt and response columns."""
+        return self.full.shape[1] - self.tokens.shape[1], self.tokens.shape[1]
 
     def reset(self, mask: torch.Tensor, pad_id: int) -> None:
         self.cache.reset()
