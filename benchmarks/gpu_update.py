@@ -18,7 +18,8 @@ each. MFU counts the matrix multiplications of the forward and backward passes
 max/4 and capped at ``--max-tokens`` (what a real run sees), and ``--pass-costs`` runs each
 variant once per cost of a pass in the trainer's micro-batch cut (``token_budget_split``;
 ``budget``: its default). Rows then report the passes of an update and how many graphs
-torch.compile has built by the end (a number that keeps growing means recompiles each step).
+torch.compile has built by the end (a number that keeps growing means recompiles each step), and
+the tokens the passes ran (packed rows where trainer.pack_sequences packs, else padded ones).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 VARIANTS = {
-    # name: (model options, sharding options, hybridrl.models head path on?)
+    # name: (model options, sharding options, hybridrl.models head path on?[, trainer options])
+    # trainer.pack_sequences is 'auto' unless set: packed passes on a GPU
     "fp32 (no autocast)": ({}, {"mixed_precision": "off"}, True),
     "bf16 autocast, full logits": ({}, {"mixed_precision": "bf16"}, False),
     "fp32 + compile": ({}, {"mixed_precision": "off", "compile": True}, True),
@@ -52,6 +54,12 @@ VARIANTS = {
         True,
     ),
     "bf16 autocast + compile, full logits": ({}, {"mixed_precision": "bf16", "compile": True}, False),
+    "bf16 autocast + compile, padded": (
+        {},
+        {"mixed_precision": "bf16", "compile": True},
+        True,
+        {"pack_sequences": False},
+    ),
 }
 
 
@@ -84,6 +92,19 @@ def compiled_graphs() -> int:
         return 0
 
 
+def run_tokens(trainer, batch, rows, prompt, response) -> int:
+    """Tokens a pass of ``rows`` runs: its packed rows (trainer.pack_sequences), else its padded ones."""
+    from hybridrl import batch as batch_module
+    from hybridrl import packing
+
+    if trainer.pass_layout["pack"]:
+        part = batch.select(rows)
+        packed = packing.pack(part.input_ids, part.attention_mask, part["responses"].shape[1])
+        if packed is not None:
+            return packed.input_ids.numel()
+    return batch_module.padded_tokens(prompt, response, rows)
+
+
 def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budget") -> dict:
     import functools
 
@@ -95,7 +116,7 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
     from hybridrl.metrics import update_throughput
     from hybridrl.trainer import Trainer
 
-    model_opts, sharding, head = VARIANTS[name]
+    model_opts, sharding, head, *trainer_opts = VARIANTS[name]
     cfg = {
         "model": {"path": model_dir, "dtype": "float32", **model_opts},
         "data": {"source": "hf", "path": str(Path(args.workdir) / "prompts.jsonl"), "chat_template": False},
@@ -109,6 +130,7 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
             "device": str(device),
             "sample_every": 0,
             "run_dir": str(Path(args.workdir) / f"run-{time.time_ns()}"),
+            **(trainer_opts[0] if trainer_opts else {}),
         },  # fmt: skip
         "logging": {"loggers": []},
     }
@@ -141,7 +163,7 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
         m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
         groups = trainer.passes.groups(b)
         prompt, response = b["prompt_mask"].sum(-1).tolist(), b.response_lengths().tolist()
-        padded = sum(batch_module.padded_tokens(prompt, response, g) for g in groups)  # what the passes run
+        padded = sum(run_tokens(trainer, b, g, prompt, response) for g in groups)  # what the passes run
         rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()},
                      "passes": len(groups), "padded_tokens": padded, "graphs": compiled_graphs()})  # fmt: skip
         print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)
@@ -203,7 +225,7 @@ def main(args) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         out.write_text(json.dumps(R, indent=1) + "\n")
-    head = ["update s", "train tok/s", "TFLOP/s", "MFU", "logprobs s", "peak GiB", "passes", "padded", "graphs"]
+    head = ["update s", "train tok/s", "TFLOP/s", "MFU", "logprobs s", "peak GiB", "passes", "run tokens", "graphs"]
     print(f"\n{'variant':<48} " + " ".join(f"{h:>11}" for h in head))
     for name, r in R["variants"].items():
         mfu = f"{r['update_mfu']:.1%}" if "update_mfu" in r else "-"

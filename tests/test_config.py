@@ -128,3 +128,9 @@ def test_every_example_config_is_valid(path):
         *[("reward function", r.function) for r in cfg.rewards],
     ]:
         assert plugins.lookup(kind, name)
+
+
+def test_prompts_shared_and_sequences_packed_at_once_is_refused():
+    with pytest.raises(ConfigError, match="share_prompts and trainer.pack_sequences are both true"):
+        load({"trainer": {"share_prompts": True, "pack_sequences": True}})
+    assert load({"trainer": {"share_prompts": True}}).trainer.pack_sequences == "auto"

@@ -11,7 +11,7 @@ from hybridrl.models import (
     load_causal_lm,
     response_logprobs,
 )
-from hybridrl.testing import small_model
+from hybridrl.testing import embedded_tokens, small_model
 
 
 def reference(model, ids, mask, T, temperature=1.0):
@@ -236,17 +236,6 @@ def grouped_batch(vocab: int):
     return ids, mask
 
 
-def prompt_tokens_run(model, fn):
-    """``fn()``, and the number of input tokens the model's embedding saw."""
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
-    try:
-        out = fn()
-    finally:
-        hook.remove()
-    return out, sum(seen)
-
-
 @pytest.mark.parametrize("path", ["chunked", "plain"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma", "gpt2"])
 def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
@@ -264,8 +253,8 @@ def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
         (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    (want_lp, want_ent, want_grad), full_tokens = prompt_tokens_run(model, lambda: run(False))
-    (lp, ent, grad), shared_tokens = prompt_tokens_run(model, lambda: run(True))
+    (want_lp, want_ent, want_grad), full_tokens = embedded_tokens(model, lambda: run(False))
+    (lp, ent, grad), shared_tokens = embedded_tokens(model, lambda: run(True))
     assert full_tokens == 9 * 13  # every row's prompt and response, the padding column cut
     assert shared_tokens == 3 * 6 + 9 * 7  # each prompt once, then every response
     assert (lp[resp] - want_lp[resp]).abs().max() < 1e-5
@@ -277,7 +266,7 @@ def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
 
 def test_shared_prompts_keep_the_plain_pass_without_repeated_prompts_or_with_checkpointing(model):
     ids, mask = padded_batch(model.config.vocab_size)  # three different prompts
-    _, tokens = prompt_tokens_run(model, lambda: response_logprobs(model, ids, mask, 9))
+    _, tokens = embedded_tokens(model, lambda: response_logprobs(model, ids, mask, 9))
     assert tokens == 3 * (16 - 2 - 3)  # one pass over every row
     ids, mask = grouped_batch(model.config.vocab_size)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -285,7 +274,7 @@ def test_shared_prompts_keep_the_plain_pass_without_repeated_prompts_or_with_che
         model.train()
         with torch.no_grad():
             want, _ = reference(model, ids, mask, 8)
-        lp, tokens = prompt_tokens_run(model, lambda: response_logprobs(model, ids, mask, 8)[0])
+        lp, tokens = embedded_tokens(model, lambda: response_logprobs(model, ids, mask, 8)[0])
     finally:
         model.gradient_checkpointing_disable()
         model.eval()
@@ -299,16 +288,17 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     tiny_model, tmp_path, share, register_plugin, monkeypatch
 ):
     """One GRPO step: with trainer.share_prompts 'auto' (on for the CPU) the reference's and the
-    policy's passes run each prompt once; with false, once per response."""
+    policy's passes run each prompt once; with false, once per response, packed (trainer.pack_sequences
+    'auto' packs where prompts are not shared)."""
     from hybridrl import logprobs, trainer
     from hybridrl.config import load_config
     from hybridrl.testing import SevensPlugin
 
     calls = []
 
-    def recording(model, *args, share_prompts=True, **kw):
-        calls.append((model, share_prompts))
-        return response_logprobs(model, *args, share_prompts=share_prompts, **kw)
+    def recording(model, *args, share_prompts=True, pack=False, **kw):
+        calls.append((model, share_prompts, pack))
+        return response_logprobs(model, *args, share_prompts=share_prompts, pack=pack, **kw)
 
     monkeypatch.setattr(logprobs, "response_logprobs", recording)
     monkeypatch.setattr(trainer, "response_logprobs", recording)
@@ -326,5 +316,5 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     for logger in t.loggers:  # train() would open them
         logger.open(1, 0)
     t.step(1)
-    assert {model is t.ref for model, _ in calls} == {True, False}  # the reference's pass and the policy's
-    assert {on for _, on in calls} == {share == "auto"}
+    assert {model is t.ref for model, *_ in calls} == {True, False}  # the reference's pass and the policy's
+    assert {(shared, packed) for _, shared, packed in calls} == {(share == "auto", share is False)}  # else packed

@@ -4,6 +4,7 @@ logprobs and gradients as one pass over the whole batch."""
 import pytest
 import torch
 
+from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
 from hybridrl.memory import split_widest
@@ -89,23 +90,25 @@ def config(model, run_dir, **trainer):
         "rollout": {"n": 4, "max_tokens": 16},
         "rewards": [{"function": "sevens"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.05},
-        # share_prompts off: a pass is then one forward call of the padded rows, which these tests count
-        "trainer": {"prompts_per_step": 4, "run_dir": str(run_dir), "max_grad_norm": 1e6, "share_prompts": False}
+        # padded passes: a pass is then one forward call of the padded rows, which these tests count
+        "trainer": {"prompts_per_step": 4, "run_dir": str(run_dir), "max_grad_norm": 1e6}
+        | {"share_prompts": False, "pack_sequences": False}
         | trainer,
         "logging": {"loggers": []},
     }
 
 
-def one_update(model, run_dir, **trainer):
+def one_update(model, run_dir, lengths=LENGTHS, **trainer):
     """Reference logprobs and the gradients of one update on a fixed batch of mixed lengths."""
     t = Trainer(load_config(data=config(model, run_dir, **trainer)))
     t.setup()
-    batch = fixed_batch(t.tokenizer, LENGTHS)
+    batch = fixed_batch(t.tokenizer, lengths)
     t.compute_logprobs(batch)
     t.algorithm.compute_advantages(batch)
     grads = {}
     t.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in t.policy.named_parameters()})
     head_split(t.policy)  # its one-time two-token check is not a pass of the update
+    packing.keeps_sequences_apart(t.policy.base_model)  # nor the one of packing
     passes = []  # (padded) tokens of each forward pass of the update
     t.policy.base_model.register_forward_pre_hook(
         lambda m, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
@@ -125,6 +128,23 @@ def test_token_budget_gives_the_same_logprobs_and_gradients_with_less_padding(ti
     # several passes, each within the budget, fewer (padded) tokens through the model than one pass
     assert len(passes) == 1 and len(passes2) > 2
     assert max(passes2) <= 64 and sum(passes2) < passes[0]
+
+
+def test_packed_passes_give_the_padded_updates_logprobs_and_gradients(
+    tiny_model, tmp_path, register_plugin, monkeypatch
+):
+    """trainer.pack_sequences: the reference pass and the update of a step run packed rows of the
+    trainer's passes, with the padded passes' logprobs and gradients and fewer tokens."""
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 4)
+    register_plugin(SevensPlugin(), name="sevens")
+    long_tail = [[1, 2, 40, 1], [2, 1, 1, 3], [33, 1, 2, 1], [1, 4, 1, 2]]  # most short, two long
+    ref_lp, grads, passes = one_update(tiny_model, tmp_path / "padded", long_tail)
+    ref_lp2, grads2, passes2 = one_update(tiny_model, tmp_path / "packed", long_tail, pack_sequences=True)
+    assert torch.allclose(ref_lp, ref_lp2, atol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads2[name], rtol=1e-4, atol=1e-7), name
+    assert len(passes2) == len(passes) and sum(passes2) < sum(passes)
+    assert all(n % 4 == 0 for n in passes2)  # rows of a multiple of 4 tokens
 
 
 def test_token_budget_and_micro_batch_size_together_are_refused(tiny_model, tmp_path):

@@ -215,6 +215,14 @@ class TrainerConfig(Strict):
         "measured 1.26x faster steps), off on a GPU (where the two-part pass measured slower). Off with "
         "activation checkpointing.",
     )
+    pack_sequences: bool | Literal["auto"] = Field(
+        "auto",
+        description="In the policy and reference passes, lay a pass's sequences end to end in rows of a few "
+        "widths instead of padding each to the longest (verl's use_remove_padding, OpenRLHF's packing_samples): "
+        "the same logprobs and gradients from fewer tokens where response lengths vary. 'auto': wherever "
+        "share_prompts is off (on a GPU by default). Models whose masking does not keep packed sequences apart, "
+        "or whose logits are not their output layer's (FSDP, soft-capping), run padded passes.",
+    )
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0
@@ -249,6 +257,15 @@ class TrainerConfig(Strict):
         "loss or grad norm: abort the run (the last checkpoint stays), "
         "or skip that update and go on.",
     )
+
+    @model_validator(mode="after")
+    def _one_layout(self):
+        if self.share_prompts is True and self.pack_sequences is True:
+            raise ValueError(
+                "trainer.share_prompts and trainer.pack_sequences are both true; a pass runs one of them. "
+                "Set one to false (or 'auto')."
+            )
+        return self
 
 
 class LoggingConfig(BaseModel):

@@ -20,10 +20,11 @@ def batch_logprobs(
     component: str,
     device: torch.device,
     share_prompts: bool = True,
+    pack: bool = False,
 ) -> torch.Tensor:
     """(B, T) logprobs of ``batch``'s responses under ``model`` at ``temperature``, computed in the
     trainer's micro-batches (``passes``; None: one pass) on the model's device, returned on
-    ``device`` in the batch's order; ``share_prompts``: see :func:`response_logprobs`."""
+    ``device`` in the batch's order; ``share_prompts`` and ``pack``: see :func:`response_logprobs`."""
     groups = passes.groups(batch) if passes is not None else consecutive(len(batch), None)
     T = batch["responses"].shape[1]
     inputs = strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
@@ -31,7 +32,7 @@ def batch_logprobs(
 
     def forward(mb):
         ids, mask = mb.input_ids.to(inputs), mb.attention_mask.to(inputs)
-        return response_logprobs(model, ids, mask, T, temperature, share_prompts=share_prompts)[0]
+        return response_logprobs(model, ids, mask, T, temperature, share_prompts=share_prompts, pack=pack)[0]
 
     with model_device_errors(component, model, inputs, device), strategy.autocast():
         return per_pass(batch, groups, f"the logprobs of the {component}", inputs, size, forward).to(device)

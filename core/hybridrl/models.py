@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 
-from hybridrl import distributed
+from hybridrl import distributed, packing
 from hybridrl import functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -228,6 +228,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompts: bool = True,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (B, T) of the response tokens (the last T columns) and optionally entropies.
 
@@ -236,9 +237,16 @@ def response_logprobs(
     positions reach the output layer, and where the model allows it (:func:`head_split`) the
     output layer runs in chunks of tokens whose vocabulary-sized logits are recomputed in the
     backward pass instead of kept, so no (B, T, V) float32 tensor is ever materialised. With
-    ``share_prompts``, rows with the same prompt run it once (:func:`predicting_outputs`).
+    ``share_prompts``, rows with the same prompt run it once (:func:`predicting_outputs`). With
+    ``pack`` (and without ``share_prompts``), the sequences run without padding, laid end to end
+    in rows of a few widths (:mod:`hybridrl.packing`), where the model allows it; the outputs
+    outside the responses are then 0.
     """
     T = response_len
+    if pack and not share_prompts:
+        out = _packed_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, entropy_grad)
+        if out is not None:
+            return out
     used = attention_mask.any(0)  # (P + T,) columns some row attends to
     first = int(used.int().argmax())
     tail = int(used[-T:].flip(0).int().argmax()) if T and used[-T:].any() else max(T - 1, 0)  # unused responses
@@ -264,6 +272,34 @@ def response_logprobs(
                 entropy = F.entropy_from_logits(logits)
     pad = (0, tail)
     return torch.nn.functional.pad(logprobs, pad), (torch.nn.functional.pad(entropy, pad) if with_entropy else None)
+
+
+def _packed_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, entropy_grad):
+    """:func:`response_logprobs` over packed rows, or None where the model or the layout does not allow it."""
+    split = head_split(model) if T else None
+    if split is None or not packing.keeps_sequences_apart(split[0]):
+        return None
+    packed = packing.pack(input_ids, attention_mask, T)
+    if packed is None or not len(packed.tokens):
+        return None
+    body, head = split
+    hidden = body(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[packed.predicting]  # (M, H)
+    keep = getattr(model, "_hybridrl_fused_head", None)  # set by fuse_output_layer
+    logprobs, entropy = chunked_head_logprobs(
+        hidden[None],
+        head,
+        packed.tokens[None],
+        temperature,
+        with_entropy,
+        entropy_grad,
+        fused=keep is not None,
+        keep_bytes=keep,
+    )
+    shape = (input_ids.shape[0], T)
+    return packing.unpack(logprobs[0], packed, shape), (
+        packing.unpack(entropy[0], packed, shape) if with_entropy else None
+    )
 
 
 def predicting_outputs(forward, ids: torch.Tensor, mask: torch.Tensor, kept: int, share: bool) -> torch.Tensor:

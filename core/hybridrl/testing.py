@@ -301,6 +301,17 @@ def agent_check(engine, model_dir, name: str, temperature: float = 0.7, n: int =
     )
 
 
+def embedded_tokens(model, fn):
+    """``fn()``, and the number of input tokens ``model``'s embedding saw while it ran."""
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    try:
+        out = fn()
+    finally:
+        hook.remove()
+    return out, sum(seen)
+
+
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
 SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 

@@ -348,8 +348,8 @@ class Trainer:
 
     def _forward(self, model, batch: Batch, component: str, one_pass: bool = False) -> torch.Tensor:
         passes = None if one_pass else self.passes
-        temperature, share = self.config.rollout.temperature, self.share_prompts
-        return batch_logprobs(model, batch, self.strategy, passes, temperature, component, self.ctx.device, share)
+        temperature, layout = self.config.rollout.temperature, self.pass_layout
+        return batch_logprobs(model, batch, self.strategy, passes, temperature, component, self.ctx.device, **layout)
 
     def policy_tensors(self):
         """The policy's full weights for the engine, named as in the base model (LoRA: merged)."""
@@ -359,8 +359,15 @@ class Trainer:
     @property
     def share_prompts(self) -> bool:
         """trainer.share_prompts, with 'auto' resolved for the policy's device (see docs/performance.md)."""
-        choice = self.config.trainer.share_prompts
-        return self.ctx.device.type == "cpu" if choice == "auto" else choice
+        choice, pack = self.config.trainer.share_prompts, self.config.trainer.pack_sequences
+        return self.ctx.device.type == "cpu" and pack is not True if choice == "auto" else choice
+
+    @property
+    def pass_layout(self) -> dict[str, bool]:
+        """How the policy's and the reference's passes lay out their rows: trainer.share_prompts and
+        trainer.pack_sequences resolved (keywords of response_logprobs)."""
+        share, choice = self.share_prompts, self.config.trainer.pack_sequences
+        return {"share_prompts": share, "pack": not share if choice == "auto" else choice}
 
     def _on_policy(self, batch_size: int) -> bool:
         t = self.config.trainer
@@ -407,7 +414,7 @@ class Trainer:
                     self.config.rollout.temperature,
                     with_entropy=True,
                     entropy_grad=self.algorithm.needs_entropy_grad,
-                    share_prompts=self.share_prompts,
+                    **self.pass_layout,
                 )
         mask = part["response_mask"]
         metrics = {"actor/entropy": F.masked_mean(entropy, mask).detach()}

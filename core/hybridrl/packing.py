@@ -1,0 +1,137 @@
+"""Packed forward passes: a pass's sequences laid end to end in rows of a fixed width, without padding.
+
+A padded pass runs rows x (longest prompt + longest response) tokens; with long-tail response
+lengths most of them are padding. Packing puts the attended tokens of several sequences one
+after the other in a row of ``width`` tokens (first-fit decreasing: longest first, each into the
+first row with room), each sequence with its own positions from 0, so that the model's masking
+(transformers builds a block-diagonal causal mask from position ids that restart, when no
+attention mask is given) keeps every sequence to its own tokens. The logprobs are the padded
+pass's up to rounding, gradients included (verl's ``use_remove_padding`` and OpenRLHF's
+``--packing_samples`` do the same with FlashAttention's variable-length kernels).
+
+A model whose forward pass does not keep packed sequences apart (its own masking code) is found
+by :func:`keeps_sequences_apart` and runs padded passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+WIDTH_MULTIPLE = 128  # packed rows are a multiple of this many tokens wide: few shapes to compile
+
+
+def pack_width(tokens: int) -> int:
+    """Tokens of a packed row for sequences of up to ``tokens`` tokens."""
+    return max(1, -(-tokens // WIDTH_MULTIPLE)) * WIDTH_MULTIPLE
+
+
+def first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
+    """Sequences of ``lengths`` tokens into rows of ``width`` (first-fit decreasing): the row of
+    each, its first column there, and the number of rows. Every length must be at most ``width``."""
+    free = np.zeros(len(lengths), dtype=np.int64)  # tokens left in each row opened so far
+    rows, where, start = 0, [0] * len(lengths), [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = np.flatnonzero(free[:rows] >= lengths[i])
+        r = int(fits[0]) if len(fits) else rows
+        if r == rows:
+            free[r], rows = width, rows + 1
+        where[i], start[i] = r, width - int(free[r])
+        free[r] -= lengths[i]
+    return where, start, rows
+
+
+@dataclass
+class Packed:
+    """A pass of B padded rows laid out in packed rows, and where the response tokens went."""
+
+    input_ids: torch.Tensor  # (R, W)
+    position_ids: torch.Tensor  # (R, W) from 0 in each sequence and in each row's trailing padding
+    predicting: torch.Tensor  # (M,) flat packed positions that predict the M response tokens
+    rows: torch.Tensor  # (M,) the padded row of each response token
+    columns: torch.Tensor  # (M,) its column among the T response columns
+    tokens: torch.Tensor  # (M,) the response tokens
+
+
+def pack(ids: torch.Tensor, mask: torch.Tensor, response_len: int, width: int | None = None) -> Packed | None:
+    """``ids`` and ``mask`` (B, P + T) in the batch's layout (left-padded prompts, right-padded
+    responses of T columns) packed into rows of ``width`` (default :func:`pack_width` of the
+    longest sequence), or None where packing does not apply: attended tokens that are not one
+    span from the prompt into the response, a response without a prompt token before it, or
+    packed rows that would hold more tokens than the padded pass (rows x (longest prompt +
+    longest response)), so that a pass never takes more memory packed than padded."""
+    B, L = ids.shape
+    P = L - response_len
+    prompt, response = mask[:, :P].sum(1), mask[:, P:].sum(1)  # (B,) attended tokens of each part
+    col = torch.arange(L, device=mask.device)
+    span = (col >= P - prompt[:, None]) & (col < P + response[:, None])
+    if not torch.equal(span, mask.bool()) or bool(((prompt == 0) & (response > 0)).any()):
+        return None
+    lengths = prompt + response
+    sizes = lengths.tolist()
+    width = width or pack_width(max(sizes, default=1))
+    where, start, rows = first_fit(sizes, width)
+    if rows * width > B * int(prompt.max() + response.max()):
+        return None
+    device = ids.device
+    base = torch.tensor(where, device=device) * width + torch.tensor(start, device=device)  # (B,)
+    # every attended token: its padded row, its index k in the sequence, where it goes
+    row = torch.repeat_interleave(torch.arange(B, device=device), lengths)
+    k = torch.arange(len(row), device=device) - (torch.cumsum(lengths, 0) - lengths)[row]
+    dst = base[row] + k
+    packed = torch.zeros(rows * width, dtype=ids.dtype, device=device)
+    packed[dst] = ids[row, P - prompt[row] + k]
+    used = torch.zeros(rows, dtype=torch.long, device=device).index_add_(
+        0, torch.tensor(where, device=device), lengths
+    )  # (R,) tokens in each packed row: its padding counts on from 0 after them
+    pos = (torch.arange(width, device=device)[None] - used[:, None]).reshape(-1)
+    pos[dst] = k
+    # response token t of row i is predicted by the sequence's token prompt_i + t - 1
+    r_row = torch.repeat_interleave(torch.arange(B, device=device), response)
+    t = torch.arange(len(r_row), device=device) - (torch.cumsum(response, 0) - response)[r_row]
+    return Packed(
+        input_ids=packed.view(rows, width),
+        position_ids=pos.view(rows, width),
+        predicting=base[r_row] + prompt[r_row] + t - 1,
+        rows=r_row,
+        columns=t,
+        tokens=ids[r_row, P + t],
+    )
+
+
+def unpack(values: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> torch.Tensor:
+    """(M,) values of the response tokens -> (B, T), 0 where no response token is."""
+    out = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    return out.index_put((packed.rows, packed.columns), values)
+
+
+def keeps_sequences_apart(body: torch.nn.Module) -> bool:
+    """Whether ``body`` (a transformers base model) keeps packed sequences apart: checked once per
+    model, on two sequences packed in one row against each alone."""
+    cached = getattr(body, "_hybridrl_packs", None)
+    if cached is not None:
+        return cached
+    from hybridrl.models import _eager
+
+    device = next(body.parameters()).device
+    a, b = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[11, 13]], device=device)
+    was_training = body.training
+    body.eval()
+    try:
+        with torch.no_grad(), _eager():
+            alone = [body(input_ids=x, use_cache=False).last_hidden_state[0] for x in (a, b)]
+            pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+            both = body(input_ids=torch.cat([a, b], 1), position_ids=pos, use_cache=False).last_hidden_state[0]
+        want = torch.cat(alone).float()
+        same = torch.allclose(both.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1)))
+    except Exception:  # noqa: BLE001 - a body that refuses these arguments runs padded passes
+        same = False
+    finally:
+        body.train(was_training)
+    try:
+        body._hybridrl_packs = same
+    except (AttributeError, TypeError):
+        pass
+    return same
