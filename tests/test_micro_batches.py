@@ -8,7 +8,7 @@ from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
 from hybridrl.memory import split_widest
-from hybridrl.models import head_split
+from hybridrl.models import head_split, keeps_sequences_apart
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
@@ -108,7 +108,7 @@ def one_update(model, run_dir, lengths=LENGTHS, **trainer):
     grads = {}
     t.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in t.policy.named_parameters()})
     head_split(t.policy)  # its one-time two-token check is not a pass of the update
-    packing.keeps_sequences_apart(t.policy.base_model)  # nor the one of packing
+    keeps_sequences_apart(t.policy.base_model)  # nor the one of packing
     passes = []  # (padded) tokens of each forward pass of the update
     t.policy.base_model.register_forward_pre_hook(
         lambda m, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
@@ -145,6 +145,15 @@ def test_packed_passes_give_the_padded_updates_logprobs_and_gradients(
         assert torch.allclose(grads[name], grads2[name], rtol=1e-4, atol=1e-7), name
     assert len(passes2) == len(passes) and sum(passes2) < sum(passes)
     assert all(n % 4 == 0 for n in passes2)  # rows of a multiple of 4 tokens
+    # with a budget, the passes are cut from the packed rows (of 54 tokens: the batch's longest
+    # prompt, 14, and response, 40), two a pass; a pass that runs fewer tokens padded runs padded
+    ref_lp3, grads3, passes3 = one_update(
+        tiny_model, tmp_path / "budget", long_tail, pack_sequences=True, micro_batch_tokens=112
+    )
+    assert torch.allclose(ref_lp, ref_lp3, atol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], grads3[name], rtol=1e-4, atol=1e-7), name
+    assert passes3 == [2 * 54, 2 * 54, 6 * 15, 2 * 15]  # the last two: 6 and 2 short rows, padded
 
 
 def test_token_budget_and_micro_batch_size_together_are_refused(tiny_model, tmp_path):

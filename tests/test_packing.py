@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridrl import packing
-from hybridrl.models import disable_dropout, head_split, response_logprobs
+from hybridrl.models import disable_dropout, head_split, keeps_sequences_apart, response_logprobs
 from hybridrl.testing import embedded_tokens, small_model
 
 
@@ -14,6 +14,26 @@ def test_first_fit_puts_each_sequence_longest_first_into_the_first_row_with_room
     assert (where, start, rows) == ([1, 1, 2, 0, 0], [0, 5, 0, 6, 0], 3)
     assert packing.first_fit([8, 8], 8) == ([0, 1], [0, 0], 2)  # full rows open new ones
     assert packing.first_fit([], 8) == ([], [], 0)
+
+
+def test_passes_take_consecutive_packed_rows_up_to_the_budget():
+    # packed rows of 8: [6, 2] (rows 4 and 3), [5, 3] (rows 0 and 1), [4] (row 2)
+    assert packing.passes([5, 3, 4, 2, 6], 8, 16) == [[3, 4, 0, 1], [2]]  # two packed rows a pass
+    assert packing.passes([5, 3, 4, 2, 6], 8, 7) == [[3, 4], [0, 1], [2]]  # a budget under a row: one each
+    assert packing.passes([], 8, 16) == []
+
+
+def test_the_rows_of_a_pass_packed_on_their_own_take_no_more_packed_rows():
+    """What a pass runs (its rows packed again) stays within the budget its cut assumed."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        width = rng.randint(4, 30)
+        lengths = [rng.randint(1, width) for _ in range(rng.randint(1, 40))]
+        budget = width * rng.randint(1, 6)
+        for rows in packing.passes(lengths, width, budget):
+            assert packing.first_fit([lengths[i] for i in rows], width)[2] * width <= budget, (lengths, width)
 
 
 def test_pack_width_rounds_up_to_the_multiple():
@@ -65,7 +85,7 @@ def test_pack_refuses_layouts_it_cannot_pack():
 def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, monkeypatch):
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model(arch))
-    assert head_split(model) is not None and packing.keeps_sequences_apart(model.base_model)
+    assert head_split(model) is not None and keeps_sequences_apart(model.base_model)
     ids, mask = batch_of_lengths(64)
     T = 8
     resp = mask[:, -T:].bool()
@@ -88,8 +108,9 @@ def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, monkeyp
         assert (grad[n] - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max(), n
 
 
-def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes():
-    model = disable_dropout(small_model("qwen2"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes(dtype):
+    model = disable_dropout(small_model("qwen2")).to(dtype)
     body = model.base_model
     forward = body.forward
 
@@ -100,7 +121,7 @@ def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes():
         return forward(*args, position_ids=position_ids, attention_mask=attention_mask, **kw)
 
     body.forward = masked_forward
-    assert not packing.keeps_sequences_apart(body)
+    assert not keeps_sequences_apart(body)
     ids, mask = batch_of_lengths(64)
     with torch.no_grad():
         want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)

@@ -7,7 +7,7 @@ import torch
 from hybridrl.batch import Batch
 from hybridrl.devices import model_device_errors
 from hybridrl.memory import MicroBatches, consecutive, per_pass
-from hybridrl.models import response_logprobs
+from hybridrl.models import can_pack, response_logprobs
 
 
 @torch.no_grad()
@@ -25,7 +25,8 @@ def batch_logprobs(
     """(B, T) logprobs of ``batch``'s responses under ``model`` at ``temperature``, computed in the
     trainer's micro-batches (``passes``; None: one pass) on the model's device, returned on
     ``device`` in the batch's order; ``share_prompts`` and ``pack``: see :func:`response_logprobs`."""
-    groups = passes.groups(batch) if passes is not None else consecutive(len(batch), None)
+    pack = pack and not share_prompts and can_pack(model)
+    groups = passes.groups(batch, pack) if passes is not None else consecutive(len(batch), None)
     T = batch["responses"].shape[1]
     inputs = strategy.input_device(model)  # the reference may live elsewhere (sharding.ref_device)
     size = passes.size if passes is not None else None

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hybridrl import distributed
+from hybridrl import distributed, packing
 from hybridrl.batch import Batch, padded_tokens, token_budget_split
 from hybridrl.errors import StageError
 
@@ -98,12 +98,17 @@ class MicroBatches:
             )
         return max(budget, 1)
 
-    def groups(self, batch: Batch) -> list[list[int]]:
-        """Row indices of each pass over ``batch``."""
+    def groups(self, batch: Batch, packed: bool = False) -> list[list[int]]:
+        """Row indices of each pass over ``batch``; ``packed``: of passes that run packed rows
+        (:func:`hybridrl.packing.passes`), else padded ones."""
         tokens = self.budget()
         if not tokens:
             return consecutive(len(batch), self.size)
-        groups = token_budget_split(batch, tokens)
+        if packed:
+            lengths = (batch["prompt_mask"].sum(-1) + batch.response_lengths()).tolist()
+            groups = packing.passes(lengths, packing.pack_width(width_of(batch)), tokens)
+        else:
+            groups = token_budget_split(batch, tokens)
         if distributed.world_size() > 1:  # every rank the same number of passes, each cut by its own lengths
             passes = int(distributed.all_reduce([float(len(groups))], "max")[0])
             groups = split_widest(batch, groups, passes)

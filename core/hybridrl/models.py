@@ -276,13 +276,12 @@ def response_logprobs(
 
 def _packed_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, entropy_grad):
     """:func:`response_logprobs` over packed rows, or None where the model or the layout does not allow it."""
-    split = head_split(model) if T else None
-    if split is None or not packing.keeps_sequences_apart(split[0]):
+    if not T or not can_pack(model):
         return None
     packed = packing.pack(input_ids, attention_mask, T)
     if packed is None or not len(packed.tokens):
         return None
-    body, head = split
+    body, head = head_split(model)
     hidden = body(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[packed.predicting]  # (M, H)
     keep = getattr(model, "_hybridrl_fused_head", None)  # set by fuse_output_layer
@@ -486,3 +485,40 @@ def _head_chunk(temperature: float, with_entropy: bool, entropy_grad: bool, hidd
 def _fused_chunk():
     # dynamic=None: the first shape compiles as it is, a second one compiles a dynamic graph
     return torch.compile(_head_chunk, dynamic=None)
+
+
+def can_pack(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s passes can run packed (:mod:`hybridrl.packing`): its logits are its
+    output layer's (:func:`head_split`) and its body keeps packed sequences apart."""
+    split = head_split(model)
+    return split is not None and keeps_sequences_apart(split[0])
+
+
+def keeps_sequences_apart(body: torch.nn.Module) -> bool:
+    """Whether ``body`` (a transformers base model) keeps packed sequences apart: checked once per
+    model, on two sequences packed in one row against each alone, without autocast. A sequence
+    that sees another changes by about its own size; the tolerance is the weights' rounding."""
+    cached = getattr(body, "_hybridrl_packs", None)
+    if cached is not None:
+        return cached
+    weight = next(body.parameters())
+    device, tol = weight.device, 2e-2 if weight.dtype in LOW_PRECISION else 1e-3
+    a, b = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[11, 13]], device=device)
+    was_training = body.training
+    body.eval()
+    try:
+        with torch.no_grad(), _eager(), torch.autocast(device.type, enabled=False):
+            alone = [body(input_ids=x, use_cache=False).last_hidden_state[0] for x in (a, b)]
+            pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+            both = body(input_ids=torch.cat([a, b], 1), position_ids=pos, use_cache=False).last_hidden_state[0]
+        want = torch.cat(alone).float()
+        same = torch.allclose(both.float(), want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1)))
+    except Exception:  # noqa: BLE001 - a body that refuses these arguments runs padded passes
+        same = False
+    finally:
+        body.train(was_training)
+    try:
+        body._hybridrl_packs = same
+    except (AttributeError, TypeError):
+        pass
+    return same

@@ -10,7 +10,7 @@ pass's up to rounding, gradients included (verl's ``use_remove_padding`` and Ope
 ``--packing_samples`` do the same with FlashAttention's variable-length kernels).
 
 A model whose forward pass does not keep packed sequences apart (its own masking code) is found
-by :func:`keeps_sequences_apart` and runs padded passes.
+by :func:`hybridrl.models.keeps_sequences_apart` and runs padded passes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,22 @@ WIDTH_MULTIPLE = 128  # packed rows are a multiple of this many tokens wide: few
 def pack_width(tokens: int) -> int:
     """Tokens of a packed row for sequences of up to ``tokens`` tokens."""
     return max(1, -(-tokens // WIDTH_MULTIPLE)) * WIDTH_MULTIPLE
+
+
+def passes(lengths: list[int], width: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of passes whose packed rows of ``width`` hold at most ``max_tokens`` tokens.
+
+    The rows are packed (:func:`first_fit`), then consecutive packed rows go to a pass,
+    ``max_tokens // width`` of them (one when a row is longer than the budget): every pass but
+    the last has the same shape, so compiled blocks see two shapes a step instead of one for
+    each pass. The rows of a pass, packed again on their own (as the pass runs them), take no
+    more packed rows than they came from."""
+    where, _, rows = first_fit(lengths, width)
+    members = [[] for _ in range(rows)]
+    for i, r in enumerate(where):
+        members[r].append(i)
+    per_pass = max(1, max_tokens // width)
+    return [sum(members[s : s + per_pass], []) for s in range(0, rows, per_pass)]
 
 
 def first_fit(lengths: list[int], width: int) -> tuple[list[int], list[int], int]:
@@ -57,8 +73,8 @@ class Packed:
 
 def pack(ids: torch.Tensor, mask: torch.Tensor, response_len: int, width: int | None = None) -> Packed | None:
     """``ids`` and ``mask`` (B, P + T) in the batch's layout (left-padded prompts, right-padded
-    responses of T columns) packed into rows of ``width`` (default :func:`pack_width` of the
-    longest sequence), or None where packing does not apply: attended tokens that are not one
+    responses of T columns) packed into rows of ``width`` (default :func:`pack_width` of P + T,
+    as :func:`passes` cut them), or None where packing does not apply: attended tokens that are not one
     span from the prompt into the response, a response without a prompt token before it, or
     packed rows that would hold more tokens than the padded pass (rows x (longest prompt +
     longest response)), so that a pass never takes more memory packed than padded."""
@@ -71,7 +87,7 @@ def pack(ids: torch.Tensor, mask: torch.Tensor, response_len: int, width: int | 
         return None
     lengths = prompt + response
     sizes = lengths.tolist()
-    width = width or pack_width(max(sizes, default=1))
+    width = width or pack_width(L)
     where, start, rows = first_fit(sizes, width)
     if rows * width > B * int(prompt.max() + response.max()):
         return None
@@ -105,33 +121,3 @@ def unpack(values: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> torc
     """(M,) values of the response tokens -> (B, T), 0 where no response token is."""
     out = torch.zeros(shape, dtype=values.dtype, device=values.device)
     return out.index_put((packed.rows, packed.columns), values)
-
-
-def keeps_sequences_apart(body: torch.nn.Module) -> bool:
-    """Whether ``body`` (a transformers base model) keeps packed sequences apart: checked once per
-    model, on two sequences packed in one row against each alone."""
-    cached = getattr(body, "_hybridrl_packs", None)
-    if cached is not None:
-        return cached
-    from hybridrl.models import _eager
-
-    device = next(body.parameters()).device
-    a, b = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[11, 13]], device=device)
-    was_training = body.training
-    body.eval()
-    try:
-        with torch.no_grad(), _eager():
-            alone = [body(input_ids=x, use_cache=False).last_hidden_state[0] for x in (a, b)]
-            pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
-            both = body(input_ids=torch.cat([a, b], 1), position_ids=pos, use_cache=False).last_hidden_state[0]
-        want = torch.cat(alone).float()
-        same = torch.allclose(both.float(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max().clamp(min=1)))
-    except Exception:  # noqa: BLE001 - a body that refuses these arguments runs padded passes
-        same = False
-    finally:
-        body.train(was_training)
-    try:
-        body._hybridrl_packs = same
-    except (AttributeError, TypeError):
-        pass
-    return same

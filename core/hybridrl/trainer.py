@@ -38,6 +38,7 @@ from hybridrl.metrics import (
 )
 from hybridrl.models import (
     DTYPES,
+    can_pack,
     check_model_path,
     disable_dropout,
     end_token_ids,
@@ -399,6 +400,7 @@ class Trainer:
             mini_batch_size=t.mini_batch_size,
             max_grad_norm=t.max_grad_norm,
             scheduler=self.scheduler,
+            packed=self.pass_layout["pack"] and can_pack(self.policy),
         )
 
     def policy_loss(self, part: Batch):

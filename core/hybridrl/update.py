@@ -41,6 +41,7 @@ class Trainable:
     epochs: int = 1
     mini_batch_size: int | None = None  # responses per optimizer step over all ranks; None: the whole batch
     micro_batch_size: int | None = None  # responses per pass; None: the trainer's micro-batches
+    packed: bool = False  # the loss runs packed passes: the trainer's micro-batches cut for them
     max_grad_norm: float = 1.0
     scheduler: Any = None  # stepped once per update stage
 
@@ -85,7 +86,7 @@ def run_update(
             finite = True
             own = t.micro_batch_size or passes is None  # the model's own micro-batch size, or none
             size = t.micro_batch_size if own else passes.size
-            for part in (mb.select(g) for g in (consecutive(len(mb), size) if own else passes.groups(mb))):
+            for part in (mb.select(g) for g in (consecutive(len(mb), size) if own else passes.groups(mb, t.packed))):
                 device = part["responses"].device
                 with memory_errors(f"the update of the {t.label}", device, pass_sizes(part), pass_fix(part, size)):
                     loss, metrics = t.loss(part)
