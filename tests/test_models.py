@@ -1,4 +1,4 @@
-"""Model resolution: the packaged GGUF becomes a plain, loadable, unquantised HF folder."""
+"""Model resolution (the packaged GGUF becomes a plain, loadable, unquantised HF folder) and loading."""
 
 import json
 
@@ -28,3 +28,25 @@ def test_model_path_errors_name_the_key_and_fix(tmp_path):
         ModelNotFoundError, match="model.gguf_file 'x.gguf' is not in .* \\(GGUF files there: m.gguf\\)"
     ):
         check_model_path(str(tmp_path), "x.gguf")
+
+
+def trainer_with_attention(model_dir, run_dir, attention):
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    return Trainer(load_config(data={
+        "model": {"path": model_dir, "attn_implementation": attention},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+        "rewards": [{"function": "reasoning_gym"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "trainer": {"run_dir": str(run_dir)},
+        "logging": {"loggers": []},
+    }))  # fmt: skip
+
+
+def test_attn_implementation_reaches_the_policy_and_the_reference(tiny_model, tmp_path):
+    t = trainer_with_attention(tiny_model, tmp_path / "run", "eager")
+    t.setup()
+    assert t.policy.config._attn_implementation == t.ref.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"model.attn_implementation 'bogus' cannot be used: .*eager.*unset"):
+        trainer_with_attention(tiny_model, tmp_path / "bad", "bogus").setup()

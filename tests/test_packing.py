@@ -81,10 +81,13 @@ def test_pack_refuses_layouts_it_cannot_pack():
     assert packing.pack(ids, empty, 8) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma", "gpt2"])
-def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, monkeypatch):
+@pytest.mark.parametrize(
+    "arch,attention", [(a, "sdpa") for a in ("qwen2", "llama", "phi3", "gemma", "gpt2")] + [("qwen2", "eager")]
+)
+def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, attention, monkeypatch):
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model(arch))
+    model.set_attn_implementation(attention)  # model.attn_implementation
     assert head_split(model) is not None and keeps_sequences_apart(model.base_model)
     ids, mask = batch_of_lengths(64)
     T = 8

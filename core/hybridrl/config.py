@@ -64,6 +64,12 @@ class ModelConfig(Strict):
         "autocast, since an optimizer step far below a bfloat16 ulp would change no weight.",
     )
     trust_remote_code: bool = False
+    attn_implementation: str | None = Field(
+        None,
+        description="transformers' attention for the trained models and the reference (from_pretrained's "
+        "attn_implementation): sdpa, eager, flex_attention, flash_attention_2 (needs the flash-attn package), "
+        "or a kernels hub id; default: transformers' choice (sdpa). The hf engine's decoding keeps its own.",
+    )
     lora: LoraOptions | None = Field(
         None,
         description="Train LoRA adapters instead of every weight (peft): {r, alpha, dropout, target_modules}. The "

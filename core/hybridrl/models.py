@@ -129,10 +129,28 @@ def end_token_ids(path: str, tokenizer) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+def load_causal_lm(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+):
+    """``path``'s causal LM in ``dtype`` on ``device``; ``attn_implementation``: model.attn_implementation."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, **attention
+        )
+    except (ValueError, ImportError) as e:
+        if not attention:
+            raise
+        raise ValueError(
+            f"model.attn_implementation '{attn_implementation}' cannot be used: {e} "
+            "Leave it unset for transformers' default (sdpa)."
+        ) from e
     return model.to(device)
 
 

@@ -129,7 +129,13 @@ class Trainer:
         )
 
         def load(adapters=None):
-            model = load_causal_lm(model_path, self.ctx.dtype, torch.device("cpu"), cfg.model.trust_remote_code)
+            model = load_causal_lm(
+                model_path,
+                self.ctx.dtype,
+                torch.device("cpu"),
+                cfg.model.trust_remote_code,
+                cfg.model.attn_implementation,
+            )
             model = lora.apply_lora(model, adapters) if adapters else model
             return model if cfg.model.dropout else disable_dropout(model)
 
