@@ -11,11 +11,16 @@
 The reference configuration: GRPO on a Qwen2.5-0.5B-shaped model (random weights, see
 common.py), float32 master weights with bf16 compute, prompts of exactly 128 tokens, 8 prompts
 x 8 samples = 64 completions of exactly 256 tokens per step (EOS ignored), one optimizer update
-per step, KL loss k3 with beta 0.04 (a reference model on both sides), AdamW at lr 1e-6.
+per step, KL loss k3 with beta 0.04 (a reference model on both sides), AdamW at lr 1e-6 (``--lr``;
+1e-9 with long-tail lengths, below).
 ``--shape 3b``: a Qwen2.5-3B-shaped model instead. ``--lengths long-tail``: responses end at
 random lengths (geometric, mean about max_tokens / 4, about 1.8% at max_tokens: see
 ``common.raise_end_logits``), the same distribution on every side; tokens per second then count
-the tokens generated. TRL runs with ``--trl-options`` over its defaults, by default
+the tokens generated. The end ids' raised logits make the lengths very sensitive to the
+weights: at lr 1e-6 the updates learn them within a few steps (on the CPU, with the full
+vocabulary, mean lengths 12.6, 10.2, 6.0, 3.9 over four steps; on an H200 they rose from 80
+to 150-170), each side its own way; at 1e-9 they stay put (12.6, 14.8, 13.9, 14.6), and a step
+does the same work at any learning rate. TRL runs with ``--trl-options`` over its defaults, by default
 ``gradient_checkpointing: false``, its fastest setting here; hybridrl with its defaults and
 ``--trainer-options``/``--sharding``/``--engine-options`` (``--vllm-options`` for its vllm side
 alone). ``--bare``: the vllm side also times
@@ -51,6 +56,7 @@ import common  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SIDES = ["trl-hf", "hybridrl-hf", "hybridrl-vllm", "trl-vllm"]
+LONG_TAIL_LR = 1e-9  # the default --lr with long-tail lengths
 
 
 # -- hybridrl ------------------------------------------------------------------------------
@@ -104,7 +110,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         "trainer": {
             "steps": args.warmup + args.steps,
             "prompts_per_step": args.prompts,
-            "lr": 1e-6,
+            "lr": args.lr,
             "seed": 0,
             "device": "cpu" if args.smoke else "cuda",
             "run_dir": str(Path(args.workdir) / f"hybridrl-{engine}-{int(time.time())}"),
@@ -288,6 +294,7 @@ def run_trl(args, vllm: bool, result: dict) -> None:
         args.prompts,
         args.n,
         args.max_tokens,
+        learning_rate=args.lr,
         max_steps=args.warmup + args.steps,
         logging_steps=1,
         **extra,
@@ -302,6 +309,7 @@ def run_trl(args, vllm: bool, result: dict) -> None:
             "steps_per_generation",
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
+            "learning_rate",
         )  # fmt: skip
         if hasattr(config, k)
     }
@@ -434,8 +442,8 @@ def print_table(summary: dict) -> None:
         print(" | ".join(cells))
 
 
-FORWARD = ("prompts", "n", "max_tokens", "warmup", "steps", "gpu_memory_utilization", "sharding", "engine_options",
-           "vllm_options", "trainer_options", "trl_options", "lengths")  # fmt: skip
+FORWARD = ("prompts", "n", "max_tokens", "lr", "warmup", "steps", "gpu_memory_utilization", "sharding",
+           "engine_options", "vllm_options", "trainer_options", "trl_options", "lengths")  # fmt: skip
 
 
 def main(args) -> int:
@@ -500,6 +508,7 @@ def parse_args(argv=None):
     p.add_argument("--trl-options", default='{"gradient_checkpointing": false}', help="JSON over TRL's GRPOConfig")
     p.add_argument("--shape", choices=["0.5b", "3b"], default="0.5b")
     p.add_argument("--lengths", choices=["fixed", "long-tail"], default="fixed")
+    p.add_argument("--lr", type=float, default=None, help="both sides; default 1e-6, 1e-9 with long-tail lengths")
     p.add_argument("--bare", action="store_true", help="vllm side: also time the bare engine, profile a call")
     p.add_argument("--sync-sweep", action="store_true", help="vllm side: also time weight syncs by bucket size")
     p.add_argument("--side-timeout", type=float, default=900)
@@ -510,6 +519,8 @@ def parse_args(argv=None):
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.lr is None:  # long-tail lengths would be learned at 1e-6 (see the docstring)
+        args.lr = LONG_TAIL_LR if args.lengths == "long-tail" else 1e-6
     if args.smoke and not args.side:
         args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 8, 1, 1
     return args
