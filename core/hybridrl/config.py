@@ -208,7 +208,8 @@ class TrainerConfig(Strict):
         "passes). Each mini-batch's responses, longest first, are cut into as few micro-batches as keep their padded "
         "size (rows x (longest prompt + longest response)) within it (one more only where it saves more padded "
         "tokens than a pass holds), with the least padding; a longer response goes alone (verl's "
-        "ppo_max_token_len_per_gpu). Under torchrun, each rank cuts its own rows, and splits its most padded "
+        "ppo_max_token_len_per_gpu); with pack_sequences, passes of packed rows instead. Under torchrun, each rank "
+        "cuts its own rows, and splits its most padded "
         "passes until it has as many as the rank with the most. 'auto': on a GPU, 80% of the memory free at the "
         "first pass over the activations a token needs (printed at the start); on the CPU, no budget. None: the "
         "whole mini-batch in one pass.",
@@ -223,9 +224,10 @@ class TrainerConfig(Strict):
     )
     pack_sequences: bool | Literal["auto"] = Field(
         "auto",
-        description="In the policy and reference passes, lay a pass's sequences end to end in rows of a few "
-        "widths instead of padding each to the longest (verl's use_remove_padding, OpenRLHF's packing_samples): "
-        "the same logprobs and gradients from fewer tokens where response lengths vary. 'auto': wherever "
+        description="In the policy and reference passes, lay the sequences end to end in rows of the batch's "
+        "width rounded up to 128 tokens instead of padding each to the longest, and cut the passes from those rows "
+        "(verl's use_remove_padding, OpenRLHF's packing_samples): the same logprobs and gradients from fewer tokens "
+        "and fewer shapes to compile where response lengths vary. 'auto': wherever "
         "share_prompts is off (on a GPU by default). Models whose masking does not keep packed sequences apart, "
         "or whose logits are not their output layer's (FSDP, soft-capping), run padded passes.",
     )
