@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridrl import packing
-from hybridrl.models import disable_dropout, head_split, keeps_sequences_apart, response_logprobs
+from hybridrl.models import can_pack, disable_dropout, head_split, keeps_sequences_apart, response_logprobs
 from hybridrl.testing import embedded_tokens, small_model
 
 
@@ -132,3 +132,33 @@ def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes(dt
         (got, _), tokens = embedded_tokens(model, packed)
     assert tokens == 9 * 13
     assert torch.equal(got, want)
+
+
+def test_compiled_blocks_run_packed_passes_with_the_eager_padded_values(monkeypatch):
+    """sharding.compile's blocks and fused output layer, over packed rows of two shapes (the
+    passes of a step): the eager padded pass's logprobs and gradients."""
+    from hybridrl.models import find_blocks, fuse_output_layer
+
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
+    model = disable_dropout(small_model("qwen2"))
+    ids, mask = batch_of_lengths(64)
+    T, resp = 8, mask[:, -8:].bool()
+
+    def run(pack, rows):
+        model.zero_grad()
+        lp, _ = response_logprobs(model, ids[rows], mask[rows], T, 0.7, share_prompts=False, pack=pack)
+        lp[resp[rows]].sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    parts = [list(range(9)), [0, 3, 4, 6]]  # 5 and 3 packed rows of 16
+    want = [run(False, rows) for rows in parts]
+    for block in find_blocks(model):
+        block.compile()
+    fuse_output_layer(model, 2**30)
+    assert can_pack(model)  # its one-time check, before the tokens are counted
+    for rows, packed_rows, (want_lp, want_grad) in zip(parts, [5, 3], want):
+        (lp, grad), tokens = embedded_tokens(model, lambda: run(True, rows))  # noqa: B023 - called at once
+        assert tokens == packed_rows * 16
+        assert (lp[resp[rows]] - want_lp[resp[rows]]).abs().max() < 1e-5
+        for n in want_grad:
+            assert (grad[n] - want_grad[n]).abs().max() <= 1e-4 * want_grad[n].abs().max(), n
