@@ -244,3 +244,31 @@ def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change
     t.algorithm.compute_advantages(batch)
     with pytest.raises(OutOfMemory, match=r"a pass of 8 responses .* Lower trainer.micro_batch_size \(try 4\)"):
         t.update(batch, 1)
+
+
+def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp_path, register_plugin, monkeypatch):
+    """sharding.compile with packed passes: a step's passes reach a compiled block in many variants
+    (with and without gradients, packed rows with an attention mask or without one, left-padded
+    rows, a first static graph then a dynamic one, one row). torch.compile keeps 8 graphs a
+    function by default and runs any further variant eagerly for the rest of the run; every
+    variant of these steps gets its graph."""
+    import random
+
+    import torch._dynamo
+
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 8)
+    torch._dynamo.reset()
+    register_plugin(SevensPlugin(), name="sevens")
+    cfg = config(tiny_model, tmp_path, pack_sequences=True, micro_batch_tokens=96) | {"sharding": {"compile": True}}
+    frames = torch._dynamo.utils.counters["frames"]
+    rng = random.Random(0)
+    with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored afterwards
+        t = Trainer(load_config(data=cfg))
+        t.setup()
+        for step in (1, 2, 3):
+            lengths = [[min(16, 1 + int(rng.expovariate(1 / 4))) for _ in range(4)] for _ in range(4)]
+            batch = fixed_batch(t.tokenizer, lengths)
+            t.compute_logprobs(batch)
+            t.algorithm.compute_advantages(batch)
+            t.update(batch, step)
+            assert frames["total"] == frames["ok"], f"step {step}: a variant ran eagerly (torch.compile's limit)"

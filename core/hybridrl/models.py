@@ -426,6 +426,23 @@ def _eager():
     return stance("force_eager") if stance else contextlib.nullcontext()
 
 
+RECOMPILE_LIMIT = 64  # graphs torch.compile keeps for one function once hybridrl compiles
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let torch.compile keep up to ``limit`` graphs for each function (its default is 8).
+
+    A compiled transformer block serves every layer of the policy and the reference model, and
+    their passes reach it in many variants, each with a graph of its own: with and without
+    gradients, with an attention mask (packed rows of several sequences, left-padded rows) or
+    without one (rows that one sequence fills), a first static graph and then a dynamic one, one
+    row (specialised). Likewise the hf engine's decoding step for each row count. Past the limit
+    torch.compile runs every further variant eagerly for the rest of the process (a warning, once).
+    The setting is the process's; it is only ever raised."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+
+
 def fuse_output_layer(model: torch.nn.Module, keep_bytes: int) -> None:
     """Compute ``model``'s response logprobs and entropies with compiled, fused kernels.
 

@@ -45,7 +45,7 @@ from hybridrl.builtin.hf_fast_path import DecodeState, fuse_projections, use_gro
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import end_token_ids, load_causal_lm
+from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
@@ -300,6 +300,7 @@ class HFEngine(RolloutEngine):
             self._is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
             self._is_end[sorted(self.eos_ids)] = True
         if self.compile and self._compiled_step is None:
+            allow_recompiles()  # a static graph for each row count (compact_rows) and sampling setting
             self._compiled_step = torch.compile(self._step, dynamic=False)  # CUDA graphs: _run_steps
 
         inputs = model.prepare_inputs_for_generation(

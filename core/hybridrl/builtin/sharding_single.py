@@ -11,6 +11,7 @@ from pydantic import Field
 from hybridrl.components import ShardingOptions, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import (
+    allow_recompiles,
     compute_dtype,
     enable_activation_checkpointing,
     find_blocks,
@@ -37,7 +38,8 @@ class SingleDevice(ShardingStrategy):
             False,
             description="torch.compile each transformer block of the policy and the reference model (fuses "
             "norms, rotary embeddings and activations) and fuse the output layer's log-softmax, gather and "
-            "entropy; the first steps compile, new lengths may recompile.",
+            "entropy; the first steps compile, new lengths may recompile (torch.compile's recompile_limit is raised "
+            "to 64 for the process, so that every variant of a pass keeps a compiled graph).",
         )
         keep_logits_gib: float = Field(
             8.0,
@@ -56,6 +58,7 @@ class SingleDevice(ShardingStrategy):
         if trainable and self.options.activation_checkpointing:
             enable_activation_checkpointing(model, "sharding.activation_checkpointing")
         if self.options.compile:  # the reference model too: its forward pass is half of the logprobs stage
+            allow_recompiles()
             for block in find_blocks(model):
                 block.compile()
             fuse_output_layer(model, int(self.options.keep_logits_gib * 2**30))
