@@ -199,8 +199,8 @@ def test_fused_output_layer_gives_the_same_values_and_gradients(model, keep_byte
     want = run()
     got = run(fused=True, keep_bytes=keep_bytes, chunk_bytes=4 * head.out_features * 5)  # 5 tokens a chunk
     assert want[0].std() > 0.1 and want[1].std() > 0.01  # sharpened head: values that differ per token
-    for w, g in zip(want, got):
-        assert torch.allclose(w, g, rtol=1e-4, atol=1e-5)
+    for w, g in zip(want, got):  # float32 rounding of sums over the vocabulary, at the values' scale
+        assert torch.allclose(w, g, rtol=1e-4, atol=1e-5 * float(w.abs().max().clamp(min=1)))
 
 
 def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(model, monkeypatch):
