@@ -16,6 +16,7 @@ after the other), so every ratio compares sides measured minutes apart on one ma
     t1024     8 x 8 completions of up to 1024 tokens, long-tail lengths
     t4096     8 x 8 completions of up to 4096 tokens, long-tail lengths
     3b        8 x 8 x 256, fixed lengths, the 3B shape
+    3b-c512   64 x 8 = 512 completions of 256 tokens, the 3B shape
 
 TRL's side: colocated vLLM, gradient checkpointing off (faster than its default, on), and where
 a step's completions do not fit one pass, gradient accumulation over micro-batches of 64 (8 for
@@ -53,6 +54,7 @@ ROWS = {
     "t1024": dict(prompts=8, max_tokens=1024, lengths="long-tail", micro=16),
     "t4096": dict(prompts=8, max_tokens=4096, lengths="long-tail", micro=4),
     "3b": dict(prompts=8, max_tokens=256, shape="3b", micro=8),
+    "3b-c512": dict(prompts=64, max_tokens=256, shape="3b", micro=8),
 }
 
 
