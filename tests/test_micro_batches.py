@@ -260,7 +260,8 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
     torch._dynamo.reset()
     register_plugin(SevensPlugin(), name="sevens")
     cfg = config(tiny_model, tmp_path, pack_sequences=True, micro_batch_tokens=96) | {"sharding": {"compile": True}}
-    frames = torch._dynamo.utils.counters["frames"]
+    frames = torch._dynamo.utils.counters["frames"]  # the process's: earlier tests' frames count too
+    skipped = frames["total"] - frames["ok"]
     rng = random.Random(0)
     with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored afterwards
         t = Trainer(load_config(data=cfg))
@@ -271,4 +272,5 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
             t.compute_logprobs(batch)
             t.algorithm.compute_advantages(batch)
             t.update(batch, step)
-            assert frames["total"] == frames["ok"], f"step {step}: a variant ran eagerly (torch.compile's limit)"
+            ran_eagerly = frames["total"] - frames["ok"] - skipped
+            assert ran_eagerly == 0, f"step {step}: {ran_eagerly} variant(s) ran eagerly (torch.compile's limit)"
