@@ -162,3 +162,189 @@ def test_compiled_blocks_run_packed_passes_with_the_eager_padded_values(monkeypa
         assert (lp[resp[rows]] - want_lp[resp[rows]]).abs().max() < 1e-5
         for n in want_grad:
             assert (grad[n] - want_grad[n]).abs().max() <= 1e-4 * want_grad[n].abs().max(), n
+
+
+# Flash attention on the CPU: transformers' own flash-attention forward, mask and dispatch
+# (integrations.flash_attention -> modeling_flash_attention_utils._flash_attention_forward), with
+# the kernels emulated by exact attention in float64. transformers runs the variable-length kernel
+# with sequence boundaries from position ids only for a batch of one row; several packed rows get
+# plain causal attention in each row, where a sequence sees those packed before it.
+
+EMULATED_FLASH = "emulated_flash_attention"  # "flash" in the name: transformers treats it as flash attention
+FLASH_KERNEL_CACHE = [  # transformers keeps the kernels it loaded here: restored after each test
+    "_loaded_implementation",
+    "_flash_fn",
+    "_flash_varlen_fn",
+    "_flash_with_kvcache_fn",
+    "_pad_fn",
+    "_unpad_fn",
+    "_process_flash_kwargs_fn",
+    "_process_with_kvcache_kwargs_fn",
+]
+
+
+def exact_attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """What a flash kernel computes for one sequence, in float64: q (Sq, H, D), k and v (Sk, Hk, D)
+    -> (Sq, H, D) in q's dtype. Causal and window masks aligned to the bottom right (the last query
+    sees the last key), as in flash-attn 2; H a multiple of Hk (grouped-query attention)."""
+    (Sq, H, D), (Sk, Hk) = q.shape, k.shape[:2]
+    k, v = (x.double().repeat_interleave(H // Hk, 1) for x in (k, v))  # (Sk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * (D**-0.5 if softmax_scale is None else softmax_scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    ahead = torch.arange(Sk, device=q.device)[None] - torch.arange(Sq, device=q.device)[:, None] - (Sk - Sq)  # (Sq, Sk)
+    allowed = torch.ones_like(ahead, dtype=torch.bool)
+    left, right = window_size
+    if causal:
+        allowed &= ahead <= 0
+    if left >= 0:
+        allowed &= ahead >= -left
+    if right >= 0:
+        allowed &= ahead <= right
+    scores = scores.masked_fill(~allowed, float("-inf"))  # (H, Sq, Sk)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def emulated_flash_kernels(calls: list):
+    """flash-attn's ``flash_attn_func`` and ``flash_attn_varlen_func`` (the arguments transformers
+    passes them), computed by :func:`exact_attention`; each call appends ("rows", batch) or
+    ("varlen", sequences) to ``calls``."""
+
+    def flash_attn_func(
+        q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False
+    ):  # (B, S, H, D): each row one sequence
+        assert dropout_p == 0, "the emulated kernels have no dropout: disable_dropout(model)"
+        calls.append(("rows", q.shape[0]))
+        return torch.stack([exact_attention(*x, softmax_scale, causal, window_size, softcap) for x in zip(q, k, v)])
+
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        deterministic=False,
+    ):  # (total, H, D): sequence i at cu_seqlens[i]:cu_seqlens[i + 1]
+        assert dropout_p == 0, "the emulated kernels have no dropout: disable_dropout(model)"
+        calls.append(("varlen", len(cu_seqlens_q) - 1))
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        parts = zip(cq, cq[1:], ck, ck[1:])
+        args = (softmax_scale, causal, window_size, softcap)
+        return torch.cat([exact_attention(q[a:b], k[c:d], v[c:d], *args) for a, b, c, d in parts])
+
+    return flash_attn_func, flash_attn_varlen_func
+
+
+@pytest.fixture
+def emulated_flash(monkeypatch):
+    """``EMULATED_FLASH`` as an attention implementation for one test: transformers' flash-attention
+    forward and mask functions, loading the emulated kernels where they load flash-attn's. Yields
+    the kernels' calls (:func:`emulated_flash_kernels`)."""
+    from transformers import AttentionInterface
+    from transformers import modeling_flash_attention_utils as flash_utils
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    calls = []
+    kernels = (*emulated_flash_kernels(calls), None, flash_utils._pad_input, flash_utils._unpad_input)
+    load = flash_utils._lazy_imports
+    for name in FLASH_KERNEL_CACHE:
+        monkeypatch.setattr(flash_utils, name, getattr(flash_utils, name))
+    monkeypatch.setattr(
+        flash_utils, "_lazy_imports", lambda impl, *a, **kw: kernels if impl == EMULATED_FLASH else load(impl, *a, **kw)
+    )
+    # what AttentionInterface.register and AttentionMaskInterface.register do, undone after the test
+    monkeypatch.setitem(AttentionInterface._global_mapping, EMULATED_FLASH, flash_attention_forward)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, EMULATED_FLASH, flash_attention_mask)
+    yield calls
+
+
+def test_the_emulated_flash_attention_follows_transformers_dispatch(emulated_flash, monkeypatch):
+    """Padded rows: unpadded by their mask into the varlen kernel, the SDPA pass's values. Packed
+    rows: several rows run plain causal attention in each; one row the varlen kernel, a sequence
+    for each restart of the position ids."""
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
+    model = disable_dropout(small_model("qwen2"))
+    ids, mask = batch_of_lengths(64)
+    resp = mask[:, -8:].bool()
+    with torch.no_grad():
+        want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
+        model.set_attn_implementation(EMULATED_FLASH)
+        got, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
+        assert set(emulated_flash) == {("varlen", 9)}
+        assert (got[resp] - want[resp]).abs().max() < 1e-5
+        p = packing.pack(ids, mask, 8)
+        emulated_flash.clear()
+        model.base_model(input_ids=p.input_ids, position_ids=p.position_ids)
+        assert set(emulated_flash) == {("rows", 5)}
+        emulated_flash.clear()
+        model.base_model(input_ids=p.input_ids.reshape(1, -1), position_ids=p.position_ids.reshape(1, -1))
+        assert set(emulated_flash) == {("varlen", int((p.position_ids == 0).sum()))}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma"])
+def test_packed_passes_under_flash_attention_give_the_padded_passes_values_and_gradients(
+    arch, emulated_flash, monkeypatch
+):
+    """Several packed rows run end to end as one row, the layout in which flash attention keeps
+    sequences apart: the padded pass's values and gradients from the packed pass's tokens."""
+    from hybridrl import models
+
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
+    model = disable_dropout(small_model(arch))
+    model.set_attn_implementation(EMULATED_FLASH)
+    ids, mask = batch_of_lengths(64)
+    T = 8
+    resp = mask[:, -T:].bool()
+
+    def run(pack):
+        model.zero_grad()
+        lp, ent = response_logprobs(
+            model, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=False, pack=pack
+        )
+        (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    assert can_pack(model)  # its one-time checks, before the tokens and the kernels' calls are counted
+    (want_lp, want_ent, want_grad), padded = embedded_tokens(model, lambda: run(False))
+    emulated_flash.clear()
+    (lp, ent, grad), packed = embedded_tokens(model, lambda: run(True))
+    assert (padded, packed) == (9 * 13, 5 * 16)  # packed: 69 tokens in 5 rows of 16
+    assert (lp[resp] - want_lp[resp]).abs().max() < 1e-5
+    assert (ent[resp] - want_ent[resp]).abs().max() < 1e-5
+    for n in want_grad:
+        assert (grad[n] - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max(), n
+    assert models.packed_layout(model.base_model) == models.ONE_ROW
+    assert {kind for kind, _ in emulated_flash} == {"varlen"}  # the 5 rows ran as one
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_rows_under_flash_attention_see_the_sequences_before_them(arch, emulated_flash, monkeypatch):
+    """What packed passes did before the guard probed two rows: one packed row keeps its sequences
+    apart under flash attention (what a probe of one row sees), several rows do not, and their
+    logprobs are far from the padded pass's."""
+    from hybridrl import models
+
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
+    model = disable_dropout(small_model(arch))
+    model.set_attn_implementation(EMULATED_FLASH)
+    body = model.base_model
+    ids, mask = batch_of_lengths(64)
+    with torch.no_grad():
+        a, b = torch.tensor([[3, 5, 7]]), torch.tensor([[11, 13]])
+        alone = torch.cat([body(input_ids=x).last_hidden_state[0] for x in (a, b)])
+        one_row = body(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+        assert (one_row.last_hidden_state[0] - alone).abs().max() < 1e-5
+        assert models.packed_layout(body) == models.ONE_ROW  # the rows as they are fail the probe
+        want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
+        monkeypatch.setattr(models, "packed_layout", lambda body: models.ROWS)  # the rows as they are
+        got, _ = response_logprobs(model, ids, mask, 8, share_prompts=False, pack=True)
+    resp = mask[:, -8:].bool()
+    assert (got[resp] - want[resp]).abs().max() > 1e-2

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -300,8 +301,11 @@ def _packed_logprobs(model, input_ids, attention_mask, T, temperature, with_entr
     if packed is None or not len(packed.tokens):
         return None
     body, head = head_split(model)
-    hidden = body(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1])[packed.predicting]  # (M, H)
+    ids, pos = packed.input_ids, packed.position_ids  # (R, W)
+    if packed_layout(body) == ONE_ROW:
+        ids, pos = ids.reshape(1, -1), pos.reshape(1, -1)  # (1, R * W)
+    hidden = body(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[packed.predicting]  # (M, H): (R, W) and (1, R * W) flatten alike
     keep = getattr(model, "_hybridrl_fused_head", None)  # set by fuse_output_layer
     logprobs, entropy = chunked_head_logprobs(
         hidden[None],
@@ -530,30 +534,66 @@ def can_pack(model: torch.nn.Module) -> bool:
 
 
 def keeps_sequences_apart(body: torch.nn.Module) -> bool:
-    """Whether ``body`` (a transformers base model) keeps packed sequences apart: checked once per
-    model, on two sequences packed in one row against each alone, without autocast. A sequence
-    that sees another changes by about its own size; the tolerance is the weights' rounding."""
-    cached = getattr(body, "_hybridrl_packs", None)
-    if cached is not None:
-        return cached
+    """Whether ``body`` (a transformers base model) keeps packed sequences apart in one of the
+    layouts of :func:`packed_layout`."""
+    return packed_layout(body) is not None
+
+
+ROWS, ONE_ROW = "rows", "one row"  # the layouts of packed_layout
+_LAYOUTS = weakref.WeakKeyDictionary()  # body -> (its attention implementation, its packed_layout)
+
+
+def packed_layout(body: torch.nn.Module) -> str | None:
+    """How ``body`` (a transformers base model) runs a pass's packed rows (R, W) so that each
+    sequence attends only to itself, or None where it cannot (padded passes):
+
+    - ``ROWS``: the rows as they are. Eager, SDPA and flex attention build a block-diagonal
+      causal mask for each row from its position ids that restart.
+    - ``ONE_ROW``: the rows end to end as one row (1, R * W). Flash attention (flash_attention_2,
+      _3, hub kernels) runs its variable-length kernel, sequence boundaries taken from the
+      position ids, only for a batch of one row; over a batch of several rows it runs plain
+      causal attention in each row, where a sequence sees those packed before it.
+
+    ``ROWS`` where both hold: attention that scores a row's every pair of tokens would take R
+    times as long over one row. Probed once per body and attention implementation
+    (:func:`_probe_packing`); a body of a model with its own masking passes neither.
+    """
+    attention = getattr(getattr(body, "config", None), "_attn_implementation", None)
+    cached = _LAYOUTS.get(body)
+    if cached is not None and cached[0] == attention:
+        return cached[1]
+    layout = _probe_packing(body)
+    _LAYOUTS[body] = (attention, layout)
+    return layout
+
+
+def _probe_packing(body: torch.nn.Module) -> str | None:
+    """The first of ``ROWS`` and ``ONE_ROW`` in which two packed rows of two sequences each (the
+    second with a token of trailing padding, as :func:`hybridrl.packing.pack` lays them out) give
+    each sequence its values alone, without autocast; None if neither does. Two rows, because
+    flash attention keeps one row's sequences apart and not those of two. A sequence that sees
+    another changes by about its own size; the tolerance is the weights' rounding."""
     weight = next(body.parameters())
     device, tol = weight.device, 2e-2 if weight.dtype in LOW_PRECISION else 1e-3
-    a, b = torch.tensor([[3, 5, 7]], device=device), torch.tensor([[11, 13]], device=device)
+    sequences = [[3, 5, 7], [11, 13], [13, 7], [5, 11]]
+    ids = torch.tensor([[3, 5, 7, 11, 13], [13, 7, 5, 11, 0]], device=device)  # (2, 5)
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 0]], device=device)  # (2, 5)
+    real = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], device=device).bool()  # (2, 5) not padding
+
+    def hidden(x, positions=None):  # (r, w) -> (r, w, H)
+        return body(input_ids=x, position_ids=positions, use_cache=False).last_hidden_state
+
     was_training = body.training
     body.eval()
     try:
         with torch.no_grad(), _eager(), torch.autocast(device.type, enabled=False):
-            alone = [body(input_ids=x, use_cache=False).last_hidden_state[0] for x in (a, b)]
-            pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
-            both = body(input_ids=torch.cat([a, b], 1), position_ids=pos, use_cache=False).last_hidden_state[0]
-        want = torch.cat(alone).float()
-        same = torch.allclose(both.float(), want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1)))
+            want = torch.cat([hidden(torch.tensor([s], device=device))[0] for s in sequences]).float()
+            for layout, shape in ((ROWS, ids.shape), (ONE_ROW, (1, ids.numel()))):
+                got = hidden(ids.reshape(shape), pos.reshape(shape)).reshape(*ids.shape, -1)[real].float()
+                if torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
+                    return layout
     except Exception:  # noqa: BLE001 - a body that refuses these arguments runs padded passes
-        same = False
+        return None
     finally:
         body.train(was_training)
-    try:
-        body._hybridrl_packs = same
-    except (AttributeError, TypeError):
-        pass
-    return same
+    return None

@@ -3,14 +3,16 @@
 A padded pass runs rows x (longest prompt + longest response) tokens; with long-tail response
 lengths most of them are padding. Packing puts the attended tokens of several sequences one
 after the other in a row of ``width`` tokens (first-fit decreasing: longest first, each into the
-first row with room), each sequence with its own positions from 0, so that the model's masking
-(transformers builds a block-diagonal causal mask from position ids that restart, when no
-attention mask is given) keeps every sequence to its own tokens. The logprobs are the padded
-pass's up to rounding, gradients included (verl's ``use_remove_padding`` and OpenRLHF's
-``--packing_samples`` do the same with FlashAttention's variable-length kernels).
-
-A model whose forward pass does not keep packed sequences apart (its own masking code) is found
-by :func:`hybridrl.models.keeps_sequences_apart` and runs padded passes.
+first row with room), each sequence with its own positions from 0, and gives no attention mask:
+the model's attention keeps every sequence to its own tokens from the position ids that
+restart. Eager, SDPA and flex attention build a block-diagonal causal mask in each row, so the
+(R, W) rows run as they are. Flash attention reads the position ids only in a batch of one row
+(its variable-length kernel, a sequence between each restart) and runs plain causal attention
+over each row of a larger batch, so there the rows run end to end as one row (1, R * W), as
+verl's ``use_remove_padding`` and OpenRLHF's ``--packing_samples`` give it packed sequences.
+:func:`hybridrl.models.packed_layout` finds the layout for a model once; a model that keeps
+packed sequences apart in neither (masking of its own) runs padded passes. The logprobs are the
+padded pass's up to rounding, gradients included.
 """
 
 from __future__ import annotations
