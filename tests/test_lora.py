@@ -1,16 +1,18 @@
 """LoRA (model.lora, through peft): adapters only in the optimizer, the reference is the base with the
-adapters off, engines follow the merged weights, checkpoints resume exactly, export (merged too)."""
+adapters off, engines follow the merged weights (peft's own merge, on every layer type it adapts),
+checkpoints resume exactly, export (merged too)."""
 
 import json
+import warnings
 
 import pytest
 import torch
 
 from hybridrl import lora
-from hybridrl.config import ConfigError, load_config
+from hybridrl.config import ConfigError, LoraOptions, load_config
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import load_causal_lm, response_logprobs
-from hybridrl.testing import SevensPlugin, fixed_batch, hf_greedy, policy_greedy
+from hybridrl.models import disable_dropout, load_causal_lm, response_logprobs
+from hybridrl.testing import SevensPlugin, build_tiny_model, fixed_batch, hf_greedy, policy_greedy, small_model
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("peft", reason="peft is not installed: pip install 'hybridrl[lora]'")
@@ -58,21 +60,93 @@ def test_only_adapters_train_and_the_reference_is_the_base(tiny_model, tmp_path,
     assert (with_adapters[mask] - want[mask]).abs().max() > 1e-2
 
 
-def test_merged_weights_are_the_base_plus_the_adapters(tiny_model):
-    from peft import get_peft_model  # noqa: F401 - the check below uses peft's own merge as the reference
-
-    from hybridrl.config import LoraOptions
-
-    model = lora.apply_lora(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), LoraOptions(**LORA))
+def random_adapters(model):
+    """Every LoRA factor random: peft starts B (an embedding's A) at zero, whose merge tests nothing."""
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_()
-    merged = dict(lora.merged_tensors(model.state_dict().items(), lora.scalings(model)))
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+MERGES = [
+    ("gpt2", "all-linear"),  # Conv1D (peft's fan_in_fan_out): W is (in, out); c_attn and c_fc are not square
+    ("gpt2", ["c_attn", "c_proj", "c_fc", "wpe"]),  # and an embedding (the positions'; wte is tied)
+    ("llama", "all-linear"),
+    ("llama", ["embed_tokens", "q_proj", "down_proj", "lm_head"]),  # untied: the embedding and the output layer
+    ("qwen2", "all-linear"),  # tied embeddings, without adapters
+]
+
+
+@pytest.mark.parametrize(("arch", "targets"), MERGES)
+def test_merged_weights_are_peft_merge_and_unload(arch, targets):
+    options = LoraOptions(r=4, alpha=8, target_modules=targets)
+    model = random_adapters(lora.apply_lora(disable_dropout(small_model(arch)), options))
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        policy = model(ids).logits
+    stream = reversed(list(model.state_dict().items()))  # any order: a layer's parts arrive apart
+    merged = dict(lora.merged_tensors(stream, lora.adapted_layers(model)))
     want = model.merge_and_unload().state_dict()
     assert merged.keys() == want.keys()
     for key in want:
-        torch.testing.assert_close(merged[key], want[key], msg=key)
+        torch.testing.assert_close(merged[key], want[key], atol=1e-6, rtol=0, msg=key)
+    engine = disable_dropout(small_model(arch))  # what an engine builds from the merged weights: the policy
+    engine.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(ids).logits, policy, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "targets", "layer"),
+    [("qwen2", ["embed_tokens"], "model.embed_tokens"), ("gpt2", ["c_fc", "lm_head"], "lm_head")],
+)
+def test_an_adapter_on_tied_embeddings_is_refused_at_setup(arch, targets, layer):
+    """No weights stand for it: the engine ties the output layer to the merged embedding (and peft's
+    merge_and_unload changes both too)."""
+    with pytest.raises(
+        ConfigError, match=rf"adapter on {layer} cannot be merged .* Leave '{layer.split('.')[-1]}' out"
+    ):
+        lora.apply_lora(small_model(arch), LoraOptions(r=4, alpha=8, target_modules=targets))
+
+
+class Layers(torch.nn.Module):
+    """Layers peft adapts besides linear layers and embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(4, 6, 3)
+        self.conv2d = torch.nn.Conv2d(6, 5, (2, 3))
+        self.pointwise = torch.nn.Conv2d(5, 3, 1)
+        self.grouped = torch.nn.Conv1d(4, 4, 3, groups=2)
+        self.attention = torch.nn.MultiheadAttention(8, 2)
+        self.linear = torch.nn.Linear(8, 8)
+
+
+def test_convolutions_merge_and_layers_without_a_merge_are_refused():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(Layers(), LoraConfig(r=2, lora_alpha=6, target_modules=["conv1d", "conv2d", "pointwise"]))
+    random_adapters(model)
+    merged = dict(lora.merged_tensors(model.state_dict().items(), lora.adapted_layers(model)))
+    want = model.merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(merged[key], want[key], atol=1e-6, rtol=0, msg=key)
+    refused = [  # the options cannot ask for the last two; a peft model built elsewhere could
+        ({"target_modules": ["grouped"]}, "cannot merge the adapter on grouped"),  # nor can peft
+        ({"target_modules": ["attention"]}, "cannot merge the adapter on attention"),
+        ({"target_modules": ["linear"], "use_dora": True}, "adapter on linear is a LoRA variant"),
+        ({"target_modules": ["linear"], "lora_bias": True}, "adapter on linear is a LoRA variant"),
+    ]
+    for options, message in refused:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's own: a grouped convolution cannot be merged
+            model = get_peft_model(Layers(), LoraConfig(r=2, **options))
+        layer = options["target_modules"][0]
+        with pytest.raises(ConfigError, match=rf"{message} .* Leave '{layer}' out of model.lora.target_modules"):
+            lora.adapted_layers(model)
 
 
 class EngineFollows:
@@ -104,6 +178,34 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(tiny_model, tmp_p
         for key in want:
             if not key.startswith(("timing/", "throughput/", "time")):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A random 2-layer GPT-2 (Conv1D layers, tied embeddings) with the tiny model's tokenizer."""
+    from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"))  # its tokenizer; the Llama gets overwritten
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=None, eos_token_id=1
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(tiny_gpt2, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    check = register_plugin(EngineFollows(), name="follows")
+    data = config(tiny_gpt2, tmp_path / "run")
+    data["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    trainer = Trainer(load_config(data=data))
+    trainer.train()
+    moved = [p.abs().max().item() for n, p in trainer.policy.named_parameters() if ".lora_B." in n]
+    assert len(moved) == 8 and min(moved) > 1e-3  # c_attn, c_proj, c_fc, mlp.c_proj of 2 layers trained
+    assert check.got == check.want
+    assert metrics(tmp_path / "run")[-1]["rollout/logprob_diff_max"] < 1e-4  # sampled with the trained adapters
 
 
 def test_export_writes_the_adapter_and_with_merged_the_whole_model(tiny_model, tmp_path, register_plugin):

@@ -3,15 +3,17 @@ off (no second copy), and engines receive merged weights under the base model's 
 
 ``model.lora: {r, alpha, dropout, target_modules}`` in the run config. The policy is wrapped by
 ``peft.get_peft_model`` before the sharding strategy places it; its optimizer holds the adapters
-only. Each weight sync streams ``W + scaling * B @ A`` for every adapted layer and the base
-tensors as they are, named as in the base model's Hugging Face state dict, so every engine (hf,
-vLLM, SGLang, a server) loads them as it loads a full model.
+only. Each weight sync streams ``W + scaling * B @ A`` for every adapted layer (transposed for
+GPT-2's ``Conv1D`` and embeddings: :class:`AdaptedLayer`) and the base tensors as they are,
+named as in the base model's Hugging Face state dict, so every engine (hf, vLLM, SGLang, a
+server) loads them as it loads a full model.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -30,26 +32,35 @@ def import_peft():
 
 
 def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
-    """``model`` with LoRA adapters on ``options.target_modules``; only the adapters train."""
+    """``model`` with LoRA adapters on ``options.target_modules``; only the adapters train. Raises
+    ``ConfigError`` at once for targets that match nothing or adapters no merged weights can stand
+    for (:func:`adapted_layers`), rather than at the first weight sync."""
+    from transformers.pytorch_utils import Conv1D
+
     peft = import_peft()
     config = peft.LoraConfig(
         r=options.r,
         lora_alpha=options.alpha,
         lora_dropout=options.dropout,
         target_modules=options.target_modules,
+        # GPT-2's Conv1D stores its weight (in, out): peft sets this per layer anyway, with a warning
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
         task_type="CAUSAL_LM",
     )
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         if "not found" not in str(e) and "target" not in str(e).lower():
             raise
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        kinds = (torch.nn.Linear, Conv1D)
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)})
         raise ConfigError(
             f"model.lora.target_modules {options.target_modules!r} match no layer of {type(model).__name__}. Its "
             f"linear layers are named: {', '.join(linear)} (or use 'all-linear')."
         ) from None
+    adapted_layers(wrapped)
+    return wrapped
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -63,33 +74,128 @@ def adapter_off(model: torch.nn.Module):
         yield
 
 
-def scalings(model: torch.nn.Module) -> dict[str, float]:
-    """module name (peft's) -> the scaling of its adapter (alpha / r)."""
-    from peft.tuners.lora import LoraLayer
+@dataclass(frozen=True)
+class AdaptedLayer:
+    """How one adapted layer's weight merges: ``W + scaling * delta``, ``delta = B @ A`` with both
+    factors flattened to matrices: (out, in) for a linear layer; (out, in * kernel), reshaped to
+    (out, in, *kernel), for a convolution; transposed where ``transpose``: GPT-2's ``Conv1D`` stores
+    W as (in, out) (peft's ``fan_in_fan_out``), and an embedding's factors are A (r, vocab) and
+    B (dim, r) for W (vocab, dim). ``a``, ``b``: the factors' tensor names after the layer's name."""
 
-    return {name: float(m.scaling["default"]) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    scaling: float
+    transpose: bool
+    a: str = ".lora_A.default.weight"
+    b: str = ".lora_B.default.weight"
 
 
-def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: dict[str, float]) -> Iterator:
+EMBEDDING_FACTORS = {"a": ".lora_embedding_A.default", "b": ".lora_embedding_B.default"}
+MERGED = "Linear, GPT-2's Conv1D, Embedding and Conv1d/2d/3d (groups=1)"
+
+
+def adapted_layers(model: torch.nn.Module) -> dict[str, AdaptedLayer]:
+    """module name (peft's) -> how its adapter merges, for :func:`merged_tensors`; read once a sync.
+
+    Raises ``ConfigError``, naming the layer and the fix, for an adapter no full weights can stand
+    for: a layer type or LoRA variant merged here by no formula (DoRA, ``lora_bias``, a grouped
+    convolution, ``nn.MultiheadAttention``, quantized layers), or an adapter on an embedding tied to
+    the output layer (the engine would tie the merged embedding to the output layer too).
+    """
+    from peft.tuners.lora import layer as lora_layers
+
+    tied = tied_adapters(model)
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, lora_layers.LoraLayer):
+            continue
+        cls = next(c for c in type(m).__mro__ if c.__module__.startswith("peft."))  # FSDP2 subclasses a block
+        base, kind = base_name(name), f"{cls.__name__} on {type(m.get_base_layer()).__name__}"
+        leave_out = f"Leave {base.rsplit('.', 1)[-1]!r} out of model.lora.target_modules"
+        if name in tied:
+            raise ConfigError(
+                f"model.lora: the adapter on {base} cannot be merged for the rollout engine: the model ties its "
+                "input embedding and output layer (tie_word_embeddings), so the merged weight would change both and "
+                f"the engine would not run the trained policy (peft's merge_and_unload does the same). {leave_out}, "
+                "or save the checkpoint untied (tie_word_embeddings: false, with its own lm_head.weight)."
+            )
+        if m.lora_variant.get("default") is not None or m.lora_bias.get("default"):
+            raise ConfigError(
+                f"model.lora: the adapter on {base} is a LoRA variant (DoRA, lora_bias) that is not merged for the "
+                f"rollout engine. {leave_out}, or train it without the variant."
+            )
+        if cls is lora_layers.Linear:
+            out[name] = AdaptedLayer(float(m.scaling["default"]), bool(m.fan_in_fan_out))
+        elif cls is lora_layers.Embedding:
+            out[name] = AdaptedLayer(float(m.scaling["default"]), True, **EMBEDDING_FACTORS)
+        elif cls in (lora_layers.Conv1d, lora_layers.Conv2d, lora_layers.Conv3d) and m.get_base_layer().groups == 1:
+            out[name] = AdaptedLayer(float(m.scaling["default"]), False)
+        else:
+            raise ConfigError(
+                f"model.lora: cannot merge the adapter on {base} ({kind}) into weights for the rollout engine; "
+                f"merged are: {MERGED}. {leave_out}."
+            )
+    return out
+
+
+def tied_adapters(model: torch.nn.Module) -> list[str]:
+    """The adapted modules (peft's names) among an input embedding and an output layer that share
+    one weight; empty when the model unties them or neither has an adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    pair = [get_in(), get_out()] if get_in and get_out else []
+    if not pair or None in pair:
+        return []
+    weights = [m.get_base_layer().weight if isinstance(m, BaseTunerLayer) else m.weight for m in pair]
+    if weights[0] is not weights[1] or not any(isinstance(m, BaseTunerLayer) for m in pair):
+        return []
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names[id(m)] for m in pair if isinstance(m, BaseTunerLayer)]
+
+
+def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, AdaptedLayer]) -> Iterator:
     """A LoRA model's full tensors (peft's names, any order within a layer) as the base model's:
-    ``W + scaling * B @ A`` for each adapted layer; one layer held at a time."""
+    ``W + scaling * delta`` for each adapted layer (``layers``: :func:`adapted_layers`), the other
+    tensors as they are; one layer held at a time. The same weights as peft's ``merge_and_unload``
+    (tested), computed in float32 and cast once to the weight's dtype."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
-        for role in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
-            if name.endswith(role):
-                layer = name[: -len(role)]
-                got = parts.setdefault(layer, {})
-                got[role] = tensor
-                if len(got) == 3:
-                    del parts[layer]
-                    w = got[".base_layer.weight"]
-                    delta = got[".lora_B.default.weight"].float() @ got[".lora_A.default.weight"].float()
-                    yield base_name(layer + ".weight"), (w.float() + scaling[layer] * delta).to(w.dtype)
-                break
-        else:
+        layer = adapted_layer_of(name)
+        if layer is None:
             yield base_name(name.replace(".base_layer.", ".")), tensor
+            continue
+        if layer not in layers:
+            raise RuntimeError(f"No merge facts for the LoRA layer {layer}: pass adapted_layers() of the same model.")
+        got = parts.setdefault(layer, {})
+        got[name[len(layer) :]] = tensor
+        if len(got) == 3:
+            del parts[layer]
+            how = layers[layer]
+            w = got[".base_layer.weight"]  # (out, in, *kernel); (in, out) for Conv1D; (vocab, dim)
+            yield base_name(layer + ".weight"), merge(w, got[how.a], got[how.b], how)
     if parts:
         raise RuntimeError(f"LoRA layers without all their parts in the weight stream: {sorted(parts)[:3]}")
+
+
+ROLES = (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight", *EMBEDDING_FACTORS.values())
+
+
+def adapted_layer_of(name: str) -> str | None:
+    """The adapted layer a tensor name belongs to as its weight or a LoRA factor, else None (a bias
+    under ``.base_layer.``, a layer without adapter)."""
+    for role in ROLES:
+        if name.endswith(role):
+            return name[: -len(role)]
+    return None
+
+
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, how: AdaptedLayer) -> torch.Tensor:
+    """``w + scaling * delta`` in float32, in ``w``'s dtype; ``a``: (r, in, *kernel), ``b``: (out, r, *ones)."""
+    delta = b.float().flatten(1) @ a.float().flatten(1)  # (out, in * kernel)
+    if how.transpose:
+        delta = delta.T  # (in, out): Conv1D's layout; (vocab, dim) for an embedding
+    if delta.numel() != w.numel():
+        raise RuntimeError(f"LoRA delta {tuple(delta.shape)} does not fit its weight {tuple(w.shape)}")
+    return (w.float() + how.scaling * delta.reshape(w.shape)).to(w.dtype)
 
 
 def base_name(name: str) -> str:

@@ -361,7 +361,7 @@ class Trainer:
     def policy_tensors(self):
         """The policy's full weights for the engine, named as in the base model (LoRA: merged)."""
         tensors = self.strategy.full_tensors(self.policy)
-        return lora.merged_tensors(tensors, lora.scalings(self.policy)) if self.config.model.lora else tensors
+        return lora.merged_tensors(tensors, lora.adapted_layers(self.policy)) if self.config.model.lora else tensors
 
     @property
     def share_prompts(self) -> bool:
