@@ -114,6 +114,11 @@ class RolloutOutput:
 class RolloutEngine(Component):
     """Generates responses and receives new policy weights in place."""
 
+    #: what :meth:`update_weights` receives: ``"checkpoint"``, the names and layouts of the model
+    #: folder's safetensors, each tensor once (for engines that load checkpoints), or
+    #: ``"transformers"``, the trainer's transformers state dict (see :mod:`hybridrl.engine_weights`)
+    weight_format: str = "checkpoint"
+
     @classmethod
     def check_launch(cls, options: Options, ctx: RunContext) -> None:
         """Raise ValueError naming the option and the fix when the engine cannot run in this launch
@@ -124,7 +129,8 @@ class RolloutEngine(Component):
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full (unsharded) policy tensors, named as in the HF state dict."""
+        """Load full (unsharded) policy tensors, in :attr:`weight_format`, in place (buckets of
+        whole decoder layers may arrive over several calls of one sync)."""
         raise NotImplementedError
 
     def runs_apart(self) -> bool:

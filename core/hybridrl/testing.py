@@ -82,20 +82,9 @@ def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2, tie
     with sampling settings (``SAMPLING_GENERATION_CONFIG``, or ``generation``; ``{}`` for none) and
     two end-of-sequence ids (``<|im_end|>`` and the padding token, as Qwen2.5 lists
     ``<|im_end|>`` and ``<|endoftext|>``)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token=None, chat_template=CHAT_TEMPLATE
-    )
-    fast.save_pretrained(path)
+    vocab = save_chat_tokenizer(path)
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(vocab),
@@ -115,6 +104,26 @@ def build_tiny_model(path, seed: int = 0, hidden: int = 64, layers: int = 2, tie
     model.generation_config = GenerationConfig(eos_token_id=[1, 0], pad_token_id=0, **sampling)
     model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
+
+
+def save_chat_tokenizer(path):
+    """Save a character-level tokenizer with ``<pad>`` (0), ``<|im_end|>`` (1, the end of a turn) and
+    ``<|im_start|>`` (2) and the ChatML chat template with tools in ``path``; returns its vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token=None, chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(path)
+    return vocab
 
 
 @pytest.fixture(scope="session")
@@ -208,7 +217,7 @@ def policy_greedy(trainer, prompts: list[list[int]], max_tokens: int) -> list[li
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer.ctx.model_path))
-    model.load_state_dict(dict(trainer.policy_tensors()))
+    model.load_state_dict(dict(trainer.policy_tensors("transformers")))
     return hf_greedy(model.float().eval(), prompts, max_tokens)
 
 

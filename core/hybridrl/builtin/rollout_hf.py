@@ -108,6 +108,8 @@ class HFEngine(RolloutEngine):
     dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
     the plain path."""
 
+    weight_format = "transformers"  # its model is a transformers copy of the policy
+
     class Options(Options):
         batch_size: int = Field(0, ge=0, description="Prompts per generate call; 0: all at once.")
         cache: Literal["auto", "dynamic", "static"] = Field(
