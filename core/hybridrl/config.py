@@ -147,10 +147,12 @@ class RolloutConfig(Section, Sampling):
     sync_check: float = Field(
         0.3,
         ge=0,
-        description="After a weight sync (see sync_check_every), every rank's engine samples one token of a probe "
-        "prompt and its logprobs are compared with the policy's: a mean |difference| above this stops the run, "
-        "naming the rank (an engine that did not take the weights). 0: off. Engines in float32 differ by about "
-        "1e-5, in bfloat16 by about 1e-2.",
+        description="Before the first update the engine, holding the policy's own weights, samples one token of a "
+        "probe prompt and its logprobs are compared with the policy's: a mean |difference| above this stops the run "
+        "as a logprob convention error of the engine (temperature, offset, precision), after step 1's metrics are "
+        "written. After a weight sync (see sync_check_every) the same probe may differ by max(this, 20 x that first "
+        "difference): above it the run stops, naming the rank (an engine that did not take the weights). 0: off. "
+        "Engines in float32 differ by about 1e-5, in bfloat16 by about 1e-2.",
     )
     sync_check_every: int = Field(
         10,

@@ -140,19 +140,67 @@ def load_causal_lm(
     """``path``'s causal LM in ``dtype`` on ``device``; ``attn_implementation``: model.attn_implementation."""
     from transformers import AutoModelForCausalLM
 
+    from hybridrl.errors import ConfigError
+
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, **attention
         )
     except (ValueError, ImportError) as e:
-        if not attention:
-            raise
-        raise ValueError(
-            f"model.attn_implementation '{attn_implementation}' cannot be used: {e} "
-            "Leave it unset for transformers' default (sdpa)."
-        ) from e
+        if attention and "attn" in str(e).lower():
+            raise ConfigError(
+                f"model.attn_implementation '{attn_implementation}' cannot be used: {e} "
+                "Leave it unset for transformers' default (sdpa)."
+            ) from e
+        raise _unloadable(path, e) from e
+    except (OSError, KeyError, TypeError, AttributeError) as e:
+        raise _unloadable(path, e) from e
+    pin_long_rope(model)
     return model.to(device)
+
+
+def _unloadable(path: str, e: Exception):
+    from hybridrl.errors import ConfigError
+
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return ConfigError(
+        f"model.path {path}: transformers cannot load this model ({type(e).__name__}: {reason}). Check its "
+        "config.json against the model family's (a newer transformers may know it; trust_remote_code for "
+        "models that ship their own code)."
+    )
+
+
+def pin_long_rope(model: torch.nn.Module) -> bool:
+    """Give a LongRoPE model (Phi-3/3.5/4 with ``rope_scaling`` longrope or su) the frequencies
+    vLLM and SGLang use, for every sequence; returns whether it is one.
+
+    transformers switches between LongRoPE's short and long factors by the length of each batch
+    (long once a position passes ``original_max_position_embeddings``), so the same sequence gets
+    other logprobs in a batch with a longer one; vLLM and SGLang pick one set for the engine, the
+    long factors when it serves past the original length (at their default context, the model's
+    ``max_position_embeddings``). Pinned to that set here, the trainer, the reference and the hf
+    engine compute what those engines sample with: on a tiny Phi-3 the rollout/trainer logprob
+    difference falls from 4e-3 to that of float32 rounding.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope" or "original_max_position_embeddings" not in rope:
+        return False
+    original = rope["original_max_position_embeddings"]
+    long = config.max_position_embeddings > original
+    for module in model.modules():
+        if getattr(module, "rope_type", None) == "longrope" and hasattr(module, "original_inv_freq"):
+            seq_len = original + 1 if long else original
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, module.inv_freq.device, seq_len=seq_len)
+            # transformers' per-batch switch picks long_inv_freq past the original length and
+            # original_inv_freq below it: both are the pinned set now
+            module.long_inv_freq = inv_freq
+            module.original_inv_freq = inv_freq
+            module.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+    return True
 
 
 def compute_dtype(mixed_precision: str, dtype: torch.dtype, device: torch.device, option: str) -> torch.dtype | None:

@@ -24,6 +24,9 @@ def rollout_seed(seed: int, step: int, round_: int = 0, first_prompt: int = 0, n
     return seed * 100_003 + step + 10_000_019 * round_ + first_prompt * n
 
 
+SYNC_CHECK_FACTOR = 20  # after syncs, allow this many times the difference measured before the first
+
+
 class RolloutStage:
     """The prompt source read in a seeded, resumable order, and the engine that answers it."""
 
@@ -41,36 +44,70 @@ class RolloutStage:
         return SamplingParams(**r.model_dump(include=set(Sampling.model_fields)), seed=seed)
 
     @torch.no_grad()
-    def check_sync(self, step: int, policy_logprobs, first: bool = True, samples: int = 8) -> dict[str, float]:
-        """After a weight sync, on every rank: the engine samples one token ``samples`` times for the
-        first row's prompt, and its logprobs are compared with ``policy_logprobs(batch)`` (B, T); a
-        mean difference above ``rollout.sync_check`` is an error naming the ranks. It runs after the
-        ``first`` sync of a run and then every ``rollout.sync_check_every`` steps."""
-        r = self.config.rollout
-        due = first or (r.sync_check_every > 0 and step % r.sync_check_every == 0)
-        if not r.sync_check or not due or not self.engine.holds_latest_weights():
-            return {}
-        tol = r.sync_check
+    def probe(self, step: int, policy_logprobs, samples: int = 8) -> float:
+        """The engine samples one token ``samples`` times for the first row's prompt; returns the
+        largest, over ranks, mean |engine logprob - ``policy_logprobs(batch)``| of those tokens."""
         self.engine.wake_up()  # the next step's rollout needs it awake anyway
         ids, _ = encode_prompt(self.data[0], self.config.data, self.tokenizer, self.tools)
         keys = self.config.rollout.model_dump(include={"temperature", "top_p", "top_k"})
         sampling = SamplingParams(**keys, n=samples, max_tokens=1, seed=rollout_seed(self.config.trainer.seed, step, 7))
         with stage_errors(self.component, "generate (sync check)"):
             out = self.engine.generate([ids], sampling)
-        probe = Batch.from_rollout([ids], out, samples, self.tokenizer.pad_token_id)
-        lp = policy_logprobs(probe)
-        diff = (lp - probe["rollout_logprobs"].to(lp.device)).abs()
-        mean = float(F.masked_mean(diff, probe["response_mask"].to(lp.device)))
-        means = distributed.all_gather_objects(mean)
-        if max(means) > tol:
-            ranks = [r for r, d in enumerate(means) if d > tol]
-            raise StageError(
-                f"{self.component} on rank(s) {ranks}: after the weight sync of step {step} its logprobs of a probe "
-                f"prompt differ from the policy's by {max(means):.3g} on average (rollout.sync_check allows {tol:g}): "
-                "the engine does not compute with the trainer's weights. A sync that did not reach it, or weights "
-                "released by sleep() and never reloaded; set rollout.sync_check: 0 to skip this check."
-            )
-        return {"rollout/sync_check_diff_max": max(means)}
+        batch = Batch.from_rollout([ids], out, samples, self.tokenizer.pad_token_id)
+        lp = policy_logprobs(batch)
+        diff = (lp - batch["rollout_logprobs"].to(lp.device)).abs()
+        self._means = distributed.all_gather_objects(float(F.masked_mean(diff, batch["response_mask"].to(lp.device))))
+        return max(self._means)
+
+    def check_start(self, step: int, policy_logprobs, resumed: bool) -> tuple[dict[str, float], str | None]:
+        """Before the run's first update, when the engine holds the policy's own weights: the
+        difference the engine's precision and conventions give (the baseline), the metrics, and an
+        error message when it is above ``rollout.sync_check``. Later checks allow
+        ``max(rollout.sync_check, SYNC_CHECK_FACTOR x baseline)``."""
+        r = self.config.rollout
+        if not r.sync_check or not self.engine.holds_latest_weights():
+            return {}, None
+        base = self.probe(step, policy_logprobs)
+        self.allowed = max(r.sync_check, SYNC_CHECK_FACTOR * base)
+        metrics = {"rollout/sync_check_baseline": base, "rollout/sync_check_allowed": self.allowed}
+        if base <= r.sync_check:
+            return metrics, None
+        if resumed:  # the engine took the checkpoint's weights through a sync
+            return metrics, self._sync_error(step, base, r.sync_check, "at resume")
+        ranks = [i for i, d in enumerate(self._means) if d > r.sync_check]
+        return metrics, (
+            f"{self.component} on rank(s) {ranks}: before any weight sync, holding the policy's own weights, its "
+            f"logprobs of a probe prompt differ from the policy's by {base:.3g} on average (rollout.sync_check "
+            f"allows {r.sync_check:g}). This is not the weight sync: the engine computes logprobs another way than "
+            "the trainer, which scores each sampled token at its own position under softmax(logits / temperature) "
+            "over the whole vocabulary, in the policy's precision. Check the engine's logprobs (temperature "
+            "applied, no offset, not truncated), its dtype, or the model's support in the engine; for an engine of "
+            "lower precision raise rollout.sync_check. Step 1's metrics are in metrics.jsonl."
+        )
+
+    def check_sync(self, step: int, policy_logprobs, first: bool = True) -> dict[str, float]:
+        """After a weight sync: the probe of :meth:`probe`, whose difference above the allowed one
+        (see :meth:`check_start`) is an error naming the ranks. It runs after the ``first`` sync of
+        a run and then every ``rollout.sync_check_every`` steps."""
+        r = self.config.rollout
+        due = first or (r.sync_check_every > 0 and step % r.sync_check_every == 0)
+        if not r.sync_check or not due or not self.engine.holds_latest_weights():
+            return {}
+        tol = getattr(self, "allowed", r.sync_check)
+        worst = self.probe(step, policy_logprobs)
+        if worst > tol:
+            raise StageError(self._sync_error(step, worst, tol, f"after the weight sync of step {step}"))
+        return {"rollout/sync_check_diff_max": worst}
+
+    def _sync_error(self, step: int, worst: float, tol: float, when: str) -> str:
+        ranks = [i for i, d in enumerate(self._means) if d > tol]
+        return (
+            f"{self.component} on rank(s) {ranks}: {when} its logprobs of a probe prompt differ from the policy's by "
+            f"{worst:.3g} on average (allowed: {tol:.3g}, from rollout.sync_check and the difference before the first "
+            "sync): the engine does not compute with the trainer's weights. A sync that did not reach it, weights "
+            "released by sleep() and never reloaded, or tensors it loads under other names or layouts; set "
+            "rollout.sync_check: 0 to skip this check."
+        )
 
     def memory_errors(self, prompt_ids):
         """Out of memory while generating: an error naming the engine, the sizes and its memory options."""

@@ -24,7 +24,8 @@ from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_row
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, check_world, dump_config
 from hybridrl.devices import model_device_errors, resolve_device
-from hybridrl.errors import ConfigError, Interrupted, nonfinite, stage_errors
+from hybridrl.engine_weights import engine_tensors
+from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite, stage_errors
 from hybridrl.logprobs import batch_logprobs
 from hybridrl.memory import MicroBatches
 from hybridrl.metrics import (
@@ -250,7 +251,12 @@ class Trainer:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
         engine = self.rollout.component
+        start, start_error = {}, None  # the engine before any sync: its precision and conventions
+        if step == self.start_step + 1:
+            with timer("sync_check"):
+                start, start_error = self.rollout.check_start(step, self.probe_logprobs, self.start_step > 0)
         rollout, kept, metrics = self.rollouts(step, timer)
+        metrics |= start
         batch = self.trainable(step, kept, rollout)  # None: nothing to train on this step
         if batch is not None:
             with timer("logprobs"):
@@ -267,12 +273,9 @@ class Trainer:
         with self.engine_free():
             with timer("sync"), stage_errors(engine, "update_weights"):
                 self.engine.update_weights(self.policy_tensors())
-            with timer("sync_check"):
-                metrics |= self.rollout.check_sync(
-                    step,
-                    lambda probe: self._forward(self.policy, probe, "policy", one_pass=True),
-                    first=step == self.start_step + 1,
-                )
+            if start_error is None:
+                with timer("sync_check"):
+                    metrics |= self.rollout.check_sync(step, self.probe_logprobs, first=step == self.start_step + 1)
             metrics |= self.engine.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
@@ -281,7 +284,14 @@ class Trainer:
             t = self.config.trainer
             seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
             metrics |= update_throughput(self.policy, batch, t.epochs, seconds, self.ctx.device, shared)
-        return self.log(step, metrics, rollout if batch is None else batch)
+        metrics = self.log(step, metrics, rollout if batch is None else batch)
+        if start_error is not None:  # after the step's metrics are written: they diagnose it
+            raise StageError(start_error)
+        return metrics
+
+    def probe_logprobs(self, probe: Batch) -> torch.Tensor:
+        """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""
+        return self._forward(self.policy, probe, "policy", one_pass=True)
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -358,10 +368,12 @@ class Trainer:
         temperature, layout = self.config.rollout.temperature, self.pass_layout
         return batch_logprobs(model, batch, self.strategy, passes, temperature, component, self.ctx.device, **layout)
 
-    def policy_tensors(self):
-        """The policy's full weights for the engine, named as in the base model (LoRA: merged)."""
+    def policy_tensors(self, weight_format: str | None = None):
+        """The policy's full weights for the engine (LoRA: merged), in the format it loads
+        (``weight_format``, default the engine's: see :mod:`hybridrl.engine_weights`)."""
         tensors = self.strategy.full_tensors(self.policy)
-        return lora.merged_tensors(tensors, lora.adapted_layers(self.policy)) if self.config.model.lora else tensors
+        tensors = lora.merged_tensors(tensors, lora.adapted_layers(self.policy)) if self.config.model.lora else tensors
+        return engine_tensors(self.policy, tensors, weight_format or self.engine.weight_format)
 
     @property
     def share_prompts(self) -> bool:
