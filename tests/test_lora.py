@@ -76,6 +76,8 @@ MERGES = [
     ("llama", "all-linear"),
     ("llama", ["embed_tokens", "q_proj", "down_proj", "lm_head"]),  # untied: the embedding and the output layer
     ("qwen2", "all-linear"),  # tied embeddings, without adapters
+    ("qwen3_moe", "all-linear"),  # fused experts (peft's ParamWrapper, a factor pair per expert) and the router
+    ("mixtral", "all-linear"),
 ]
 
 

@@ -80,16 +80,21 @@ class AdaptedLayer:
     factors flattened to matrices: (out, in) for a linear layer; (out, in * kernel), reshaped to
     (out, in, *kernel), for a convolution; transposed where ``transpose``: GPT-2's ``Conv1D`` stores
     W as (in, out) (peft's ``fan_in_fan_out``), and an embedding's factors are A (r, vocab) and
-    B (dim, r) for W (vocab, dim). ``a``, ``b``: the factors' tensor names after the layer's name."""
+    B (dim, r) for W (vocab, dim). ``experts`` > 0: a fused MoE parameter (experts, out, in) that
+    peft adapts with one factor pair per expert (its ``ParamWrapper``: A (experts * r, in),
+    B (out, r * experts)); ``(experts, in, out)`` where ``transpose``. ``weight``, ``a``, ``b``:
+    the tensors' names after the layer's name."""
 
     scaling: float
     transpose: bool
     a: str = ".lora_A.default.weight"
     b: str = ".lora_B.default.weight"
+    weight: str = ".base_layer.weight"
+    experts: int = 0
 
 
 EMBEDDING_FACTORS = {"a": ".lora_embedding_A.default", "b": ".lora_embedding_B.default"}
-MERGED = "Linear, GPT-2's Conv1D, Embedding and Conv1d/2d/3d (groups=1)"
+MERGED = "Linear, GPT-2's Conv1D, Embedding, Conv1d/2d/3d (groups=1) and fused MoE experts (target_parameters)"
 
 
 def adapted_layers(model: torch.nn.Module) -> dict[str, AdaptedLayer]:
@@ -122,8 +127,13 @@ def adapted_layers(model: torch.nn.Module) -> dict[str, AdaptedLayer]:
                 f"model.lora: the adapter on {base} is a LoRA variant (DoRA, lora_bias) that is not merged for the "
                 f"rollout engine. {leave_out}, or train it without the variant."
             )
-        if cls is lora_layers.Linear:
-            out[name] = AdaptedLayer(float(m.scaling["default"]), bool(m.fan_in_fan_out))
+        if cls is lora_layers.Linear or (cls is lora_layers.ParamWrapper and m.num_experts == 1):
+            weight = param_path(m) if cls is lora_layers.ParamWrapper else ".base_layer.weight"
+            out[name] = AdaptedLayer(float(m.scaling["default"]), bool(m.fan_in_fan_out), weight=weight)
+        elif cls is lora_layers.ParamWrapper and not m.fan_in_fan_out:
+            swapped = bool(m._did_swap_in_out_features)  # (experts, out, in), as transformers' fused experts
+            weight, experts = param_path(m), int(m.num_experts)
+            out[name] = AdaptedLayer(float(m.scaling["default"]), not swapped, weight=weight, experts=experts)
         elif cls is lora_layers.Embedding:
             out[name] = AdaptedLayer(float(m.scaling["default"]), True, **EMBEDDING_FACTORS)
         elif cls in (lora_layers.Conv1d, lora_layers.Conv2d, lora_layers.Conv3d) and m.get_base_layer().groups == 1:
@@ -152,36 +162,50 @@ def tied_adapters(model: torch.nn.Module) -> list[str]:
     return [names[id(m)] for m in pair if isinstance(m, BaseTunerLayer)]
 
 
+def param_path(wrapper: torch.nn.Module) -> str:
+    """The name, after a ``ParamWrapper``'s own, of the parameter it adapts: peft nests one wrapper
+    per parameter of a module (``experts.base_layer.base_layer.gate_up_proj``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    path, inner = "", wrapper
+    while isinstance(inner, BaseTunerLayer):
+        path, inner = path + ".base_layer", inner.base_layer
+    return f"{path}.{wrapper.parameter_name}"
+
+
 def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, AdaptedLayer]) -> Iterator:
     """A LoRA model's full tensors (peft's names, any order within a layer) as the base model's:
     ``W + scaling * delta`` for each adapted layer (``layers``: :func:`adapted_layers`), the other
     tensors as they are; one layer held at a time. The same weights as peft's ``merge_and_unload``
     (tested), computed in float32 and cast once to the weight's dtype."""
+    roles = {}  # tensor name -> (its adapted layer, its role there)
+    for layer, how in layers.items():
+        roles |= {layer + how.weight: (layer, "w"), layer + how.a: (layer, "a"), layer + how.b: (layer, "b")}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
-        layer = adapted_layer_of(name)
-        if layer is None:
-            yield base_name(name.replace(".base_layer.", ".")), tensor
+        if name not in roles:
+            if adapted_layer_of(name) is not None:
+                raise RuntimeError(
+                    f"No merge facts for the LoRA tensor {name}: pass adapted_layers() of the same model."
+                )
+            yield base_name(name.replace(".base_layer", "")), tensor
             continue
-        if layer not in layers:
-            raise RuntimeError(f"No merge facts for the LoRA layer {layer}: pass adapted_layers() of the same model.")
+        layer, role = roles[name]
         got = parts.setdefault(layer, {})
-        got[name[len(layer) :]] = tensor
+        got[role] = tensor
         if len(got) == 3:
             del parts[layer]
             how = layers[layer]
-            w = got[".base_layer.weight"]  # (out, in, *kernel); (in, out) for Conv1D; (vocab, dim)
-            yield base_name(layer + ".weight"), merge(w, got[how.a], got[how.b], how)
+            yield base_name((layer + how.weight).replace(".base_layer", "")), merge(got["w"], got["a"], got["b"], how)
     if parts:
         raise RuntimeError(f"LoRA layers without all their parts in the weight stream: {sorted(parts)[:3]}")
 
 
-ROLES = (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight", *EMBEDDING_FACTORS.values())
+ROLES = (".lora_A.default.weight", ".lora_B.default.weight", *EMBEDDING_FACTORS.values())
 
 
 def adapted_layer_of(name: str) -> str | None:
-    """The adapted layer a tensor name belongs to as its weight or a LoRA factor, else None (a bias
-    under ``.base_layer.``, a layer without adapter)."""
+    """The adapted layer a LoRA factor's name belongs to, else None."""
     for role in ROLES:
         if name.endswith(role):
             return name[: -len(role)]
@@ -189,7 +213,13 @@ def adapted_layer_of(name: str) -> str | None:
 
 
 def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, how: AdaptedLayer) -> torch.Tensor:
-    """``w + scaling * delta`` in float32, in ``w``'s dtype; ``a``: (r, in, *kernel), ``b``: (out, r, *ones)."""
+    """``w + scaling * delta`` in float32, in ``w``'s dtype; ``a``: (r, in, *kernel), ``b``: (out, r, *ones)
+    (for experts: (experts * r, in) and (out, r * experts))."""
+    if how.experts:
+        a3 = a.float().reshape(how.experts, -1, a.shape[-1])  # (E, r, in)
+        b3 = b.float().reshape(b.shape[0], -1, how.experts)  # (out, r, E)
+        delta = torch.einsum("ore,eri->eio" if how.transpose else "ore,eri->eoi", b3, a3)
+        return (w.float() + how.scaling * delta).to(w.dtype)
     delta = b.float().flatten(1) @ a.float().flatten(1)  # (out, in * kernel)
     if how.transpose:
         delta = delta.T  # (in, out): Conv1D's layout; (vocab, dim) for an embedding

@@ -327,7 +327,8 @@ SMALL |= {"num_key_value_heads": 2, "vocab_size": 64, "pad_token_id": 0, "bos_to
 
 def small_model(arch: str):
     """A randomly initialised 3-layer causal LM of a real transformers architecture (``qwen2``,
-    ``llama``, ``phi3``, ``gemma``, ``gpt2``), built from a config: for tests that span architectures."""
+    ``llama``, ``phi3``, ``gemma``, ``gpt2``, ``qwen3_moe``, ``mixtral``), built from a config: for
+    tests that span architectures."""
     import transformers
 
     configs = {
@@ -336,6 +337,10 @@ def small_model(arch: str):
         "phi3": lambda: transformers.Phi3Config(**SMALL),
         "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
         "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=64, eos_token_id=2),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
     }
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(configs[arch]())

@@ -152,4 +152,3 @@ def with_tied_head(model: torch.nn.Module, bucket: list, tied: bool) -> list:
         return bucket
     embedding = next((t for name, t in bucket if name.endswith(EMBEDDINGS)), None)
     return bucket if embedding is None else [*bucket, ("lm_head.weight", embedding)]
-

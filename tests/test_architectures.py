@@ -1,0 +1,129 @@
+"""Every model family users bring, as its checkpoints ship (hybridrl.testing_models), through the
+real trainer and the hf engine: two GRPO steps with packed passes, fully trained and with LoRA,
+the sync checked after every step; and the errors a user meets first."""
+
+import json
+
+import pytest
+import torch
+
+from hybridrl.config import load_config
+from hybridrl.engine_weights import checkpoint_tensors
+from hybridrl.errors import ConfigError, StageError
+from hybridrl.models import load_causal_lm, pin_long_rope
+from hybridrl.testing import SevensPlugin
+from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint
+from hybridrl.trainer import Trainer
+
+LOGPROB_TOL = 1e-4  # float32 engine and trainer: measured below 2e-6
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {arch: build_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ARCHITECTURES}
+
+
+def two_steps(model, run_dir, lora: bool, engine: str = "hf", **rollout):
+    cfg = {
+        "model": {"path": model, **({"lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}} if lora else {})},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True},
+        "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01},
+        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir)},
+        "logging": {"loggers": ["jsonl"]},
+    }
+    cfg["trainer"]["pack_sequences"] = True
+    Trainer(load_config(data=cfg)).train()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_grpo_steps_keep_engine_and_trainer_equal(arch, lora, checkpoints, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    rows = two_steps(checkpoints[arch], tmp_path / "run", lora)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the step's responses, scored by the policy the engine had just received
+        assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/sync_check_diff_max"] < LOGPROB_TOL
+    assert rows[0]["rollout/sync_check_baseline"] < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_checkpoint_format_is_what_the_folder_holds(arch, checkpoints):
+    """Experts fused by transformers go to engines one tensor per expert, as the checkpoint has them."""
+    from safetensors.torch import load_file
+
+    model = load_causal_lm(checkpoints[arch], torch.bfloat16, torch.device("cpu"))
+    got = dict(checkpoint_tensors(model, model.state_dict().items()))
+    want = load_file(f"{checkpoints[arch]}/model.safetensors")
+    assert any(".experts.gate_up_proj" in name for name in model.state_dict())  # fused in the trainer
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_tied_output_layer_is_sent_once(checkpoints):
+    model = load_causal_lm(checkpoints["gemma2"], torch.float32, torch.device("cpu"))
+    names = [name for name, _ in checkpoint_tensors(model, model.state_dict().items())]
+    assert "lm_head.weight" in model.state_dict() and "lm_head.weight" not in names
+    assert "model.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi3-su"])
+def test_long_rope_uses_one_set_of_factors_for_every_length(arch, checkpoints):
+    """transformers picks LongRoPE's factors by each batch's length; pinned, a sequence's logits do
+    not depend on a longer one beside it (max_position_embeddings 512 > original 64: the long set)."""
+    model = load_causal_lm(checkpoints[arch], torch.float32, torch.device("cpu")).eval()
+    short = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        alone = model(short).logits[0]
+        beside_long = model(torch.cat([short, torch.zeros(1, 80, dtype=torch.long)], 1)).logits[0, :20]
+    torch.testing.assert_close(alone, beside_long, rtol=1e-5, atol=1e-5)
+    assert pin_long_rope(model)
+
+
+def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpoints, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["llama"], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "no-such-rope", "factor": 2.0}
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"model.path {broken}: transformers cannot load this model") as e:
+        load_causal_lm(str(broken), torch.float32, torch.device("cpu"))
+    assert "\n" not in str(e.value)
+
+
+class OffsetEngine:
+    """Registers 'hf_offset': the hf engine with each logprob 0.5 too high (a wrong convention)."""
+
+    @staticmethod
+    def engine():
+        from hybridrl.builtin.rollout_hf import HFEngine
+
+        class Offset(HFEngine):
+            def generate(self, prompts, sampling):
+                out = super().generate(prompts, sampling)
+                out.logprobs = [[lp + 0.5 for lp in row] for row in out.logprobs]
+                return out
+
+        return Offset
+
+    from hybridrl.hookspecs import hookimpl
+
+    @hookimpl
+    def register_rollout_engines(self, register):
+        register("hf_offset", self.engine())
+
+
+def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(checkpoints, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    register_plugin(OffsetEngine(), name="offset")
+    with pytest.raises(StageError, match="before any weight sync") as e:
+        two_steps(checkpoints["qwen2"], tmp_path / "run", lora=False, engine="hf_offset")
+    assert "This is not the weight sync" in str(e.value) and "0.5" in str(e.value)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["rollout/sync_check_baseline"] == pytest.approx(0.5, abs=1e-3)
