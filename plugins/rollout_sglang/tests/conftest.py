@@ -22,7 +22,9 @@ is an error, where the real engine would crash.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import threading
 import types
 import uuid
@@ -32,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.engine_weights import checkpoint_tensors
+from hybridrl.engines import layer_of
 from hybridrl.models import position_ids
 
 # sglang/srt/sampling/sampling_params.py (0.5.x): the keys SamplingParams accepts
@@ -65,6 +69,8 @@ class ContractSGLang:
         file = json.loads(gen.read_text()) if gen.is_file() else {}
         self.model_defaults = {k: file[k] for k in MODEL_DEFAULT_KEYS if k in file}
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        # what SGLang's load_weights takes: the checkpoint's names and layouts
+        self.checkpoint = dict(checkpoint_tensors(self.model, self.model.state_dict().items()))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if with_tokenizer else None
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
@@ -190,16 +196,37 @@ class ContractSGLang:
 
     # -- weights and memory ------------------------------------------------------------------
     def load_tensors(self, named_tensors) -> tuple[bool, str]:
+        """SGLang's ``load_weights``: tensors named and laid out as in the checkpoint (per expert
+        for MoE models, a tied output layer left out), only the layers they belong to changed."""
         with self.lock:
             if "weights" in self.released:
                 raise RuntimeError("weights loaded into released memory")
-            params = self.model.state_dict(keep_vars=True)
-            with torch.no_grad():
-                for name, tensor in named_tensors:
-                    if name not in params:
-                        return False, f"Failed to update weights: unknown parameter {name!r}."
-                    params[name].copy_(tensor.to(params[name].dtype))
+            named_tensors = list(named_tensors)
+            for name, tensor in named_tensors:
+                if name not in self.checkpoint:
+                    return False, f"Failed to update weights: unknown parameter {name!r}."
+                self.checkpoint[name] = tensor.detach().to(torch.float32).clone()
+            self._load_layers({layer_of(name) for name, _ in named_tensors})
         return True, "Success"
+
+    def _load_layers(self, layers: set[str]) -> None:
+        """Copy the checkpoint's tensors of ``layers`` into the model, converted as transformers loads them."""
+        params = self.model.state_dict(keep_vars=True)
+        if all(name in params for name in self.checkpoint):
+            source = self.checkpoint
+        else:  # transformers converts this checkpoint as it loads it (fused experts): load it that way
+            from safetensors.torch import save_file
+            from transformers import AutoModelForCausalLM
+
+            with tempfile.TemporaryDirectory() as folder:
+                tensors = {name: t.contiguous() for name, t in self.checkpoint.items()}
+                save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+                shutil.copy(Path(self.model_path) / "config.json", folder)
+                source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+        with torch.no_grad():
+            for name, param in params.items():
+                if layer_of(name) in layers and name in source:
+                    param.copy_(source[name])
 
     def load_from_disk(self, model_path) -> tuple[bool, str]:
         from safetensors.torch import load_file

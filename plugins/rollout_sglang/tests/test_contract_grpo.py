@@ -49,9 +49,9 @@ def test_grpo_learns_against_an_sglang_server(tiny_model, tmp_path, sglang_serve
     # the server generated with the weights the trainer had: the sync after every step arrived
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     paths = [p for p, _ in sglang_server.requests]
-    # per step: the rollout (two batches of 16); the probe of rollout.sync_check after the syncs of
-    # steps 1 and 10 (the first sync, then every rollout.sync_check_every steps)
-    assert paths.count("/update_weights_from_disk") == 12 and paths.count("/generate") == 12 * 2 + 2
+    # per step: the rollout (two batches of 16); the probe of rollout.sync_check before the first
+    # update and after the syncs of steps 1 and 10 (the first sync, then every sync_check_every steps)
+    assert paths.count("/update_weights_from_disk") == 12 and paths.count("/generate") == 12 * 2 + 3
     assert sorted(p.name for p in (run / "sglang_weights").iterdir()) == ["v000012"]
 
 
@@ -72,5 +72,5 @@ def test_grpo_in_process_releases_and_reloads_around_training(tiny_model, tmp_pa
     step += ["update_weights_from_tensor"] * k
     # after each sync the probe of rollout.sync_check generates, which resumes the caches
     step += [("resume", "cuda_graph", "kv_cache"), "generate"]
-    assert calls == step * 3
+    assert calls == ["generate"] + step * 3  # first the probe before any update (rollout.sync_check)
     assert engine.is_shutdown
