@@ -174,29 +174,34 @@ def test_tool_environment_answers_with_results_and_errors():
     assert env.step(None, "The answer is 84.").done  # no call: the final answer
 
 
-PYTHON = PythonTool(PythonTool.Options(timeout_s=5, cpu_s=2, memory_mb=256), None)
+@pytest.fixture(scope="module")
+def python_tool():
+    return PythonTool(PythonTool.Options(timeout_s=5, cpu_s=2, memory_mb=256), None)
 
 
 @pytest.mark.parametrize(
     "code, error",
     [
         ("while True: pass", "more than 2 s of CPU"),
-        ("x = bytearray(10 * 2**30)", "MemoryError"),
-        ("import socket; socket.create_connection(('127.0.0.1', 9))", "not allowed in this sandbox"),
-        (f"open({os.path.join(os.path.expanduser('~'), 'hybridrl-sandbox-test')!r}, 'w')", "writing"),
-        ("import subprocess; subprocess.run(['true'])", "subprocess.Popen is not allowed"),
+        ("x = bytearray(2**30)", "MemoryError"),
+        ("import socket; socket.create_connection(('127.0.0.1', 9))", "Not supported|no attribute 'getaddrinfo'"),
+        (
+            f"open({os.path.join(os.path.expanduser('~'), 'hybridrl-sandbox-test')!r}, 'w')",
+            "Capabilities insufficient|No such file",
+        ),
+        ("import subprocess; subprocess.run(['true'])", "wasi does not support processes"),
         ("import time; time.sleep(30)", "longer than 5 s"),
     ],
 )
-def test_python_tool_limits_hold(code, error):
+def test_python_tool_limits_hold(python_tool, code, error):
     with pytest.raises((TimeoutError, RuntimeError), match=error):
-        PYTHON({"code": code})
+        python_tool({"code": code})
     assert not os.path.exists(os.path.join(os.path.expanduser("~"), "hybridrl-sandbox-test"))
 
 
-def test_python_tool_runs_code_and_writes_only_in_its_folder():
-    assert PYTHON({"code": "print(sum(range(10)))"}) == "45\n"
-    assert PYTHON({"code": "open('a.txt', 'w').write('hi'); print(open('a.txt').read())"}) == "hi\n"
+def test_python_tool_runs_code_and_writes_only_in_its_folder(python_tool):
+    assert python_tool({"code": "print(sum(range(10)))"}) == "45\n"
+    assert python_tool({"code": "open('a.txt', 'w').write('hi'); print(open('a.txt').read())"}) == "hi\n"
 
 
 class Plugins:

@@ -1,30 +1,24 @@
-"""Built-in tools: ``calculator`` (arithmetic, no code run) and ``python`` (code in a sandboxed process).
+"""Built-in tools: ``calculator`` (arithmetic, no code run) and ``python`` (code in a sandbox).
 
-The ``python`` tool runs each call in a fresh interpreter (``python -I``) that first lowers its own
-limits on CPU time, memory and file size (no ``preexec_fn``: calls run from threads), under a
-wall-clock timeout, in a temporary folder of its own that is removed afterwards.
-An audit hook installed before the code runs refuses network access, new processes, native code
-loading and any write outside that folder; where the kernel allows it (``unshare -rn``: a user and
-network namespace, no root needed on most Linux systems) the process also has no network at all.
+The ``python`` tool runs each call in :mod:`hybridrl.sandbox`: CPython built for WebAssembly, run by
+wasmtime in a child process, reaching nothing but a scratch folder, under limits on CPU time, wall
+time, memory, file sizes and output. Without wasmtime it refuses to start, unless its options say
+``sandbox: none``.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import operator
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
+from typing import Literal
 
 from pydantic import Field
 
 from hybridrl.components import Options, Tool
 from hybridrl.hookspecs import hookimpl
+from hybridrl.sandbox import HostProcess, Limits, WasmSandbox
 
 _BINARY = {
     ast.Add: operator.add,
@@ -83,66 +77,40 @@ class Calculator(Tool):
         raise ValueError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
 
 
-# Runs in the child before the model's code: limits what the code can reach (an audit hook cannot be
-# removed again from Python). Writes are allowed only inside the call's own folder.
-_GUARD = r"""
-import os, resource, sys
-_cpu, _memory, _file = (int(x) for x in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (_memory, _memory))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_file, _file))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-_ROOT = os.path.realpath(os.getcwd())
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_NEVER = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-          "os.forkpty", "ctypes.", "_ctypes", "os.kill", "os.killpg", "signal.pthread_kill")
-_PATHS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-          "os.truncate", "os.utime", "os.chdir", "shutil.")
-def _inside(path):
-    try:
-        p = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else "/proc/self/fd/%d" % path)
-    except Exception:
-        return False
-    return p == _ROOT or p.startswith(_ROOT + os.sep)
-def _hook(event, args):
-    if event.startswith(_NEVER):
-        raise PermissionError(f"{event} is not allowed in this sandbox")
-    if event == "open":
-        path, mode, flags = (list(args) + [None, None, 0])[:3]
-        writing = (mode is not None and any(c in str(mode) for c in "wax+")) or bool((flags or 0) & _WRITE)
-        if writing and not _inside(path):
-            raise PermissionError(f"writing {path} is not allowed: only files under the working folder")
-    elif event.startswith(_PATHS) and args and not _inside(args[0]):
-        raise PermissionError(f"{event} on {args[0]} is not allowed: only files under the working folder")
-sys.addaudithook(_hook)
-del _hook
-_code = sys.stdin.read()
-exec(compile(_code, "<tool call>", "exec"), {"__name__": "__main__"})
-"""
-
-
-@functools.cache
-def _unshare_prefix() -> tuple[str, ...]:
-    """``unshare -rn`` when this kernel lets an unprivileged process drop its network, else nothing."""
-    tool = shutil.which("unshare")
-    if tool is None:
-        return ()
-    try:
-        ok = subprocess.run([tool, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return (tool, "-rn") if ok else ()
-
-
 class PythonTool(Tool):
-    """Runs Python code in a fresh, limited process and returns what it printed."""
+    """Runs the model's Python code in a WebAssembly sandbox (hybridrl/sandbox.py) and returns what it printed."""
 
     class Options(Options):
+        sandbox: Literal["wasm", "none"] = Field(
+            "wasm",
+            description="wasm: CPython 3.11 for WebAssembly under wasmtime (standard library only), reaching "
+            "only a scratch folder; needs hybridrl[sandbox]. none: a plain python process with the OS "
+            "limits below and no isolation: the code can read and write what the trainer can.",
+        )
         timeout_s: float = Field(5.0, gt=0, description="Wall-clock seconds a call may take.")
         cpu_s: int = Field(5, gt=0, description="CPU seconds a call may use.")
-        memory_mb: int = Field(512, gt=0, description="Address space of the process, in MiB.")
+        memory_mb: int = Field(
+            512, gt=0, description="Memory of the program, in MiB (wasm: its linear memory; none: address space)."
+        )
         file_mb: int = Field(16, gt=0, description="Largest file the code may write, in MiB.")
+        disk_mb: int = Field(64, gt=0, description="All files a call writes together, in MiB (wasm only).")
         max_output_chars: int = Field(2000, gt=0, description="Longest output returned to the model.")
+
+    def __init__(self, options: Options, ctx):
+        super().__init__(options, ctx)
+        o = self.options
+        self._limits = Limits(o.timeout_s, o.cpu_s, o.memory_mb, o.file_mb, o.disk_mb, 4 * o.max_output_chars)
+        if o.sandbox == "none":
+            print(
+                "warning: the python tool runs the model's code without a sandbox (sandbox: none): "
+                "it can read and write whatever this process can.",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._sandbox = HostProcess()
+        else:
+            self._sandbox = WasmSandbox()  # SandboxUnavailable, naming the fix, when wasmtime is missing
+        self._sandbox.prepare()  # compile now (once per machine): a broken sandbox stops the run here
 
     def schema(self) -> dict:
         return {
@@ -163,35 +131,22 @@ class PythonTool(Tool):
         if not isinstance(code, str):
             raise ValueError('give the program as a string: {"code": "print(1 + 1)"}')
         o = self.options
-        folder = tempfile.mkdtemp(prefix="hybridrl-python-")
-        env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
-        limits = [str(o.cpu_s), str(o.memory_mb * 2**20), str(o.file_mb * 2**20)]
-        cmd = [*_unshare_prefix(), sys.executable, "-I", "-c", _GUARD, *limits]
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=folder,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-            try:
-                out, err = proc.communicate(code, timeout=o.timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise TimeoutError(f"the program ran longer than {o.timeout_s:g} s and was stopped") from None
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        if proc.returncode == -signal.SIGXCPU or proc.returncode == -signal.SIGKILL:
+        result = self._sandbox.run(code, self._limits)
+        if result.stopped == "wall":
+            raise TimeoutError(f"the program ran longer than {o.timeout_s:g} s and was stopped")
+        if result.stopped == "cpu":
             raise TimeoutError(f"the program used more than {o.cpu_s} s of CPU and was stopped")
-        if proc.returncode != 0:
-            last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        if result.stopped == "disk":
+            raise RuntimeError(f"the program wrote more than {o.disk_mb} MiB of files and was stopped")
+        if result.crash:
+            raise RuntimeError(f"the program crashed: {result.crash}"[: o.max_output_chars])
+        if result.exit_code != 0:
+            last = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1]
             raise RuntimeError(last[: o.max_output_chars])
-        return out[: o.max_output_chars] if out else "(no output)"
+        text = result.stdout[: o.max_output_chars]
+        if result.stdout_cut or len(result.stdout) > o.max_output_chars:
+            text += f"\n(output cut at {o.max_output_chars} characters)"
+        return text or "(no output)"
 
 
 @hookimpl
