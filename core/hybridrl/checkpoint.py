@@ -28,6 +28,7 @@ checkpoint cannot run code. A sharded checkpoint resumes on the same strategy an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -41,6 +42,28 @@ import torch
 from hybridrl import distributed
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+# the run's files that hybridrl writes and that hold its config or its users' data
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "online.sqlite", "online.sqlite-wal", "online.sqlite-shm")
+
+
+@contextlib.contextmanager
+def private_files():
+    """Files and folders created inside are their owner's alone (umask 077). The umask is the process's:
+    for the setup of a process that serves, not for a library call among others."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def make_private(run_dir: Path) -> None:
+    """The run files of ``run_dir`` that exist (``RUN_FILES``) readable and writable by their owner only."""
+    for name in RUN_FILES:
+        with contextlib.suppress(OSError):  # absent, or another user's
+            os.chmod(Path(run_dir) / name, PRIVATE_FILE)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -115,7 +138,8 @@ def save_checkpoint(trainer, step: int) -> Path:
     final = root / f"step-{step:06d}"
     tmp = None
     if main:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        make_private(trainer.run_dir)
         tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root)
     tmp = Path(distributed.broadcast_object(tmp))  # every rank writes its part into rank 0's directory
     try:
@@ -245,7 +269,9 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
         except json.JSONDecodeError:  # a line cut by a kill
             continue
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+    os.chmod(tmp, PRIVATE_FILE)  # a .tmp left by a kill keeps its mode
     os.replace(tmp, path)
 
 

@@ -8,6 +8,8 @@ that lists the valid ones.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -327,6 +329,7 @@ class RunConfig(Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     online: OnlineConfig = Field(default_factory=OnlineConfig)
+    _env_refs: dict = PrivateAttr(default_factory=dict)  # {path: the text with ${env:VAR}}, for dump_config
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
@@ -361,7 +364,8 @@ class RunConfig(Strict):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> RunConfig:
-    """Read YAML (or take ``data``), apply ``key.sub=value`` overrides, validate everything."""
+    """Read YAML (or take ``data``), apply ``key.sub=value`` overrides, put in the environment variables
+    that ``${env:VAR}`` names (:func:`interpolate_env`), validate everything."""
     if data is None:
         path = Path(path)
         if not path.is_file():
@@ -373,11 +377,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), data:
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (model, rollout, ...).")
     data = apply_overrides(data, overrides)
+    refs: dict[tuple, str] = {}
+    data = interpolate_env(data, (), refs)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, RunConfig)) from None
     resolve(cfg)
+    cfg._env_refs = refs
     return cfg
 
 
@@ -538,8 +545,69 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+# -- secrets ------------------------------------------------------------------------------
+
+ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
+REDACTED = "<redacted>"
+SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials"}
+
+
+def interpolate_env(value, path: tuple, refs: dict):
+    """``value`` with each ``${env:VAR}`` in its strings replaced by the environment variable VAR; the
+    path of each string that had one goes into ``refs`` with its text. An unset variable, or the
+    ``<redacted>`` that dump_config writes in place of a secret, is a ConfigError naming the key."""
+    if isinstance(value, dict):
+        return {k: interpolate_env(v, (*path, k), refs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate_env(v, (*path, i), refs) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    where = ".".join(str(p) for p in path)
+    if value == REDACTED:
+        raise ConfigError(
+            f"{where} is '{REDACTED}': the run wrote its config.yaml without this secret. Give it as "
+            "'${env:VAR}' (an environment variable that holds it) or with an override."
+        )
+    missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
+    if missing:
+        raise ConfigError(f"{where} is '{value}', but the environment variable {missing[0]} is not set.")
+    if ENV_REF.search(value):
+        refs[path] = value
+        return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+    return value
+
+
+def is_secret(name) -> bool:
+    """Whether a key names a secret: its last word (of snake_case, kebab-case or camelCase) is token, key,
+    secret, password... (``api_key``, ``hf_token``, ``clientSecret``; not ``max_tokens``, ``token_env``)."""
+    words = re.findall(r"[a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name)).lower())
+    return bool(words) and words[-1] in SECRET_WORDS
+
+
+def redact(value, secret: bool = False):
+    """``value`` with every string under a key that :func:`is_secret` replaced by ``<redacted>``."""
+    if isinstance(value, dict):
+        return {k: redact(v, secret or is_secret(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, secret) for v in value]
+    return REDACTED if secret and isinstance(value, str) and value else value
+
+
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)
+    """The config as YAML, without secrets: strings under secret keys (:func:`is_secret`) become
+    ``<redacted>``, and values given as ``${env:VAR}`` are written as that again."""
+    data = redact(cfg.model_dump(mode="json", by_alias=True))
+    for path, text in cfg._env_refs.items():
+        node, last = data, path[-1]
+        try:
+            for part in path[:-1]:
+                node = node[part]
+        except (KeyError, IndexError, TypeError):  # a key validation moved: its value stays redacted or as is
+            continue
+        present = last in node if isinstance(node, dict) else isinstance(last, int) and last < len(node)
+        if present:
+            node[last] = text
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def check_world(cfg: RunConfig, world: int, multi_process: bool) -> None:
