@@ -3,6 +3,7 @@ in headless Chromium (Debian's package, driven by Playwright) on the directory o
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -12,14 +13,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
-from hybridrl.config import load_config
+from hybridrl.config import ConfigError, dump_config, is_secret, load_config
 from hybridrl.dashboard.server import JsonlTail
+from hybridrl.http import ALLOWED_HOSTS_ENV, HostCheck
 
 STEPS, PROMPTS, N = 3, 2, 4
 
@@ -160,6 +164,107 @@ def test_cli_errors_name_the_problem(tmp_path):
         port = busy.getsockname()[1]
         out = subprocess.run([*cmd, str(tmp_path), "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port 0" in out.stderr
+
+
+def send(url: str, path: str, headers: dict | None = None):
+    """(status, reply) of a GET with exactly these headers beside Host (a None value: left out)."""
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
+        if value is not None:
+            conn.putheader(key, value)
+    conn.endheaders()
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    return response.status, json.loads(body) if response.getheader("Content-Type") == "application/json" else body
+
+
+def test_only_this_machines_names_are_answered(tmp_path, dashboard, monkeypatch):
+    """A page elsewhere, or one that reached 127.0.0.1 by DNS rebinding, cannot read the run."""
+    monkeypatch.delenv(ALLOWED_HOSTS_ENV, raising=False)
+    url = dashboard(tmp_path)
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    assert send(url, "/api/run")[0] == 200
+    assert send(url, "/api/run", {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"})[0] == 200
+    for headers, message in [
+        ({"Host": f"attacker.example:{port}"}, f"Host 'attacker.example:{port}' is not a name of this server"),
+        ({"Origin": "http://attacker.example"}, "Origin 'http://attacker.example' may not call this server"),
+    ]:
+        status, reply = send(url, "/api/run", headers)
+        assert status == 403 and message in reply["error"], headers
+    url = dashboard(tmp_path, "--allow-host", "runs.example.com")
+    assert send(url, "/api/run", {"Host": "runs.example.com", "Origin": "https://runs.example.com"})[0] == 200
+
+
+def test_secrets_are_redacted_in_config_yaml_and_on_the_page(tmp_path, dashboard, monkeypatch):
+    monkeypatch.setenv("MY_VLLM_KEY", "sk-from-the-environment")
+    data = {
+        "model": {"path": "m"},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
+        "rollout": {"engine": "vllm", "base_url": "http://127.0.0.1:9", "api_key": "${env:MY_VLLM_KEY}"},
+        "rewards": [
+            {"function": "remote", "url": "http://127.0.0.1:9", "token": "plain-secret", "check_health": False}
+        ],
+    }
+    cfg = load_config(data=data)
+    assert cfg.rollout.options.api_key == "sk-from-the-environment"
+    dumped = yaml.safe_load(dump_config(cfg))
+    assert dumped["rollout"]["api_key"] == "${env:MY_VLLM_KEY}" and dumped["rewards"][0]["token"] == "<redacted>"
+    assert dumped["rollout"]["max_tokens"] == cfg.rollout.max_tokens  # numbers named *tokens stay
+    with pytest.raises(ConfigError, match=r"rewards\.0\.token is '<redacted>'.*'\$\{env:VAR\}'"):
+        load_config(data=dumped)
+    dumped["rewards"][0]["token"] = "given again"
+    assert load_config(data=dumped).rollout.options.api_key == "sk-from-the-environment"  # it loads again
+    with pytest.raises(ConfigError, match="rollout.api_key is '.*', but the environment variable NOPE is not set"):
+        load_config(data=data | {"rollout": data["rollout"] | {"api_key": "${env:NOPE}"}})
+    secrets = ["api_key", "hf_token", "clientSecret", "db-password"]
+    assert [k for k in secrets if is_secret(k)] == secrets
+    assert not any(is_secret(k) for k in ("max_tokens", "token_env", "tokenizer", "stop_token_ids", "keys"))
+    # a run written before redaction existed: the page shows no secret either
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"rollout": {"api_key": "sk-old", "engine_kwargs": {"hf_token": "hf_old"}}, "trainer": {"steps": 3}}
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    info = get(dashboard(run) + "api/run")
+    assert "sk-old" not in info["config"] and "hf_old" not in info["config"] and info["total_steps"] == 3
+    assert yaml.safe_load(info["config"])["rollout"]["api_key"] == "<redacted>"
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed(tmp_path, monkeypatch):
+    import uvicorn
+
+    from hybridrl.dashboard import server as dash
+
+    monkeypatch.setattr(dash, "REQUEST_TIMEOUT", 0.5)
+    sock = dash.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    app = dash.create_app(tmp_path, hosts=HostCheck("127.0.0.1", port))
+    server = uvicorn.Server(uvicorn.Config(app, http=dash.timed_protocol(), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            assert silent.recv(100) == b""  # closed, nothing sent
+        closed = False
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"GET /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            for _ in range(100):  # a header line every 0.1 s, never the end of the headers
+                try:
+                    slow.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+        assert closed
+        assert send(f"http://127.0.0.1:{port}", "/api/run")[0] == 200  # whole requests are answered
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 # --- the page in a browser, on a real run ----------------------------------------------------

@@ -3,11 +3,13 @@ improves the policy while it serves, and a restart after SIGKILL that loses noth
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
 import signal
 import sqlite3
+import stat
 import threading
 import time
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from hybridrl.config import ConfigError, load_config
+from hybridrl.http import ALLOWED_HOSTS_ENV
 from hybridrl.online import Server, advantages, make_server
 
 spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
@@ -287,3 +290,82 @@ def test_dashboard_shows_the_online_metrics(serving, tmp_path):
     assert {"online/ratings_per_min", "online/rating_mean_all", "online/version"} <= set(rows_[0])
     with urllib.request.urlopen(s.url + "/health") as r:
         assert json.loads(r.read())["status"] == "ok"
+
+
+def send(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, reply) of a request with exactly these headers beside Host (a None value: left out)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
+        if value is not None:
+            conn.putheader(key, value)
+    conn.endheaders(body)
+    response = conn.getresponse()
+    reply = json.loads(response.read())
+    conn.close()
+    return response.status, reply
+
+
+def test_web_pages_and_bad_lengths_are_refused_before_the_body_is_read(serving, tmp_path, monkeypatch):
+    monkeypatch.delenv(ALLOWED_HOSTS_ENV, raising=False)
+    s = serving()
+    port = s.url.rsplit(":", 1)[1]
+    chat = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
+    sized = {"Content-Type": "application/json", "Content-Length": str(len(chat))}
+    cases = [  # a page elsewhere posting text/plain (no preflight), or reaching 127.0.0.1 by DNS rebinding
+        (chat, sized | {"Content-Type": "text/plain"}, 415, "Content-Type: application/json"),
+        (chat, sized | {"Origin": "http://attacker.example"}, 403, "Origin 'http://attacker.example'"),
+        (chat, sized | {"Host": f"attacker.example:{port}"}, 403, "HYBRIDRL_ALLOWED_HOSTS"),
+        (None, sized | {"Content-Length": "-1"}, 400, "Content-Length must be one number"),
+        (None, sized | {"Content-Length": "64k"}, 400, "Content-Length must be one number"),
+        (None, sized | {"Content-Length": None}, 411, "needs a Content-Length"),
+        (None, sized | {"Content-Length": str(2**23)}, 413, "over online.max_request_bytes=65536"),
+    ]
+    for body, headers, code, message in cases:
+        status, reply = send(s.url, "POST", "/v1/chat/completions", body, headers)
+        assert status == code and message in reply["error"], (headers, status, reply)
+    status, reply = send(s.url, "GET", "/v1/status", headers={"Host": f"attacker.example:{port}"})
+    assert status == 403  # a rebound page cannot read the status either
+    assert rows(tmp_path / "run", "answers") == 0
+    assert send(s.url, "POST", "/v1/chat/completions", chat, sized | {"Origin": f"http://localhost:{port}"})[0] == 200
+    monkeypatch.setenv(ALLOWED_HOSTS_ENV, "chat.example.com")  # a name for users behind a proxy
+    s = serving()
+    assert send(s.url, "GET", "/v1/status", headers={"Host": "chat.example.com"})[0] == 200
+
+
+def test_errors_reply_with_an_id_not_the_exception(serving, capfd):
+    s = serving()
+
+    def broken(prompts, sampling):
+        raise RuntimeError("CUDA error at /home/alice/secret-project/kernel.cu")
+
+    s.server.trainer.engine.generate = broken
+    code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert code == 500 and "alice" not in json.dumps(reply) and "RuntimeError" not in json.dumps(reply)
+    assert f"error id {reply['error_id']}" in capfd.readouterr().err
+    assert get(s.url, "/health")["status"] == "ok"  # the server goes on
+
+
+def test_run_files_are_the_owners_alone_and_hold_no_secrets(tiny_model, tmp_path, monkeypatch):
+    """The run folder 0700, its config, logs and the users' chats 0600; a value given as ${env:VAR}
+    stays that in config.yaml."""
+    monkeypatch.setenv("HYBRIDRL_TEST_MODEL", str(tiny_model))
+    data = config("${env:HYBRIDRL_TEST_MODEL}", tmp_path / "run", update_every=2)
+    s = Running(data)
+    try:
+        for _ in range(2):
+            post(s.url, "/v1/feedback", {"id": ask(s.url)["id"], "rating": 1})
+        deadline = time.time() + 60
+        while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        s.stop()
+    run = tmp_path / "run"
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(run) == 0o700 and mode(run / "checkpoints") == 0o700
+    wal = [p.name for p in run.glob("online.sqlite-*")]  # SQLite's own files take the store's mode
+    for name in ("config.yaml", "online.sqlite", "metrics.jsonl", "samples.jsonl", *wal):
+        assert mode(run / name) == 0o600, name
+    text = (run / "config.yaml").read_text()
+    assert "${env:HYBRIDRL_TEST_MODEL}" in text and str(tiny_model) not in text

@@ -14,12 +14,15 @@ One process, three parts (docs/online.md):
   continues from the last saved version and trains again on what came after it.
 - :func:`make_server`: OpenAI-style ``POST /v1/chat/completions``, ``POST /v1/feedback``,
   ``GET /v1/status`` and ``GET /health`` on 127.0.0.1 unless told otherwise, with a token on any
-  other address, request size and rate limits.
+  other address, request size and rate limits, and the checks every server of hybridrl makes
+  (hybridrl.http: Host and Origin, the token before the body, throttled wrong tokens, timeouts).
+  The run folder and its files are created for their owner alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sqlite3
 import sys
@@ -27,16 +30,16 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import torch
 
 from hybridrl.batch import Batch
+from hybridrl.checkpoint import PRIVATE_FILE, make_private, private_files
 from hybridrl.components import RolloutOutput, Sampling, SamplingParams
 from hybridrl.config import ConfigError
 from hybridrl.errors import stage_errors
-from hybridrl.http import JsonHandler, listen, require_token
+from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
 from hybridrl.prompts import encode_prompt
 
 TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
@@ -56,12 +59,8 @@ CREATE TABLE IF NOT EXISTS ratings (
 """
 
 
-class BadRequest(ValueError):
+class BadRequest(HttpError):
     """A request the server refuses; ``code`` is its HTTP status."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 # -- the store ------------------------------------------------------------------------------
@@ -72,6 +71,8 @@ class FeedbackStore:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE))  # users' chats: the owner's alone
+        os.chmod(self.path, PRIVATE_FILE)  # a store of an older version; SQLite gives its -wal file this mode
         self.db = sqlite3.connect(self.path, check_same_thread=False, timeout=30, isolation_level=None)
         self.lock = threading.Lock()
         with self.lock:
@@ -387,71 +388,44 @@ class RateLimit:
             return True
 
 
-def make_server(learner: Learner, host: str, port: int, token: str | None, options) -> ThreadingHTTPServer:
-    """The server (not started: call serve_forever). A non-loopback ``host`` needs a ``token``."""
+def make_server(
+    learner: Learner, host: str, port: int, token: str | None, options, allow: tuple[str, ...] = ()
+) -> JsonServer:
+    """The server (not started: call serve_forever). A non-loopback ``host`` needs a ``token``; ``allow``:
+    Host names and origins it answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS``."""
     require_token("serve", host, token, TOKEN_ENV)
     limit = RateLimit(options.requests_per_minute)
 
     class Handler(JsonHandler):
-        def _checked(self) -> bool:
-            """Token and rate limit; False after sending the refusal."""
-            if not self.authorized():
-                return False
+        def routes(self):
+            return {
+                ("GET", "/health"): self._health,
+                ("GET", "/v1/status"): self._status,
+                ("POST", "/v1/chat/completions"): self._chat,
+                ("POST", "/v1/feedback"): self._feedback,
+            }
+
+        def throttle(self):
             if not limit.allow(self.client_address[0]):
-                self.send_json(
-                    429, {"error": f"over {options.requests_per_minute} requests a minute"}, {"Retry-After": "60"}
-                )
-                return False
-            return True
+                raise HttpError(429, f"over {options.requests_per_minute} requests a minute", {"Retry-After": "60"})
 
-        def do_GET(self):
-            if not self._checked():
-                return
-            path = self.path.rstrip("/")
-            if path == "/health":
-                return self.send_json(200, {"status": "ok" if learner.error is None else "learner stopped"})
-            if path != "/v1/status":
-                return self.send_json(404, {"error": f"no such endpoint {self.path}: GET /health, GET /v1/status"})
+        def _health(self) -> dict:
+            return {"status": "ok" if learner.error is None else "learner stopped"}
+
+        def _status(self) -> dict:
             counts = learner.store.counts(learner.consumed, time.time() - 600)
-            self.send_json(
-                200,
-                {
-                    "policy_version": learner.version,
-                    "learning": learner.learning,
-                    "learner_error": learner.error,
-                    "answers": counts["answers"],
-                    "ratings": counts["ratings"],
-                    "untrained_ratings": counts["pending"],
-                    "rating_mean": counts["mean"],
-                },
-            )
+            return {
+                "policy_version": learner.version,
+                "learning": learner.learning,
+                "learner_error": learner.error,
+                "answers": counts["answers"],
+                "ratings": counts["ratings"],
+                "untrained_ratings": counts["pending"],
+                "rating_mean": counts["mean"],
+            }
 
-        def do_POST(self):
-            if not self._checked():
-                return
-            routes = {"/v1/chat/completions": self._chat, "/v1/feedback": self._feedback}
-            route = routes.get(self.path.rstrip("/"))
-            if route is None:
-                return self.send_json(404, {"error": f"no such endpoint {self.path}: POST {', POST '.join(routes)}"})
-            size = int(self.headers.get("Content-Length") or 0)
-            if size > options.max_request_bytes:
-                self.close_connection = True  # the body is not read
-                return self.send_json(
-                    413, {"error": f"body of {size} bytes is over online.max_request_bytes={options.max_request_bytes}"}
-                )
-            try:
-                body = json.loads(self.rfile.read(size)) if size else None
-                if not isinstance(body, dict):
-                    raise BadRequest(400, "the body must be a JSON object")
-                self.send_json(200, route(body))
-            except json.JSONDecodeError as e:
-                self.send_json(400, {"error": f"the body is not JSON: {e}"})
-            except BadRequest as e:
-                self.send_json(e.code, {"error": str(e)})
-            except Exception as e:
-                self.send_json(500, {"error": f"{type(e).__name__}: {e}"})
-
-        def _chat(self, body: dict) -> dict:
+        def _chat(self, body) -> dict:
+            body = json_object(body)
             if body.get("stream"):
                 raise BadRequest(400, "'stream' is not supported: leave it out or set it to false")
             if body.get("n", 1) != 1:
@@ -462,7 +436,7 @@ def make_server(learner: Learner, host: str, port: int, token: str | None, optio
                 "id": a["id"],
                 "object": "chat.completion",
                 "created": int(a["created"]),
-                "model": body.get("model") or "policy",
+                "model": body.get("model") if isinstance(body.get("model"), str) else "policy",
                 "policy_version": a["version"],
                 "choices": [
                     {
@@ -478,7 +452,8 @@ def make_server(learner: Learner, host: str, port: int, token: str | None, optio
                 },
             }
 
-        def _feedback(self, body: dict) -> dict:
+        def _feedback(self, body) -> dict:
+            body = json_object(body)
             answer_id = body.get("id")
             if not isinstance(answer_id, str):
                 raise BadRequest(400, "'id' must be the id of a chat completion")
@@ -490,8 +465,23 @@ def make_server(learner: Learner, host: str, port: int, token: str | None, optio
             learner.wake.set()
             return {"id": answer_id, "rating": rating, "stored": True, "seq": seq}
 
-    Handler.token = token
-    return listen("serve", host, port, Handler)
+    return listen(
+        "serve",
+        host,
+        port,
+        Handler,
+        token=token,
+        max_body=options.max_request_bytes,
+        max_body_name=f"online.max_request_bytes={options.max_request_bytes}",
+        allow=allow,
+        hint=f"list it in ${ALLOWED_HOSTS_ENV} (comma-separated) to allow it",
+    )
+
+
+def json_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    return body
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -517,7 +507,9 @@ def check_config(cfg) -> None:
 class Server:
     """The trainer, its learner, the store and the HTTP server of one ``hybridrl serve``."""
 
-    def __init__(self, cfg, host: str = "127.0.0.1", port: int = 8000, token: str | None = None):
+    def __init__(
+        self, cfg, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, allow: tuple[str, ...] = ()
+    ):
         from hybridrl.trainer import Trainer
 
         check_config(cfg)
@@ -526,21 +518,23 @@ class Server:
             cfg.trainer.resume = True
         self.trainer = Trainer(cfg, name="serve")
         t = self.trainer
-        t.setup()
-        if t.algorithm.trained_models():
-            raise ConfigError(
-                f"hybridrl serve trains the policy alone: algorithm '{cfg.algorithm.name}' also trains "
-                f"{', '.join(m.label for m in t.algorithm.trained_models())}. "
-                "Use algorithm grpo (or ppo with critic: false)."
-            )
-        self.store = FeedbackStore(t.run_dir / "online.sqlite")
-        self.learner = Learner(t, self.store)
-        t.extra_state["online"] = self.learner
-        t.resume()  # the newest checkpoint of run_dir, when there is one: version and learner state
-        self.learner.version = t.start_step
-        for logger in t.loggers:
-            logger.open(0, t.start_step)  # no last step: it serves until stopped
-        self.http = make_server(self.learner, host, port, token, cfg.online)
+        with private_files():  # the run folder, config.yaml, the logs and the store: the owner's alone
+            t.setup()
+            if t.algorithm.trained_models():
+                raise ConfigError(
+                    f"hybridrl serve trains the policy alone: algorithm '{cfg.algorithm.name}' also trains "
+                    f"{', '.join(m.label for m in t.algorithm.trained_models())}. "
+                    "Use algorithm grpo (or ppo with critic: false)."
+                )
+            self.store = FeedbackStore(t.run_dir / "online.sqlite")
+            self.learner = Learner(t, self.store)
+            t.extra_state["online"] = self.learner
+            t.resume()  # the newest checkpoint of run_dir, when there is one: version and learner state
+            self.learner.version = t.start_step
+            for logger in t.loggers:
+                logger.open(0, t.start_step)  # no last step: it serves until stopped
+        make_private(t.run_dir)  # files an earlier version wrote
+        self.http = make_server(self.learner, host, port, token, cfg.online, allow)
 
     @property
     def url(self) -> str:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http import is_loopback
+from hybridrl.http import ALLOWED_HOSTS_ENV, is_loopback
 
 DEFAULT_PORT = 8265
 
@@ -31,6 +31,14 @@ def register_commands(subparsers):
         "--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0 picks a free port)."
     )
     p.add_argument("--poll", type=float, default=2.0, help="Seconds between the page's refreshes (default 2).")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Also answer requests whose Host (or page Origin) is NAME, NAME:PORT or an origin https://NAME; "
+        f"repeatable. Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV}).",
+    )
     p.set_defaults(func=cmd_dashboard)
 
 
@@ -46,7 +54,8 @@ def cmd_dashboard(args) -> int:
     if not is_loopback(args.host):
         print(
             f"warning: binding {args.host}: anyone who can reach this address can read the run's samples "
-            "(there is no authentication).",
+            "(there is no authentication). Requests must name the server by its address or a name given with "
+            "--allow-host.",
             file=sys.stderr,
         )
     try:
@@ -60,7 +69,7 @@ def cmd_dashboard(args) -> int:
             "pip install 'hybridrl[dashboard]'"
         ) from None
     try:
-        serve(run_dir, args.host, args.port, poll_ms=int(args.poll * 1000))
+        serve(run_dir, args.host, args.port, poll_ms=int(args.poll * 1000), allow=tuple(args.allow_host))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,13 +3,18 @@
 The page (``static/``) polls the JSON endpoints; each endpoint first reads what was appended to
 the files since the last request, so the page follows a run that is still going.
 
-- ``GET /api/run``: ``{"name", "run_dir", "config": config.yaml text or null, "total_steps"}``
+- ``GET /api/run``: ``{"name", "run_dir", "config": config.yaml text, its secrets redacted, or null,
+  "total_steps"}``
 - ``GET /api/metrics?version=V&after=S``: metric rows with ``step > S``; when the file was
   rewritten since version ``V`` (a resumed run trims it), all rows and ``"reset": true``.
 - ``GET /api/distribution?version=V&after=S``: per step with samples, the list of each
   numeric sample field (``score``, ``reward/<name>``, ``advantage``).
 - ``GET /api/samples?step=S``: the sample rows of one step.
 - ``GET /vendor/plotly.min.js``: plotly.js from the installed ``plotly`` Python package.
+
+Every request must name the server as this machine does (Host, and Origin when a page sends
+one: hybridrl.http.HostCheck), or it gets 403; a connection has REQUEST_TIMEOUT seconds for a
+request's headers; an unexpected error is logged with an id, which alone is the reply.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import threading
 from pathlib import Path
 
 import yaml
+
+from hybridrl.config import redact
+from hybridrl.http import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
 
 STATIC = Path(__file__).parent / "static"
 NUMERIC_SAMPLE_FIELDS = ("score", "advantage")
@@ -126,13 +134,20 @@ class RunFiles:
         return [r for r in self.samples.rows if r["step"] == step]
 
     def info(self) -> dict:
+        """The run's name and config, its secrets redacted (a config.yaml that is not a YAML mapping
+        is not shown: it could not be redacted)."""
         path = self.run_dir / "config.yaml"
         text = path.read_text(errors="replace") if path.is_file() else None
-        total = None
+        config = None
         try:
-            total = ((yaml.safe_load(text) or {}).get("trainer") or {}).get("steps") if text else None
-        except (yaml.YAMLError, AttributeError):
-            pass
+            config = yaml.safe_load(text) if text else None
+        except yaml.YAMLError:
+            text = "(config.yaml is not valid YAML)"
+        if isinstance(config, dict):
+            text = yaml.safe_dump(redact(config), sort_keys=False)
+        elif text is not None and config is not None:
+            text = "(config.yaml is not a YAML mapping)"
+        total = ((config or {}).get("trainer") or {}).get("steps") if isinstance(config, dict) else None
         return {
             "name": self.run_dir.resolve().name,
             "run_dir": str(self.run_dir),
@@ -152,8 +167,9 @@ def plotly_js() -> Path:
     return path
 
 
-def create_app(run_dir: Path, poll_ms: int = 2000):
-    """The Starlette app serving the dashboard of ``run_dir``."""
+def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = None):
+    """The Starlette app serving the dashboard of ``run_dir``; ``hosts``: the Host and Origin headers it
+    answers (None: any, for tests that call the app in-process)."""
     from starlette.applications import Starlette
     from starlette.responses import FileResponse, HTMLResponse, JSONResponse
     from starlette.routing import Mount, Route
@@ -191,7 +207,10 @@ def create_app(run_dir: Path, poll_ms: int = 2000):
     def plotly(request):
         return FileResponse(js, media_type="text/javascript", headers={"Cache-Control": "max-age=86400"})
 
-    return Starlette(
+    def failed(request, exc):
+        return JSONResponse(internal_error("dashboard", f"GET {request.url.path[:100]}", exc), status_code=500)
+
+    app = Starlette(
         routes=[
             Route("/", index),
             Route("/api/run", run_info),
@@ -200,8 +219,27 @@ def create_app(run_dir: Path, poll_ms: int = 2000):
             Route("/api/samples", samples),
             Route("/vendor/plotly.min.js", plotly),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
-        ]
+        ],
+        exception_handlers={Exception: failed},
     )
+    return app if hosts is None else checked_hosts(app, hosts)
+
+
+def checked_hosts(app, hosts: HostCheck):
+    """``app`` behind the Host and Origin check: a refused request gets 403 and the one-line reason."""
+    from starlette.responses import JSONResponse
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http":
+            headers: dict[str, list[str]] = {}
+            for key, value in scope["headers"]:
+                headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
+            reason = hosts.refusal(headers.get("host"), headers.get("origin"))
+            if reason:
+                return await JSONResponse({"error": reason}, status_code=403)(scope, receive, send)
+        await app(scope, receive, send)
+
+    return guarded
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -217,20 +255,60 @@ def bind(host: str, port: int) -> socket.socket:
             f"hybridrl dashboard cannot listen on {host}:{port} ({e.strerror}). "
             "Pick another port with --port, or --port 0 for any free one."
         ) from None
-    sock.listen(128)
+    sock.listen(BACKLOG)
     return sock
 
 
-def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8265, poll_ms: int = 2000) -> None:
-    """Serve the dashboard until interrupted; prints the URL first (flushed) once listening."""
+def timed_protocol():
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request's headers within
+    REQUEST_TIMEOUT seconds of opening or of its last reply (uvicorn's own keep-alive timeout stops
+    counting once any byte arrives, so a client sending a byte at a time would hold it forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            self._disarm()
+            self._deadline = self.loop.call_later(REQUEST_TIMEOUT, self._expire, self.cycle)
+
+        def _disarm(self):
+            if getattr(self, "_deadline", None) is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self, cycle):
+            if self.cycle is cycle or self.cycle is None:  # no new request's headers since it was armed
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
+def serve(
+    run_dir: Path, host: str = "127.0.0.1", port: int = 8265, poll_ms: int = 2000, allow: tuple[str, ...] = ()
+) -> None:
+    """Serve the dashboard until interrupted; prints the URL first (flushed) once listening. ``allow``:
+    Host names and origins it answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS``."""
     import uvicorn
 
-    app = create_app(run_dir, poll_ms)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
+    hint = f"list it with --allow-host or in ${ALLOWED_HOSTS_ENV} to allow it"
+    app = create_app(run_dir, poll_ms, HostCheck(host, bound_port, allowed_hosts(allow), hint))
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"hybridrl dashboard: http://{shown}:{bound_port}/ (run {run_dir}; Ctrl-C to stop)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    config = uvicorn.Config(app, http=timed_protocol(), log_level="warning", access_log=False, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
     finally:

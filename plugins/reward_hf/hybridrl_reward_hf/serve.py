@@ -4,13 +4,13 @@ POST /score  {"prompts": [...], "responses": [...], "answers"?, "metadata"?, "me
               "response_lengths"?}  ->  {"scores": [...], "rewards": {name: [...]}}
 GET  /health ->  {"status": "ok", "rewards": [{"name", "function", "weight"}, ...]}
 
-Standard library HTTP server, one scoring at a time (models are not re-entrant); bound to
-127.0.0.1 unless told otherwise, and never beyond localhost without a token.
+Standard library HTTP server (hybridrl.http: Host and Origin checks, the token checked before the
+body is read, wrong tokens throttled, request timeouts), one scoring at a time (models are not
+re-entrant); bound to 127.0.0.1 unless told otherwise, and never beyond localhost without a token.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -22,7 +22,7 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, load_config
-from hybridrl.http import JsonHandler, listen, require_token
+from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, listen, require_token
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
 from hybridrl.shaping import ShapingState
 
@@ -110,41 +110,45 @@ def request_batch(request) -> Batch:
     return batch
 
 
-def make_server(rewards: RewardSet, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None):
-    """A ThreadingHTTPServer serving ``rewards`` (not started: call serve_forever)."""
+def make_server(
+    rewards: RewardSet,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    allow: tuple[str, ...] = (),
+):
+    """A server of ``rewards`` (not started: call serve_forever). ``allow``: Host names and origins it
+    answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS`` (hybridrl.http.HostCheck)."""
     require_token("serve-reward", host, token, TOKEN_ENV)
 
     class Handler(JsonHandler):
-        def do_GET(self):
-            if self.path.rstrip("/") != "/health":
-                return self.send_json(404, {"error": f"no such endpoint {self.path}: use GET /health or POST /score"})
-            self.send_json(200, {"status": "ok", "rewards": rewards.describe()})
+        public = frozenset({("GET", "/health")})
 
-        def do_POST(self):
-            if self.path.rstrip("/") != "/score":
-                return self.send_json(404, {"error": f"no such endpoint {self.path}: use POST /score"})
-            size = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(size) if 0 < size <= MAX_BODY else b""
-            if not self.authorized():
-                return
-            if size > MAX_BODY:
-                self.close_connection = True  # the body was not read
-                return self.send_json(413, {"error": f"body of {size} bytes is over {MAX_BODY}: send smaller batches"})
+        def routes(self):
+            return {("GET", "/health"): self._health, ("POST", "/score"): self._score}
+
+        def _health(self) -> dict:
+            return {"status": "ok", "rewards": rewards.describe()}
+
+        def _score(self, request) -> dict:
             try:
-                request = json.loads(body)
-            except json.JSONDecodeError as e:
-                return self.send_json(400, {"error": f"the body is not JSON: {e}"})
-            try:
-                self.send_json(200, rewards.score(request))
+                return rewards.score(request)
             except BadRequest as e:
-                self.send_json(400, {"error": str(e)})
+                raise HttpError(400, str(e)) from None
             except ValueError as e:  # the reward rejects this input: retrying will not help
-                self.send_json(422, {"error": str(e)})
-            except Exception as e:
-                self.send_json(500, {"error": str(e)})
+                raise HttpError(422, str(e)) from None
 
-    Handler.token = token
-    return listen("serve-reward", host, port, Handler)
+    return listen(
+        "serve-reward",
+        host,
+        port,
+        Handler,
+        token=token,
+        max_body=MAX_BODY,
+        max_body_name=f"{MAX_BODY // 2**20} MiB: send smaller batches",
+        allow=allow,
+        hint=f"list it with --allow-host or in ${ALLOWED_HOSTS_ENV} to allow it",
+    )
 
 
 def build_context(cfg: RunConfig) -> RunContext:
@@ -176,6 +180,14 @@ def add_command(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0: any free one).")
     p.add_argument("--token", default=None, help=f"Require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}).")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Also answer requests whose Host (or a web page's Origin) is NAME, NAME:PORT or an origin "
+        f"https://NAME; repeatable. Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV}).",
+    )
     p.set_defaults(func=cmd_serve_reward)
 
 
@@ -184,7 +196,7 @@ def cmd_serve_reward(args) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or None
     require_token("serve-reward", args.host, token, TOKEN_ENV)  # before loading any model
     rewards = RewardSet(cfg, build_context(cfg))
-    server = make_server(rewards, args.host, args.port, token)
+    server = make_server(rewards, args.host, args.port, token, tuple(args.allow_host))
     host, port = server.server_address[:2]
     names = ", ".join(f"{r['name']} (x{r['weight']:g})" for r in rewards.describe())
     print(
