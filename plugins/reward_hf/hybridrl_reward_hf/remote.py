@@ -4,11 +4,14 @@
 "response_lengths"}`` (lists, one entry per response) answers ``{"scores": [...],
 "rewards": {name: [...]}}``; ``GET {url}/health`` answers ``{"status": "ok", ...}``.
 ``hybridrl serve-reward CONFIG`` is such a service; docs/rewards.md describes the contract.
+Redirects are not followed (the token would go along); an answer whose scores are not the right
+count of finite numbers is an error naming the field and the value.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,7 +36,11 @@ class RemoteReward(RewardFunction):
             pattern=r"^https?://",
             description="Base URL of the service, e.g. http://127.0.0.1:8700; requests go to {url}/score.",
         )
-        token: str | None = Field(None, description="Bearer token the service requires.")
+        token: str | None = Field(
+            None,
+            description="Bearer token the service requires. The run's config.yaml shows it as '<redacted>': give it "
+            "as '${env:VAR}' or with token_env to keep it out of the YAML too.",
+        )
         token_env: str | None = Field(
             None, description="Name of an environment variable holding the token (keeps it out of the YAML)."
         )
@@ -109,14 +116,19 @@ class RemoteReward(RewardFunction):
         return out
 
     def _scores_of(self, answer, expected: int) -> list[float]:
+        """The answer's scores: a list of ``expected`` finite numbers, or a ServiceError naming the field
+        and the value."""
         name = self.options.reward
         where = f"rewards['{name}']" if name else "scores"
-        values = (answer or {}).get("rewards", {}).get(name) if name else (answer or {}).get("scores")
+        if not isinstance(answer, dict):
+            raise ServiceError(f"{self.component}: the answer is not a JSON object: {str(answer)[:200]}")
+        named = answer.get("rewards")
+        values = (named.get(name) if isinstance(named, dict) else None) if name else answer.get("scores")
         if not isinstance(values, list):
             raise ServiceError(f"{self.component}: the answer has no list '{where}': {str(answer)[:200]}")
         if len(values) != expected:
             raise ServiceError(f"{self.component}: the answer has {len(values)} {where} for {expected} responses.")
-        try:
-            return [float(v) for v in values]
-        except (TypeError, ValueError):
-            raise ServiceError(f"{self.component}: {where} holds non-numbers: {str(values)[:200]}") from None
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ServiceError(f"{self.component}: {where}[{i}] is {str(v)[:100]!r}, not a finite number.")
+        return [float(v) for v in values]

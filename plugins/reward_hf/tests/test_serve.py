@@ -1,6 +1,8 @@
 """serve-reward and the remote reward: real HTTP servers on 127.0.0.1, real models."""
 
 import contextlib
+import http.client
+import json
 import math
 import os
 import queue
@@ -8,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from hybridrl_reward_hf.serve import RewardSet, build_context, make_server
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.http import ALLOWED_HOSTS_ENV, ServiceError, get_json, post_json
 from hybridrl.shaping import ShapingOptions
 
 PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hi.", "Count to three."]
@@ -181,3 +184,115 @@ def test_remote_fails_early_and_clearly(tiny_model, make_reward, monkeypatch):
     with serving(run_config(tiny_model, [{"function": "format", "pattern": "7"}])) as (url, _):
         with pytest.raises(ValueError, match="reward is 'nope', but the service serves format"):
             make_reward("remote", url=url, reward="nope")
+
+
+# -- what the server checks, and what the client accepts ---------------------------------------
+
+
+def send(url, method, path, body=None, headers=None):
+    """(status, reply) of a request with exactly these headers beside Host (a None value: left out)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
+        if value is not None:
+            conn.putheader(key, value)
+    conn.endheaders(body)
+    response = conn.getresponse()
+    reply = json.loads(response.read())
+    conn.close()
+    return response.status, reply
+
+
+def test_the_token_and_the_host_are_checked_before_the_body_is_read(tiny_model, monkeypatch, capfd):
+    monkeypatch.delenv(ALLOWED_HOSTS_ENV, raising=False)
+    with serving(run_config(tiny_model, [{"function": "format", "pattern": "7"}]), token="s3cret") as (url, rewards):
+        port = url.rsplit(":", 1)[1]
+        huge = {"Content-Type": "application/json", "Content-Length": str(60 * 2**20)}  # announced, never sent
+        status, reply = send(url, "POST", "/score", None, huge)
+        assert status == 401 and "Bearer" in reply["error"]
+        good = {"Authorization": "Bearer s3cret"}
+        assert send(url, "POST", "/score", None, huge | good | {"Content-Length": "-1"})[0] == 400
+        status, reply = send(url, "POST", "/score", None, huge | good | {"Content-Length": str(65 * 2**20)})
+        assert status == 413 and "64 MiB" in reply["error"]
+        status, reply = send(url, "GET", "/health", headers={"Host": f"attacker.example:{port}"})
+        assert status == 403 and "--allow-host" in reply["error"]
+        body = json.dumps({"prompts": ["q"], "responses": ["7"]}).encode()
+        sized = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        assert send(url, "POST", "/score", body, sized | good)[1]["scores"] == [1.0]
+
+        def broken(request):
+            raise RuntimeError("reward model at /home/alice/rm failed")
+
+        rewards.score = broken
+        status, reply = send(url, "POST", "/score", body, sized | good)
+        assert status == 500 and "alice" not in json.dumps(reply) and reply["error_id"] in capfd.readouterr().err
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """A reward service that answers /score with ``answer``, or redirects to ``redirect``."""
+
+    answer: object = None
+    redirect: str | None = None
+    seen: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._reply({"status": "ok", "rewards": [{"name": "format"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Scripted.seen.append(self.headers.get("Authorization"))
+        if Scripted.redirect:
+            self.send_response(307)
+            self.send_header("Location", Scripted.redirect)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._reply(Scripted.answer)
+
+    def _reply(self, answer):
+        data = json.dumps(answer).encode()  # NaN and Infinity go out as JSON's non-standard literals
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def scripted():
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Scripted) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    Scripted.seen, Scripted.redirect = [], None
+    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def test_remote_refuses_bad_scores_and_redirects(scripted, make_reward, make_batch):
+    url, elsewhere = scripted
+    reward = make_reward("remote", url=url, token="s3cret", retries=0)
+    batch = make_batch(["q", "q"], ["a", "b"])
+    cases = [
+        ({"scores": [1.0, float("nan")]}, r"scores\[1\] is 'nan', not a finite number"),
+        ({"scores": [float("inf"), 1.0]}, r"scores\[0\] is 'inf'"),
+        ({"scores": [True, 1.0]}, r"scores\[0\] is 'True'"),
+        ({"scores": ["1", 1.0]}, r"scores\[0\] is '1'"),
+        ({"scores": [1.0]}, "has 1 scores for 2 responses"),
+        ({"rewards": {}}, "has no list 'scores'"),
+        ([1.0, 2.0], "is not a JSON object"),
+    ]
+    for answer, message in cases:
+        Scripted.answer = answer
+        with pytest.raises(ServiceError, match=rf"reward function 'remote' \({url}\): .*{message}"):
+            reward.score(batch)
+    Scripted.answer = {"scores": [0.5, -1]}
+    assert reward.score(batch) == [0.5, -1.0]
+    Scripted.seen, Scripted.redirect = [], f"{elsewhere}/score"
+    with pytest.raises(ServiceError, match=rf"answered HTTP 307, a redirect to {elsewhere}/score"):
+        reward.score(batch)
+    assert Scripted.seen == ["Bearer s3cret"]  # the first server only: the token went nowhere else
