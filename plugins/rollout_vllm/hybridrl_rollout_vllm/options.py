@@ -130,7 +130,12 @@ class VLLMOptions(Options):
         "e.g. http://127.0.0.1:8000 (requests go to /v1/completions with token-id prompts). Start "
         "it with --logprobs-mode processed_logprobs so its logprobs follow the trainer's convention.",
     )
-    api_key: str | None = Field(None, description="Bearer token for the server (its --api-key).")
+    api_key: str | None = Field(
+        None,
+        description="Bearer token for the server (its --api-key). The run's config.yaml shows it as '<redacted>'; "
+        "give it as '${env:VLLM_API_KEY}' (any variable name) to keep it out of the YAML too. Redirects are not "
+        "followed, so it goes to base_url's host only.",
+    )
     served_model: str | None = Field(
         None, description="Model name sent to the server; default: the first model of its /v1/models."
     )

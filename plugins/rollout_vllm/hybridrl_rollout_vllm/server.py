@@ -5,10 +5,15 @@ its own seed) sent concurrently so the server batches them. Weights reach the se
 the file system: the engine writes the policy as safetensors into a directory the server can
 read and asks it to reload them in place (vLLM's ``/collective_rpc`` dev endpoint, method
 ``reload_weights``), or, with ``server_weights: frozen``, never (the run is then off-policy).
+
+The client follows no redirect (the api_key would go along), and checks every answer: n choices
+per prompt, token ids inside the policy's vocabulary, finite logprobs, one per token, at most
+max_tokens of them. A bad answer is a ServiceError naming the server, the field and the value.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +32,9 @@ class ServerEngine:
         base = options.base_url.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.http = dict(component=NAME, timeout=options.timeout, retries=options.retries, token=options.api_key)
-        models = [m["id"] for m in (get_json(f"{self.base}/v1/models", **self.http) or {}).get("data", [])]
+        listed = get_json(f"{self.base}/v1/models", **self.http)
+        data = listed.get("data") if isinstance(listed, dict) else None
+        models = [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if not models:
             raise ServiceError(f"{NAME}: {self.base}/v1/models lists no model. Is it a vLLM server?")
         if options.served_model is not None and options.served_model not in models:
@@ -36,6 +43,7 @@ class ServerEngine:
                 f"{', '.join(models)}. Set rollout.served_model to one of them."
             )
         self.model = options.served_model or models[0]
+        self.vocab = vocab_size(ctx)
         self.weights_dir = Path(options.server_weights_dir or Path(ctx.run_dir) / "vllm_server_weights")
         self.updates = 0
         self.stats: dict[str, float] = {}
@@ -72,11 +80,8 @@ class ServerEngine:
             answers = list(pool.map(lambda body: post_json(url, body, **self.http), payloads))
         out = RolloutOutput([], [], [])
         for answer in answers:
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            if len(choices) != s.n:
-                raise ServiceError(f"{NAME}: {url} returned {len(choices)} choices for a prompt, expected n={s.n}.")
-            for c in choices:
-                ids, logprobs = parse_choice(c, url)
+            for c in check_choices(answer, s.n, url):
+                ids, logprobs = parse_choice(c, url, self.vocab, s.max_tokens)
                 out.token_ids.append(ids)
                 out.logprobs.append(logprobs)
                 out.finish_reasons.append(c["finish_reason"])
@@ -136,20 +141,69 @@ class ServerEngine:
         pass
 
 
-def parse_choice(choice: dict, url: str) -> tuple[list[int], list[float]]:
-    """Token ids and their logprobs from one completion choice; the end-of-sequence token included."""
+def vocab_size(ctx) -> int | None:
+    """How many token ids the policy knows: its config's vocab_size (the embedding's rows), and at least
+    its tokenizer's length; None when neither is known."""
+    from transformers import AutoConfig
+
+    sizes = [len(ctx.tokenizer)] if ctx.tokenizer is not None else []
+    try:
+        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+        sizes.append(int(config.get_text_config().vocab_size))
+    except (OSError, ValueError, TypeError, AttributeError):  # no config there: the tokenizer's length
+        pass
+    return max(sizes) if sizes else None
+
+
+def check_choices(answer, n: int, url: str) -> list[dict]:
+    """The ``n`` choices of one completion answer, in index order; ServiceError when they are not that."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise ServiceError(f"{NAME}: {url} answered without a list of 'choices': {str(answer)[:200]}")
+    indexes = sorted(c.get("index") for c in choices if isinstance(c.get("index"), int))
+    if indexes != list(range(n)):
+        raise ServiceError(
+            f"{NAME}: {url} returned choices with indexes {[c.get('index') for c in choices][:20]} for a prompt, "
+            f"expected n={n} (0 to {n - 1})."
+        )
+    return sorted(choices, key=lambda c: c["index"])
+
+
+def parse_choice(
+    choice: dict, url: str, vocab: int | None = None, max_tokens: int | None = None
+) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs from one completion choice; the end-of-sequence token included. Ids
+    must lie in ``range(vocab)``, logprobs be finite, and there be at most ``max_tokens`` of them (each
+    None: not checked); otherwise a ServiceError names the field and the value."""
+    where = f"{NAME}: {url} answered choices[{choice.get('index')}]"
     lp = choice.get("logprobs") or {}
-    logprobs = lp.get("token_logprobs")
+    logprobs = lp.get("token_logprobs") if isinstance(lp, dict) else None
     ids = choice.get("token_ids")
-    if ids is None and lp.get("tokens") is not None:  # servers without return_token_ids
-        ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+    if ids is None and isinstance(lp, dict) and isinstance(lp.get("tokens"), list):  # without return_token_ids
+        try:
+            ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+        except (AttributeError, IndexError, ValueError):
+            raise ServiceError(f"{where}.logprobs.tokens is not 'token_id:N' strings: {lp['tokens'][:5]}") from None
     if ids is None or logprobs is None:
         raise ServiceError(
             f"{NAME}: {url} answered without token ids or logprobs. It must be a vLLM server "
             "(return_token_ids, logprobs), version 0.10.2 or newer."
         )
+    if not isinstance(ids, list) or not isinstance(logprobs, list):
+        raise ServiceError(f"{where}: token_ids and logprobs.token_logprobs must be lists.")
     if len(ids) != len(logprobs):
         raise ServiceError(f"{NAME}: {url} returned {len(ids)} tokens but {len(logprobs)} logprobs.")
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise ServiceError(f"{where}: {len(ids)} tokens, over max_tokens={max_tokens}.")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
+            raise ServiceError(
+                f"{where}.token_ids[{i}] is {str(t)[:50]}, not a token id of the policy's vocabulary "
+                f"(0 to {vocab - 1 if vocab else '?'})."
+            )
+    for i, x in enumerate(logprobs):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ServiceError(f"{where}.logprobs.token_logprobs[{i}] is {str(x)[:50]}, not a finite number.")
     if choice.get("finish_reason") not in ("stop", "length"):
         raise ServiceError(f"{NAME}: {url} ended a response with finish reason {choice.get('finish_reason')!r}.")
     return list(ids), [float(x) for x in logprobs]

@@ -274,3 +274,91 @@ def test_async_rollout_with_an_engine_in_the_trainers_process_runs_synchronously
     metrics = Trainer(load_config(data=cfg)).train()
     assert "cannot generate while the policy trains: running synchronously" in capsys.readouterr().err
     assert "rollout/staleness_max" not in metrics
+
+
+class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    """A stand-in that lists model 'tiny' and answers /v1/completions with ``answer`` (or a redirect)."""
+
+    answer: object = None
+    redirect: str | None = None
+    seen: list = []
+
+    def do_GET(self):
+        _ScriptedHandler.seen.append((self.path, self.headers.get("Authorization")))
+        if self.redirect:
+            self.send_response(302)
+            self.send_header("Location", self.redirect)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._reply({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._reply(_ScriptedHandler.answer)
+
+    def _reply(self, answer):
+        body = json.dumps(answer).encode()  # NaN goes out as JSON's non-standard literal
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ScriptedHandler) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    _ScriptedHandler.seen, _ScriptedHandler.redirect = [], None
+    yield [f"http://127.0.0.1:{s.server_port}" for s in servers]
+    _ScriptedHandler.redirect = None
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def choice(ids, logprobs, index=0, finish="stop"):
+    return {"index": index, "token_ids": ids, "finish_reason": finish, "logprobs": {"token_logprobs": logprobs}}
+
+
+def test_server_answers_are_checked(scripted, model_dir, tmp_path):
+    url = scripted[0]
+    engine = make_engine(model_dir, tmp_path, base_url=url, api_key="s3cret")
+    vocab = engine.backend.vocab
+    assert vocab is not None and vocab >= len(load_tokenizer(model_dir))
+    sampling = SamplingParams(n=2, max_tokens=3)
+    good = [choice([1, 2], [-0.5, -1.0], 1), choice([3], [-0.1], 0)]
+    cases = [
+        ([choice([1, vocab], [-0.5, -1.0], 1), good[1]], rf"choices\[1\]\.token_ids\[1\] is {vocab}, not a token id"),
+        ([choice([-1], [-0.5], 0), good[0]], r"choices\[0\]\.token_ids\[0\] is -1"),
+        ([choice([True], [-0.5], 0), good[0]], r"token_ids\[0\] is True"),
+        ([choice([1, 2], [-0.5, float("nan")], 0), good[0]], r"token_logprobs\[1\] is nan, not a finite number"),
+        ([choice([1], [float("-inf")], 0), good[0]], r"token_logprobs\[0\] is -inf"),
+        ([choice([1, 2, 3, 4], [-1.0] * 4, 0), good[0]], "4 tokens, over max_tokens=3"),
+        ([choice([1, 2], [-1.0], 0), good[0]], "returned 2 tokens but 1 logprobs"),
+        ([good[0]], r"choices with indexes \[1\] for a prompt, expected n=2"),
+        ([good[0], good[0]], r"indexes \[1, 1\]"),
+        ("nope", "without a list of 'choices'"),
+    ]
+    for choices, message in cases:
+        _ScriptedHandler.answer = {"choices": choices} if isinstance(choices, list) else choices
+        with pytest.raises(
+            ServiceError, match=rf"rollout engine 'vllm' \(server mode\): {url}/v1/completions.*{message}"
+        ):
+            engine.generate([[1, 2]], sampling)
+    _ScriptedHandler.answer = {"choices": good}
+    out = engine.generate([[1, 2]], sampling)
+    assert out.token_ids == [[3], [1, 2]] and out.logprobs == [[-0.1], [-0.5, -1.0]]
+
+
+def test_the_api_key_follows_no_redirect(scripted, model_dir, tmp_path):
+    url, elsewhere = scripted
+    _ScriptedHandler.redirect = f"{elsewhere}/v1/models"
+    with pytest.raises(ServiceError, match=rf"{url}/v1/models answered HTTP 302, a redirect to {elsewhere}"):
+        make_engine(model_dir, tmp_path, base_url=url, api_key="s3cret")
+    assert _ScriptedHandler.seen == [("/v1/models", "Bearer s3cret")]  # the first server only
