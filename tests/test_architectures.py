@@ -3,6 +3,7 @@ real trainer and the hf engine: two GRPO steps with packed passes, fully trained
 the sync checked after every step; and the errors a user meets first."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hybridrl.config import load_config
 from hybridrl.engine_weights import checkpoint_tensors
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.models import load_causal_lm, pin_long_rope
-from hybridrl.testing import SevensPlugin
+from hybridrl.testing import SevensPlugin, torchrun
 from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint
 from hybridrl.trainer import Trainer
 
@@ -23,14 +24,15 @@ def checkpoints(tmp_path_factory):
     return {arch: build_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ARCHITECTURES}
 
 
-def two_steps(model, run_dir, lora: bool, engine: str = "hf", **rollout):
+def two_steps(model, run_dir, lora: bool, engine: str = "hf", strategy: str = "single", **rollout):
     cfg = {
         "model": {"path": model, **({"lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}} if lora else {})},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True},
         "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
         "rewards": [{"function": "sevens"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.01},
-        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir)},
+        "sharding": {"strategy": strategy},
+        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), "threads": 1},
         "logging": {"loggers": ["jsonl"]},
     }
     cfg["trainer"]["pack_sequences"] = True
@@ -127,3 +129,37 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["rollout/sync_check_baseline"] == pytest.approx(0.5, abs=1e-3)
+
+
+# where sharding meets what sets a family apart: tied layers, longrope, Conv1D, fused experts (a
+# launch each: torch cannot set up a second process group in a process that tore one down)
+FSDP_CASES = [("qwen2", False), ("gemma2", False), ("phi3", False), ("gpt2", True), ("qwen3_moe", False)]
+FSDP_CASES += [("qwen3_moe", True)]
+
+
+@pytest.mark.parametrize(("arch", "lora"), FSDP_CASES, ids=[f"{a}-{'lora' if lo else 'full'}" for a, lo in FSDP_CASES])
+def test_two_grpo_steps_under_fsdp_on_two_ranks_keep_engine_and_trainer_equal(arch, lora, checkpoints, tmp_path):
+    """The FSDP column: sharded over two torchrun ranks (gloo), each rank's engine taking the
+    gathered weights."""
+    run = tmp_path / "run"
+    proc = torchrun([__file__, "fsdp", checkpoints[arch], str(run), str(lora)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, lora, r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/sync_check_diff_max"] < LOGPROB_TOL
+
+
+def fsdp_worker(model: str, run_dir: str, lora: str) -> None:
+    from pathlib import Path
+
+    from hybridrl import plugins
+
+    plugins.get_plugin_manager().register(SevensPlugin(), name="sevens")
+    plugins.invalidate_registry()
+    two_steps(model, Path(run_dir), lora == "True", strategy="fsdp")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:
+    fsdp_worker(*sys.argv[2:5])
