@@ -123,9 +123,9 @@ class OffsetEngine:
 def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(checkpoints, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     register_plugin(OffsetEngine(), name="offset")
-    with pytest.raises(StageError, match="before any weight sync") as e:
+    with pytest.raises(StageError, match="before the first update") as e:
         two_steps(checkpoints["qwen2"], tmp_path / "run", lora=False, engine="hf_offset")
-    assert "This is not the weight sync" in str(e.value) and "0.5" in str(e.value)
+    assert "The weights are the same on both sides" in str(e.value) and "0.5" in str(e.value)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["rollout/sync_check_baseline"] == pytest.approx(0.5, abs=1e-3)

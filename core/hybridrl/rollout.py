@@ -59,30 +59,36 @@ class RolloutStage:
         self._means = distributed.all_gather_objects(float(F.masked_mean(diff, batch["response_mask"].to(lp.device))))
         return max(self._means)
 
-    def check_start(self, step: int, policy_logprobs, resumed: bool) -> tuple[dict[str, float], str | None]:
-        """Before the run's first update, when the engine holds the policy's own weights: the
+    def check_start(self, step: int, policy_logprobs, resumed: bool, sync) -> tuple[dict[str, float], str | None]:
+        """Before the run's first update, when the engine should hold the policy's own weights: the
         difference the engine's precision and conventions give (the baseline), the metrics, and an
-        error message when it is above ``rollout.sync_check``. Later checks allow
-        ``max(rollout.sync_check, SYNC_CHECK_FACTOR x baseline)``."""
+        error message when it is above ``rollout.sync_check``. An engine that started from other
+        weights (a server left by another run) is sent the policy's (``sync()``) and probed again.
+        Later checks allow ``max(rollout.sync_check, SYNC_CHECK_FACTOR x baseline)``."""
         r = self.config.rollout
         if not r.sync_check or not self.engine.holds_latest_weights():
             return {}, None
-        base = self.probe(step, policy_logprobs)
+        base = first = self.probe(step, policy_logprobs)
+        if first > r.sync_check and not resumed:  # resumed: the engine took the checkpoint's weights already
+            sync()
+            base = self.probe(step, policy_logprobs)
         self.allowed = max(r.sync_check, SYNC_CHECK_FACTOR * base)
-        metrics = {"rollout/sync_check_baseline": base, "rollout/sync_check_allowed": self.allowed}
+        metrics = {"rollout/sync_check_start": first, "rollout/sync_check_baseline": base}
+        metrics["rollout/sync_check_allowed"] = self.allowed
         if base <= r.sync_check:
             return metrics, None
-        if resumed:  # the engine took the checkpoint's weights through a sync
+        if resumed:
             return metrics, self._sync_error(step, base, r.sync_check, "at resume")
         ranks = [i for i, d in enumerate(self._means) if d > r.sync_check]
         return metrics, (
-            f"{self.component} on rank(s) {ranks}: before any weight sync, holding the policy's own weights, its "
-            f"logprobs of a probe prompt differ from the policy's by {base:.3g} on average (rollout.sync_check "
-            f"allows {r.sync_check:g}). This is not the weight sync: the engine computes logprobs another way than "
-            "the trainer, which scores each sampled token at its own position under softmax(logits / temperature) "
-            "over the whole vocabulary, in the policy's precision. Check the engine's logprobs (temperature "
-            "applied, no offset, not truncated), its dtype, or the model's support in the engine; for an engine of "
-            "lower precision raise rollout.sync_check. Step 1's metrics are in metrics.jsonl."
+            f"{self.component} on rank(s) {ranks}: before the first update, holding the policy's own weights (as "
+            f"loaded, and sent once more), its logprobs of a probe prompt differ from the policy's by {base:.3g} on "
+            f"average (rollout.sync_check allows {r.sync_check:g}). The weights are the same on both sides: the "
+            "engine computes logprobs another way than the trainer, which scores each sampled token at its own "
+            "position under softmax(logits / temperature) over the whole vocabulary, in the policy's precision. "
+            "Check the engine's logprobs (temperature applied, no offset, not truncated), its dtype, or the model's "
+            "support in the engine (or, for a server, that it takes weights at all); for an engine of lower "
+            "precision raise rollout.sync_check. Step 1's metrics are in metrics.jsonl."
         )
 
     def check_sync(self, step: int, policy_logprobs, first: bool = True) -> dict[str, float]:

@@ -238,8 +238,7 @@ class Trainer:
         if path is not None:
             self.start_step = ckpt.load_checkpoint(self, path)
             ckpt.drop_logs_after(self.run_dir, self.start_step, self.ctx.is_main)
-            with stage_errors(self.rollout.component, "update_weights"):
-                self.engine.update_weights(self.policy_tensors())
+            self.sync()
             if self.ctx.is_main:
                 print(f"resumed from {path} (step {self.start_step})", flush=True)
 
@@ -250,11 +249,10 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
-        engine = self.rollout.component
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
         if step == self.start_step + 1:
             with timer("sync_check"):
-                start, start_error = self.rollout.check_start(step, self.probe_logprobs, self.start_step > 0)
+                start, start_error = self.rollout.check_start(step, self.probe_logprobs, self.start_step > 0, self.sync)
         rollout, kept, metrics = self.rollouts(step, timer)
         metrics |= start
         batch = self.trainable(step, kept, rollout)  # None: nothing to train on this step
@@ -271,8 +269,8 @@ class Trainer:
                 metrics |= self.update(batch, step)
         # also after a skipped update: an engine may have released its weights in sleep()
         with self.engine_free():
-            with timer("sync"), stage_errors(engine, "update_weights"):
-                self.engine.update_weights(self.policy_tensors())
+            with timer("sync"):
+                self.sync()
             if start_error is None:
                 with timer("sync_check"):
                     metrics |= self.rollout.check_sync(step, self.probe_logprobs, first=step == self.start_step + 1)
@@ -288,6 +286,11 @@ class Trainer:
         if start_error is not None:  # after the step's metrics are written: they diagnose it
             raise StageError(start_error)
         return metrics
+
+    def sync(self) -> None:
+        """Send the policy's weights to the engine."""
+        with stage_errors(self.rollout.component, "update_weights"):
+            self.engine.update_weights(self.policy_tensors())
 
     def probe_logprobs(self, probe: Batch) -> torch.Tensor:
         """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridrl.components import RolloutOutput, SamplingParams
 from hybridrl.http import ServiceError, get_json, post_json
-from hybridrl_rollout_vllm.weights import write_hf_folder
+from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
 NAME = "rollout engine 'vllm' (server mode)"
 
@@ -47,6 +47,10 @@ class ServerEngine:
         self.weights_dir = Path(options.server_weights_dir or Path(ctx.run_dir) / "vllm_server_weights")
         self.updates = 0
         self.stats: dict[str, float] = {}
+        # the trainer sends a tied output layer once, as the checkpoint holds it; vLLM's Llama keeps
+        # lm_head a module of its own, whose CPU GEMM copy a reload refreshes only when lm_head.weight
+        # comes along, while Gemma-2 has none and refuses it (then it is left out from there on)
+        self.tied_head = tied_embeddings(ctx.model_path)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         s = sampling
@@ -106,17 +110,18 @@ class ServerEngine:
         if self.updates % o.sync_every:
             return
         start = time.perf_counter()
-        path = write_hf_folder(named_tensors, self.ctx.model_path, self.weights_dir, o.update_bucket_mb * 2**20)
+        limit = o.update_bucket_mb * 2**20
+        path = write_hf_folder(named_tensors, self.ctx.model_path, self.weights_dir, limit, self.tied_head)
         self.stats["vllm/server_write_s"] = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            post_json(
-                f"{self.base}/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}},
-                **self.http,
-            )
+            self._reload(path)
         except ServiceError as e:
-            if "HTTP 404" in str(e):
+            if self.tied_head and "lm_head" in str(e):  # a model class without an output layer of its own
+                self.tied_head = False
+                drop_tied_head(path)
+                self._reload(path)
+            elif "HTTP 404" in str(e):
                 raise ServiceError(
                     f"{NAME}: {self.base} has no /collective_rpc endpoint, so it cannot reload weights. Start the "
                     "server with VLLM_SERVER_DEV_MODE=1 (and access to rollout.server_weights_dir), or set "
@@ -125,6 +130,10 @@ class ServerEngine:
             raise
         post_json(f"{self.base}/reset_prefix_cache", None, **self.http)
         self.stats["vllm/server_reload_s"] = time.perf_counter() - start
+
+    def _reload(self, path: Path) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}}
+        post_json(f"{self.base}/collective_rpc", body, **self.http)
 
     def holds_latest_weights(self) -> bool:
         """Frozen weights, or an update that sync_every skipped, leave the server on older ones."""
@@ -207,3 +216,11 @@ def parse_choice(
     if choice.get("finish_reason") not in ("stop", "length"):
         raise ServiceError(f"{NAME}: {url} ended a response with finish reason {choice.get('finish_reason')!r}.")
     return list(ids), [float(x) for x in logprobs]
+
+
+def tied_embeddings(model_path: str) -> bool:
+    """Whether the model folder's config ties the output layer to the input embedding."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    return bool(getattr(config, "tie_word_embeddings", False))

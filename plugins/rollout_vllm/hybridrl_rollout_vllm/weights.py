@@ -27,8 +27,16 @@ def to_safetensors_dict(bucket: list[Named]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_hf_folder(named_tensors: Iterable[Named], source: str, dest: Path, limit_bytes: float) -> Path:
-    """Write the tensors as sharded safetensors (one shard per bucket) plus the source's config.
+TIED_SHARD = "model-tied-head.safetensors"
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+
+
+def write_hf_folder(
+    named_tensors: Iterable[Named], source: str, dest: Path, limit_bytes: float, tied_head: bool = False
+) -> Path:
+    """Write the tensors as sharded safetensors (one shard per bucket) plus the source's config;
+    with ``tied_head``, the input embedding also as ``lm_head.weight`` in a shard of its own
+    (:data:`TIED_SHARD`), which :func:`drop_tied_head` takes out again.
 
     The folder appears atomically: written beside ``dest``, then renamed over it, so a server
     never reads half a checkpoint.
@@ -39,14 +47,19 @@ def write_hf_folder(named_tensors: Iterable[Named], source: str, dest: Path, lim
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weight_map, total = {}, 0
+    weight_map, total, embedding = {}, 0, None
     for i, bucket in enumerate(weight_buckets(named_tensors, limit_bytes)):
         shard = f"model-{i + 1:05d}.safetensors"
         tensors = to_safetensors_dict(bucket)
         save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
         weight_map |= {name: shard for name in tensors}
         total += sum(tensor_bytes(t) for t in tensors.values())
+        embedding = next((t for name, t in tensors.items() if name.endswith(EMBEDDINGS)), embedding)
         del tensors, bucket
+    if tied_head and embedding is not None and "lm_head.weight" not in weight_map:
+        save_file({"lm_head.weight": embedding.clone()}, str(tmp / TIED_SHARD), metadata={"format": "pt"})
+        weight_map["lm_head.weight"] = TIED_SHARD
+        total += tensor_bytes(embedding)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     for name in ("config.json", "generation_config.json"):
@@ -59,3 +72,13 @@ def write_hf_folder(named_tensors: Iterable[Named], source: str, dest: Path, lim
     tmp.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def drop_tied_head(folder: Path) -> None:
+    """Take the tied output layer that :func:`write_hf_folder` added out of ``folder`` again."""
+    folder = Path(folder)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if index["weight_map"].pop("lm_head.weight", None) == TIED_SHARD:
+        (folder / TIED_SHARD).unlink(missing_ok=True)
+    index_path.write_text(json.dumps(index, indent=1))

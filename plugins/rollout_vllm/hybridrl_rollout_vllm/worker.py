@@ -133,9 +133,6 @@ def repack_cpu_experts(model: torch.nn.Module, names: list[str]) -> int:
     return count
 
 
-EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
-
-
 def with_tied_head(model: torch.nn.Module, bucket: list, tied: bool) -> list:
     """``bucket`` with the tied output layer's weight added beside the input embedding, where
     the engine's model has an output layer of its own that ties to the embedding.
@@ -150,5 +147,7 @@ def with_tied_head(model: torch.nn.Module, bucket: list, tied: bool) -> list:
         return bucket
     if any(name == "lm_head.weight" for name, _ in bucket):
         return bucket
+    from hybridrl_rollout_vllm.weights import EMBEDDINGS
+
     embedding = next((t for name, t in bucket if name.endswith(EMBEDDINGS)), None)
     return bucket if embedding is None else [*bucket, ("lm_head.weight", embedding)]
