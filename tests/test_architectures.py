@@ -131,10 +131,9 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
     assert rows[0]["rollout/sync_check_baseline"] == pytest.approx(0.5, abs=1e-3)
 
 
-# where sharding meets what sets a family apart: tied layers, longrope, Conv1D, fused experts (a
-# launch each: torch cannot set up a second process group in a process that tore one down)
-FSDP_CASES = [("qwen2", False), ("gemma2", False), ("phi3", False), ("gpt2", True), ("qwen3_moe", False)]
-FSDP_CASES += [("qwen3_moe", True)]
+# every family, and LoRA where its merge differs (Conv1D, fused experts); a launch each: torch
+# cannot set up a second process group in a process that tore one down
+FSDP_CASES = [(arch, False) for arch in ARCHITECTURES] + [("gpt2", True), ("qwen3_moe", True)]
 
 
 @pytest.mark.parametrize(("arch", "lora"), FSDP_CASES, ids=[f"{a}-{'lora' if lo else 'full'}" for a, lo in FSDP_CASES])
