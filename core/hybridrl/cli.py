@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--token", default=None, help="Require 'Authorization: Bearer TOKEN' (default: $HYBRIDRL_SERVE_TOKEN)."
     )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Also accept this Host/Origin (name, name:port, an origin, or *); loopback names always are.",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
@@ -50,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_plugins)
 
     plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after options (hybridrl train CFG --resume trainer.run_dir=DIR), which
+    # argparse leaves over once the positionals are filled
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from hybridrl.distributed import RankFailure
     from hybridrl.errors import Interrupted, NonFiniteError, StageError
 
@@ -96,7 +109,8 @@ def cmd_serve(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if not cfg.trainer.run_dir:  # the same folder each time: a restart continues from its checkpoints
         cfg.trainer.run_dir = f"runs/serve-{Path(args.config).stem}"
-    server = Server(cfg, args.host, args.port, args.token or os.environ.get(TOKEN_ENV) or None)
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    server = Server(cfg, args.host, args.port, token, allow=tuple(args.allow_host))
     t = server.trainer
     print(
         f"hybridrl {__version__}: serving policy version {server.learner.version} on {server.url} "

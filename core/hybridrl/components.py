@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class Options(BaseModel):
     """Base of every component's options: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Sampling(BaseModel):
     ``generation_config.json`` says.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     n: int = Field(8, gt=0, description="Samples per prompt.")
     temperature: float = Field(

@@ -23,13 +23,13 @@ from hybridrl.shaping import ShapingOptions
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Section(BaseModel):
     """A component section: core keys here, the plugin's keys validated by its Options."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     _options: Any = PrivateAttr(default=None)
 
     @property
@@ -132,7 +132,7 @@ class AgentConfig(Section):
 class RolloutConfig(Section, Sampling):
     """The rollout section: the engine plugin, the sampling keys (:class:`Sampling`), refill rounds."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     engine: str = Field("hf", description="Rollout engine plugin.")
     agent: AgentConfig | None = Field(
@@ -281,7 +281,7 @@ class TrainerConfig(Strict):
 
 
 class LoggingConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     loggers: list[str] = Field(
         default_factory=lambda: ["console", "jsonl"],
         description="Logger plugins; each one's options go under logging.<name>.",
@@ -591,6 +591,16 @@ def redact(value, secret: bool = False):
     if isinstance(value, list):
         return [redact(v, secret) for v in value]
     return REDACTED if secret and isinstance(value, str) and value else value
+
+
+def write_config(path, cfg: RunConfig) -> None:
+    """The run's config (:func:`dump_config`) in ``path``, readable and writable by its owner only."""
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(dump_config(cfg))
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -160,6 +160,29 @@ def load_causal_lm(
     return model.to(device)
 
 
+def load_model_config(path: str, trust_remote_code: bool = False):
+    """``path``'s transformers config; a folder transformers cannot read is one ConfigError."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
+        raise _unloadable(path, e) from e
+
+
+def check_context(config, prompt_tokens: int, max_tokens: int) -> None:
+    """Prompts of up to ``prompt_tokens`` and ``max_tokens`` response tokens fit the model's context."""
+    from hybridrl.errors import ConfigError
+
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if context and prompt_tokens + max_tokens > context:
+        raise ConfigError(
+            f"rollout.max_tokens={max_tokens} beside prompts of up to {prompt_tokens} tokens does not fit the model's "
+            f"context of {context} tokens (max_position_embeddings). Set rollout.max_tokens to at most "
+            f"{max(1, context - prompt_tokens)}, or shorten the prompts (data.max_prompt_tokens)."
+        )
+
+
 def _unloadable(path: str, e: Exception):
     from hybridrl.errors import ConfigError
 

@@ -43,11 +43,16 @@ class PromptOrder:
 def prompt_messages(row: dict, data_cfg) -> list[dict]:
     """The chat messages of a row: the prompt column (text through data.template, or messages)."""
     value = row[data_cfg.prompt_column]
+    if value is None or (isinstance(value, str | list) and not value):
+        raise ConfigError(
+            f"data: a row's prompt (field '{data_cfg.prompt_column}') is {value!r}; every row needs one. Drop such "
+            f"rows from the data, or set data.prompt_column to another of the row's fields: {', '.join(row)}."
+        )
     if isinstance(value, list):  # already chat messages
         messages = list(value)
     else:
         try:
-            content = data_cfg.template.format(prompt=value, **row)
+            content = data_cfg.template.format(**{**row, "prompt": value})
         except KeyError as e:
             raise ConfigError(
                 f"data.template uses {{{e.args[0]}}}, which rows do not have. Row fields: {', '.join(row)}."
@@ -77,7 +82,12 @@ def encode_prompt(row: dict, data_cfg, tokenizer, tools: list[dict] | None = Non
 
 
 def check_columns(source, cfg) -> None:
-    """The prompt and answer columns the run config names exist in the source's rows."""
+    """The source has rows, and the prompt and answer columns the run config names exist in them."""
+    if len(source) == 0:
+        raise ConfigError(
+            f"data: the prompt source '{cfg.data.source}' yields no prompts. Check its options (file, split, "
+            "task, size) in the data section."
+        )
     columns = getattr(source, "columns", None) or list(source[0])
     for key in ("prompt_column", "answer_column"):
         col = getattr(cfg.data, key)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class ShapingOptions(BaseModel):
     """How one reward's scores are shaped; the default changes nothing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     normalize: Literal["none", "batch", "running"] = Field(
         "none",

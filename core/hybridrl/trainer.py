@@ -14,7 +14,6 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
@@ -22,7 +21,7 @@ from hybridrl import functional as F
 from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
 from hybridrl.components import RunContext
-from hybridrl.config import RunConfig, check_world, dump_config
+from hybridrl.config import RunConfig, check_world, write_config
 from hybridrl.devices import model_device_errors, resolve_device
 from hybridrl.engine_weights import engine_tensors
 from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite, stage_errors
@@ -40,11 +39,13 @@ from hybridrl.metrics import (
 from hybridrl.models import (
     DTYPES,
     can_pack,
+    check_context,
     check_model_path,
     disable_dropout,
     end_token_ids,
     is_checkpointing,
     load_causal_lm,
+    load_model_config,
     load_tokenizer,
     resolve_model_path,
     response_logprobs,
@@ -108,11 +109,15 @@ class Trainer:
             model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         self.ctx.model_path, self.ctx.tokenizer = model_path, self.tokenizer
-        for i in range(min(len(self.data), 256)):  # prompt lengths, before any model is loaded
-            encode_prompt(self.data[i], cfg.data, self.tokenizer)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model_config = load_model_config(model_path, cfg.model.trust_remote_code)
+        longest = 0  # prompt lengths, before any model is loaded
+        for i in range(min(len(self.data), 256)):
+            longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
+        check_context(model_config, longest, cfg.rollout.max_tokens)
+        if not self.run_dir.exists():  # the owner's alone: configs, logs, samples and checkpoints
+            self.run_dir.mkdir(parents=True, mode=0o700)
         if self.ctx.is_main:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_config(self.run_dir / "config.yaml", cfg)
         engine_cls = plugins.lookup("rollout engine", cfg.rollout.engine)
         try:  # the engine is built after the policy (it takes a share of what memory is left)
             engine_cls.check_launch(cfg.rollout.options, self.ctx)
@@ -121,7 +126,6 @@ class Trainer:
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         self.ctx.strategy = self.strategy
-        model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
         self.passes = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
         self.ctx.passes = self.passes
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)

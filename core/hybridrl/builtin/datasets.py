@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from hybridrl.components import Options, PromptSource
+from hybridrl.errors import ConfigError
 from hybridrl.hookspecs import hookimpl
 
 
@@ -50,6 +51,10 @@ class HFDataset(PromptSource):
             ds = datasets.load_dataset(path, o.name, data_files=files, split=o.split)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"data: could not load dataset '{o.path}' (data_files={o.data_files}): {e}") from e
+        except StopIteration:  # datasets' builders look at the first rows to infer the columns
+            raise ConfigError(
+                f"data: the prompt source 'hf' yields no prompts: '{o.path}' (data_files={o.data_files}) has no rows."
+            ) from None
         self.ds = ds.select(range(min(o.limit, len(ds)))) if o.limit else ds
 
     @property
