@@ -8,13 +8,11 @@ import sys
 import pytest
 import torch
 
-from hybridrl.config import load_config
 from hybridrl.engine_weights import checkpoint_tensors
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.models import load_causal_lm, pin_long_rope
 from hybridrl.testing import SevensPlugin, torchrun
-from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint
-from hybridrl.trainer import Trainer
+from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint, two_grpo_steps
 
 LOGPROB_TOL = 1e-4  # float32 engine and trainer: measured below 2e-6
 
@@ -24,27 +22,11 @@ def checkpoints(tmp_path_factory):
     return {arch: build_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ARCHITECTURES}
 
 
-def two_steps(model, run_dir, lora: bool, engine: str = "hf", strategy: str = "single", **rollout):
-    cfg = {
-        "model": {"path": model, **({"lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}} if lora else {})},
-        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True},
-        "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
-        "rewards": [{"function": "sevens"}],
-        "algorithm": {"name": "grpo", "kl_coef": 0.01},
-        "sharding": {"strategy": strategy},
-        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), "threads": 1},
-        "logging": {"loggers": ["jsonl"]},
-    }
-    cfg["trainer"]["pack_sequences"] = True
-    Trainer(load_config(data=cfg)).train()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_two_grpo_steps_keep_engine_and_trainer_equal(arch, lora, checkpoints, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
-    rows = two_steps(checkpoints[arch], tmp_path / "run", lora)
+    rows = two_grpo_steps(checkpoints[arch], tmp_path / "run", lora=lora)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # the step's responses, scored by the policy the engine had just received
         assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, r["step"], r["rollout/logprob_diff_max"])
@@ -124,7 +106,7 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
     register_plugin(SevensPlugin(), name="sevens")
     register_plugin(OffsetEngine(), name="offset")
     with pytest.raises(StageError, match="before the first update") as e:
-        two_steps(checkpoints["qwen2"], tmp_path / "run", lora=False, engine="hf_offset")
+        two_grpo_steps(checkpoints["qwen2"], tmp_path / "run", engine="hf_offset")
     assert "The weights are the same on both sides" in str(e.value) and "0.5" in str(e.value)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
@@ -157,7 +139,7 @@ def fsdp_worker(model: str, run_dir: str, lora: str) -> None:
 
     plugins.get_plugin_manager().register(SevensPlugin(), name="sevens")
     plugins.invalidate_registry()
-    two_steps(model, Path(run_dir), lora == "True", strategy="fsdp")
+    two_grpo_steps(model, Path(run_dir), lora=lora == "True", strategy="fsdp")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:

@@ -112,3 +112,28 @@ def build_checkpoint(path, arch: str, seed: int = 0) -> str:
     model.to(torch.bfloat16).save_pretrained(folder)
     _legacy_rope_keys(folder, arch)
     return str(folder)
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+
+
+def two_grpo_steps(model: str, run_dir, engine: str = "hf", lora: bool = False, strategy: str = "single", **rollout):
+    """Train ``model`` for two GRPO steps (2 prompts x 4 samples of up to 24 tokens, packed passes,
+    the reward ``sevens`` of :class:`hybridrl.testing.SevensPlugin`, which the caller registers),
+    checking the sync after each; returns the rows of its metrics.jsonl."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    cfg = {
+        "model": {"path": model, **({"lora": LORA} if lora else {})},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True},
+        "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01},
+        "sharding": {"strategy": strategy},
+        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), "threads": 1},
+        "logging": {"loggers": ["jsonl"]},
+    }
+    cfg["trainer"]["pack_sequences"] = True
+    Trainer(load_config(data=cfg)).train()
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -46,6 +46,8 @@ class WeightReceiver:
 
             model = self.model_runner.get_model()
             if not hasattr(self, "_hybridrl_tied"):
+                from hybridrl.engine_weights import tied_aliases
+
                 self._hybridrl_tied = tied_aliases(model)
             # a tied alias (lm_head.weight) is its canonical tensor, which loads under its own name;
             # vLLM 0.32's loader refuses a call that brings the alias without it
@@ -94,16 +96,6 @@ class WeightReceiver:
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             reasons.append(f"{why}: {names[0]}{more}")
         return reasons
-
-
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """Names of the parameters that are another parameter of the model (tied embeddings)."""
-    seen, aliases = set(), set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.add(name)
-        seen.add(id(param))
-    return aliases
 
 
 def repack_cpu_experts(model: torch.nn.Module, names: list[str]) -> int:
