@@ -348,3 +348,28 @@ def test_packed_rows_under_flash_attention_see_the_sequences_before_them(arch, e
         got, _ = response_logprobs(model, ids, mask, 8, share_prompts=False, pack=True)
     resp = mask[:, -8:].bool()
     assert (got[resp] - want[resp]).abs().max() > 1e-2
+
+
+def test_a_flash_kernel_that_takes_16_bit_inputs_only_is_probed_under_autocast(emulated_flash, monkeypatch):
+    """flash-attn refuses float32 inputs; float32 weights train under bfloat16 autocast, so the
+    probe runs there too, rather than leaving such a model on padded passes."""
+    from transformers import modeling_flash_attention_utils as flash_utils
+
+    from hybridrl import models
+
+    def sixteen_bit_only(kernel):
+        def run(q, *args, **kwargs):
+            if q.dtype not in (torch.float16, torch.bfloat16):
+                raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+            return kernel(q, *args, **kwargs)
+
+        return run
+
+    rows, varlen, *rest = flash_utils._lazy_imports(EMULATED_FLASH)
+    kernels = (sixteen_bit_only(rows), sixteen_bit_only(varlen), *rest)
+    monkeypatch.setattr(flash_utils, "_lazy_imports", lambda impl, *a, **kw: kernels)
+    model = disable_dropout(small_model("qwen2"))
+    model.set_attn_implementation(EMULATED_FLASH)
+    with pytest.raises(RuntimeError, match="fp16 and bf16"):
+        model.base_model(input_ids=torch.tensor([[3, 5]]))  # float32, no autocast: refused
+    assert models.packed_layout(model.base_model) == models.ONE_ROW

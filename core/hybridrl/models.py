@@ -641,7 +641,8 @@ def packed_layout(body: torch.nn.Module) -> str | None:
 def _probe_packing(body: torch.nn.Module) -> str | None:
     """The first of ``ROWS`` and ``ONE_ROW`` in which two packed rows of two sequences each (the
     second with a token of trailing padding, as :func:`hybridrl.packing.pack` lays them out) give
-    each sequence its values alone, without autocast; None if neither does. Two rows, because
+    each sequence its values alone, without autocast (float32 weights whose kernel refuses them:
+    under bfloat16 autocast, as the passes run); None if neither does. Two rows, because
     flash attention keeps one row's sequences apart and not those of two. A sequence that sees
     another changes by about its own size; the tolerance is the weights' rounding."""
     weight = next(body.parameters())
@@ -654,17 +655,31 @@ def _probe_packing(body: torch.nn.Module) -> str | None:
     def hidden(x, positions=None):  # (r, w) -> (r, w, H)
         return body(input_ids=x, position_ids=positions, use_cache=False).last_hidden_state
 
-    was_training = body.training
-    body.eval()
-    try:
-        with torch.no_grad(), _eager(), torch.autocast(device.type, enabled=False):
+    def probe(precision) -> str | None:
+        with torch.no_grad(), _eager(), precision:
             want = torch.cat([hidden(torch.tensor([s], device=device))[0] for s in sequences]).float()
             for layout, shape in ((ROWS, ids.shape), (ONE_ROW, (1, ids.numel()))):
                 got = hidden(ids.reshape(shape), pos.reshape(shape)).reshape(*ids.shape, -1)[real].float()
                 if torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
                     return layout
+        return None
+
+    was_training = body.training
+    body.eval()
+    try:
+        return probe(torch.autocast(device.type, enabled=False))
     except Exception:  # noqa: BLE001 - a body that refuses these arguments runs padded passes
+        if weight.dtype in LOW_PRECISION:
+            return None
+    finally:
+        body.train(was_training)
+    # float32 weights that the kernel refuses (flash-attn takes 16-bit inputs only): the passes run
+    # under autocast, so probe there, at bfloat16's tolerance
+    tol = 2e-2
+    body.eval()
+    try:
+        return probe(torch.autocast(device.type, dtype=torch.bfloat16))
+    except Exception:  # noqa: BLE001
         return None
     finally:
         body.train(was_training)
-    return None
