@@ -1,4 +1,4 @@
-"""Checkpoints that are never half-written, and exact resume.
+"""Checkpoints that are never half-written, exact resume, and checkpoints that cannot run code.
 
 A checkpoint is a directory ``RUN_DIR/checkpoints/step-000010/`` holding:
 
@@ -9,7 +9,8 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000010/`` holding:
   component that has ``state_dict()`` (the algorithm's KL controller or critic, rewards'
   running statistics);
 - ``meta.json``: step, hybridrl version, sharding strategy and world size, for people and
-  for the resume check.
+  for the resume check, and ``files``: every other file of the checkpoint with its size and
+  (``.metadata`` and files of at most ``DIGEST_MAX_BYTES``) its SHA-256.
 
 A sharded strategy (``fsdp`` under torchrun) keeps ``policy/`` (gathered on rank 0, for
 export) and adds:
@@ -21,19 +22,42 @@ export) and adds:
   holds rank 0's).
 
 It is written into a temporary sibling directory and renamed into place (by rank 0, after
-every rank has written its part), so a crash or a kill during the save leaves the previous
-checkpoints as they were. Everything is loaded with ``torch.load(weights_only=True)``: a
-checkpoint cannot run code. A sharded checkpoint resumes on the same strategy and world size.
+every rank has written its part and rank 0 has listed the files in ``meta.json``), so a crash or
+a kill during the save leaves the previous checkpoints as they were. A sharded checkpoint
+resumes on the same strategy and world size.
+
+A checkpoint cannot run code, whoever wrote it. Its readers build tensors and plain data only:
+``torch.load(weights_only=True)`` for the ``.pt`` files, safetensors for the weights, and for
+``sharded/`` :func:`load_distributed`, which reads torch.distributed.checkpoint's pickles
+through allow-lists (torch 2.13 has no reader of ``.metadata`` without pickle; torch's own runs
+any code the file names). A checkpoint holding a symbolic link, or anything but plain files and
+folders, is refused by resume and by :func:`export`, so neither reads nor copies a file from
+outside it.
+
+The files list of ``meta.json`` is an integrity check, not a signature: a load refuses a
+checkpoint with a file missing, added, truncated or changed since its run wrote it (a disk that
+filled up, a copy cut short, a file swapped in or edited by hand), and a resume then falls back to
+the newest checkpoint that loads (:func:`load_newest`). Whoever rewrites ``meta.json`` to match
+can make a checkpoint load other numbers, but no more: that no code runs rests on the readers, not
+on the list. A key kept outside the checkpoint (an HMAC) would refuse that rewrite too; there is
+none, as it would guard only the numbers, against someone who can write the run's checkpoints but
+not read its key (most often the same account, which can edit the code the run imports as well),
+and it would bind checkpoints to the place that keeps the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,6 +66,18 @@ import torch
 from hybridrl import distributed
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+META = "meta.json"
+# files of at most this size have their SHA-256 in meta.json, and .metadata whatever its size; larger
+# ones (weights, optimizer state) their size only: hashing gigabytes at every save is not cheap
+DIGEST_MAX_BYTES = 256 << 20
+ALWAYS_DIGEST = (".metadata",)
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint that cannot be used: incomplete, corrupt, changed since its run wrote it, or
+    holding a link. A FileNotFoundError, as a missing checkpoint is: the command line reports it as
+    an error, not a traceback."""
+
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 # the run's files that hybridrl writes and that hold its config or its users' data
@@ -156,15 +192,16 @@ def save_checkpoint(trainer, step: int) -> Path:
                 {"step": step, "rng": rng_state(), "prompts": trainer.prompts.state_dict(), "components": components},
                 tmp / "state.pt",
             )
+        distributed.barrier()  # every rank's part is written
+        if main:
             meta = {
                 "step": step,
                 "hybridrl": __version__,
                 "sharding": trainer.config.sharding.strategy,
                 "world_size": distributed.world_size(),
+                "files": file_list(tmp),
             }
-            (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
-        distributed.barrier()  # every rank's part is written
-        if main:
+            (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
             if final.exists():  # a re-save of the same step (resumed run): replace it whole
                 shutil.rmtree(final)
@@ -179,36 +216,179 @@ def save_checkpoint(trainer, step: int) -> Path:
 
 
 def load_checkpoint(trainer, path: Path) -> int:
-    """Restore the trainer from ``path``; returns the step it holds."""
-    path = Path(path)
-    for name in ("policy", "optimizer.pt", "state.pt"):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"Checkpoint {path} is incomplete: {name} is missing.")
-    check_layout(trainer, path)
-    opt = torch.load(path / "optimizer.pt", weights_only=True)
-    if (path / "sharded").is_dir():
-        trainer.strategy.load_sharded(trainer.policy, trainer.optimizer, path / "sharded")
-    else:
-        trainer.strategy.load_model(trainer.policy, path / "policy")
-        trainer.optimizer.load_state_dict(opt["optimizer"])
-    trainer.scheduler.load_state_dict(opt["scheduler"])
-    state = torch.load(path / "state.pt", weights_only=True)
-    trainer.prompts.load_state_dict(state["prompts"])
-    if distributed.rank() > 0:  # this rank's own RNG and component state
-        state |= torch.load(path / f"rank-{distributed.rank()}.pt", weights_only=True)
+    """Restore the trainer from ``path``; returns the step it holds. Collective under torchrun.
+
+    Every file is first checked against ``meta.json`` (:func:`verify`) and the small files read;
+    then the weights and the optimizer state are loaded and the rest applied. Raises
+    :class:`CheckpointError` (on every rank together) when the checkpoint cannot be read, or a
+    part of it does not load (the trainer may then hold part of it: load another one over it);
+    ValueError when it was written by another sharding strategy or world size, or holds state for
+    a component this run does not have.
+    """
+    path, rank = Path(path), distributed.rank()
+    with _agreed(path):  # every rank reads first: none goes into a collective load alone
+        meta = verify(path)
+        opt = read_pt(path / "optimizer.pt")
+        state = read_pt(path / "state.pt")
+        if rank > 0:  # this rank's own RNG and component state
+            state |= read_pt(path / f"rank-{rank}.pt")
+    check_layout(trainer, path, meta)
     components = trainer.stateful_components()
-    for name, sub in state["components"].items():
+    for name in state["components"]:
         if name not in components:
             raise ValueError(f"Checkpoint {path} holds state for '{name}', which this run does not have.")
-        components[name].load_state_dict(sub)
-    set_rng_state(state["rng"])
+    with _agreed(path):
+        if (path / "sharded").is_dir():
+            trainer.strategy.load_sharded(trainer.policy, trainer.optimizer, path / "sharded")
+        else:
+            trainer.strategy.load_model(trainer.policy, path / "policy")
+            trainer.optimizer.load_state_dict(opt["optimizer"])
+        trainer.scheduler.load_state_dict(opt["scheduler"])
+        trainer.prompts.load_state_dict(state["prompts"])
+        for name, sub in state["components"].items():
+            components[name].load_state_dict(sub)
+        set_rng_state(state["rng"])
     return int(state["step"])
 
 
-def check_layout(trainer, path: Path) -> None:
+@contextlib.contextmanager
+def _agreed(path: Path):
+    """Run the block on every rank; when it fails on any, raise one :class:`CheckpointError` on all of
+    them, naming the ranks (under torchrun) and their errors."""
+    error, said = None, None
+    try:
+        yield
+    except CheckpointError as e:
+        error, said = e, str(e)
+    except Exception as e:  # whatever a damaged file makes a reader raise
+        error, said = e, f"{path}: {type(e).__name__}: {e}"
+    message = per_rank(distributed.all_gather_objects(said))
+    if message is not None:
+        raise CheckpointError(message) from error
+
+
+def per_rank(errors: list[str | None]) -> str | None:
+    """The errors of the ranks, in rank order (None: that rank had none), as one message: the error
+    alone when every rank had it, else each error once after the ranks that had it; None if none."""
+    ranks: dict[str, list[str]] = {}
+    for r, e in enumerate(errors):
+        if e is not None:
+            ranks.setdefault(e, []).append(str(r))
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(errors):
+        return next(iter(ranks))
+    return "; ".join(f"rank {', '.join(r)}: {e}" for e, r in ranks.items()) or None
+
+
+def read_pt(file: Path):
+    """A ``.pt`` file of a checkpoint: tensors and plain data only (``weights_only``), or CheckpointError."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds more than tensors and plain data: {refused(e)}; it is not loaded.") from e
+    except Exception as e:
+        raise CheckpointError(f"{file} cannot be read: {type(e).__name__}: {' '.join(str(e).split())}") from e
+
+
+def refused(error: pickle.UnpicklingError) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in one line (its message is several paragraphs)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line.rstrip(".") for line in lines if "GLOBAL" in line), " ".join(lines))
+
+
+def file_list(path: Path) -> dict[str, dict]:
+    """Every file under ``path`` but meta.json, by relative path: its size, and its SHA-256 when it is
+    ``.metadata`` or at most DIGEST_MAX_BYTES long."""
+    files = {}
+    for root, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in sorted(names):
+            file = Path(root, name)
+            rel = file.relative_to(path).as_posix()
+            if rel == META:
+                continue
+            size = file.stat().st_size
+            files[rel] = {"size": size}
+            if size <= DIGEST_MAX_BYTES or name in ALWAYS_DIGEST:
+                files[rel]["sha256"] = sha256(file)
+    return files
+
+
+def sha256(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_plain(path: Path) -> None:
+    """Refuse a checkpoint holding a symbolic link, or anything but plain files and folders: a reader
+    or a copy that followed one would read a file from outside the checkpoint (or hang on a pipe)."""
+
+    def refuse(error: OSError):
+        raise CheckpointError(f"{error.filename} cannot be read: {error.strerror}") from error
+
+    for root, dirs, names in os.walk(path, onerror=refuse):  # links to folders are listed, not entered
+        for name in dirs + names:
+            item = Path(root, name)
+            mode = item.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(
+                    f"{item} is a symbolic link (to {os.readlink(item)}): a checkpoint holds the files its run "
+                    "wrote, and links in it are not followed. Put the file itself there, or use another checkpoint."
+                )
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(f"{item} is not a plain file or folder; a checkpoint holds only those.")
+
+
+def verify(path: Path) -> dict:
+    """Check the checkpoint at ``path`` against its ``meta.json``; returns that meta.
+
+    Refused with :class:`CheckpointError` naming the file: a link in it (:func:`check_plain`), no
+    meta.json or one without its files list (checkpoints of earlier versions have none), a file
+    missing, one it does not list, or one whose size or SHA-256 differs from what was written."""
+    path = Path(path)
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); a checkpoint is a folder.")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint folder.")
+    check_plain(path)
+    meta_file = path / META
+    try:
+        meta = json.loads(meta_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint {path} is incomplete: {META} is missing.") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_file} cannot be read: {e}") from e
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(
+            f"{meta_file} does not list the checkpoint's files with their digests (a checkpoint of an earlier "
+            "hybridrl, or one edited), so they cannot be checked and it is not loaded. Export its policy "
+            "(hybridrl export) and start a new run from that folder."
+        )
+    found = files_under(path)
+    if extra := sorted(found - files.keys()):
+        raise CheckpointError(f"{path / extra[0]} is not one of the files its run wrote ({META} does not list it).")
+    for rel, want in sorted(files.items()):
+        file = path / rel
+        if rel not in found:
+            raise CheckpointError(f"Checkpoint {path} is incomplete: {rel} is missing.")
+        size = file.stat().st_size
+        if size != want.get("size"):
+            raise CheckpointError(f"{file} has {size} bytes, not the {want.get('size')} written: truncated or changed.")
+        if "sha256" in want and sha256(file) != want["sha256"]:
+            raise CheckpointError(f"{file} differs from the file its run wrote (SHA-256 in {meta_file}).")
+        if "sha256" not in want and (size <= DIGEST_MAX_BYTES or file.name in ALWAYS_DIGEST):
+            raise CheckpointError(f"{meta_file} holds no SHA-256 of {rel}; it is not loaded unchecked.")
+    return meta
+
+
+def files_under(path: Path) -> set[str]:
+    """Relative paths of the files under ``path``, but meta.json."""
+    files = {Path(root, name).relative_to(path).as_posix() for root, _, names in os.walk(path) for name in names}
+    return files - {META}
+
+
+def check_layout(trainer, path: Path, meta: dict) -> None:
     """A checkpoint resumes on the sharding strategy and world size that wrote it."""
-    meta_file = Path(path) / "meta.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     sharded = (Path(path) / "sharded").is_dir()
     saved = (meta.get("sharding", "fsdp" if sharded else "single"), int(meta.get("world_size", 1)))
     now = (trainer.config.sharding.strategy, distributed.world_size())
@@ -220,16 +400,141 @@ def check_layout(trainer, path: Path) -> None:
         )
 
 
-def latest_checkpoint_of_run(run_dir: Path, main: bool) -> Path | None:
-    """The checkpoint a resumed run continues from (temporary directories of a killed save removed
-    first, by rank 0); None, said once, when the run has none yet."""
+def load_newest(trainer) -> tuple[Path, int] | None:
+    """Load the newest checkpoint of the trainer's run that loads; returns it and its step, or None
+    (said once) when the run has none yet. Collective under torchrun: every rank tries the same
+    checkpoints (rank 0's listing) and takes the same one.
+
+    Temporary directories of a killed save are removed first (by rank 0). A checkpoint that does not
+    load (:class:`CheckpointError`: a file missing, truncated or changed, a link inside) is skipped,
+    with a warning naming it and the one used instead; it stays on disk (a later save of its step
+    replaces it). When none loads, one CheckpointError lists each one tried and why.
+    """
+    run_dir, main = trainer.run_dir, distributed.is_main()
     if main:
         clean_partial(run_dir)
-    distributed.barrier()
-    path = latest_checkpoint(run_dir)
-    if path is None and main:
-        print(f"no checkpoint in {run_dir}: starting at step 1", flush=True)
-    return path
+    found = distributed.broadcast_object(list_checkpoints(run_dir) if main else None)
+    if not found:
+        if main:
+            print(f"no checkpoint in {run_dir}: starting at step 1", flush=True)
+        return None
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            step = load_checkpoint(trainer, path)
+        except CheckpointError as e:
+            skipped.append((path, str(e)))
+            continue
+        if main:
+            for bad, why in skipped:
+                print(
+                    f"warning: checkpoint {bad.name} cannot be loaded ({why}); resuming from {path.name} instead.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return path, step
+    tried = "\n".join(f"  {p.name}: {why}" for p, why in skipped)
+    raise CheckpointError(
+        f"No checkpoint of {run_dir} can be loaded; tried, newest first:\n{tried}\nRepair or remove them to "
+        "resume, or start a new run (a checkpoint's policy folder can be exported with hybridrl export)."
+    )
+
+
+# What torch.distributed.checkpoint's .metadata is made of (torch 2.13), by module; plus torch's dtypes.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name (torch.strided)
+    "torch": {"Size"},
+    "pathlib": {"PosixPath"},  # the checkpoint_id it was saved as
+}
+TORCH_DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a ``.metadata`` file building only what one is made of (``DCP_METADATA_GLOBALS``, torch's
+    dtypes): any other class or function a pickle names (``os.system``, a module's code) is refused
+    before it can be called. The classes allowed are records whose constructors only store their
+    arguments."""
+
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA_GLOBALS.get(module, ()) or (module == "torch" and name in TORCH_DTYPES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not part of a torch.distributed.checkpoint .metadata file; it is not loaded."
+        )
+
+
+def load_distributed(state: dict, path: Path) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=path)``, building tensors and plain data
+    only. Collective: call it on every rank; a failure on any is a CheckpointError on all.
+
+    torch's reader unpickles ``.metadata`` with ``pickle.load``, and its planner the entries that are
+    not tensors (the optimizer's hyperparameters) with ``torch.load(weights_only=False)``: each runs
+    whatever code a crafted file names. Here ``.metadata`` goes through :class:`MetadataUnpickler`,
+    those entries through ``torch.load(weights_only=True)``, and every file the metadata points at
+    must be a plain file of ``path`` (no ``../``). torch 2.13 offers no reader of ``.metadata``
+    without pickle; these allow-lists are the boundary, the digests of meta.json a second line.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _dcp_reader_classes()
+    try:
+        dcp.load(state, storage_reader=reader(path), planner=planner())
+    except CheckpointException as e:  # a BaseException, raised on every rank: each rank's error and traceback
+        errors = [e.failures.get(r, (None,))[0] for r in range(distributed.world_size())]
+        why = per_rank([None if x is None else f"{type(x).__name__}: {' '.join(str(x).split())}" for x in errors])
+        raise CheckpointError(f"{path} cannot be loaded: {why}") from e
+
+
+@functools.cache
+def _dcp_reader_classes():
+    """torch.distributed.checkpoint's reader and planner with their pickles read safely (defined on
+    first use: importing torch.distributed.checkpoint takes half a second)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self) -> Metadata:  # no rank argument: no fall-back to per-rank metadata files
+            folder = Path(self.path)
+            with open(folder / ".metadata", "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"{folder / '.metadata'} holds a {type(metadata).__name__}, not Metadata.")
+            for info in metadata.storage_data.values():
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or Path(name).name != name or not (folder / name).is_file():
+                    raise ValueError(f"{folder / '.metadata'} points at {name!r}, which is not a file of {folder}.")
+            if metadata.storage_meta is None:  # as torch's reader does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:  # torch's, with weights_only=True
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                fqn = read_item.dest_index.fqn
+                raise pickle.UnpicklingError(f"its entry {fqn} holds more than plain data: {refused(e)}") from e
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Reader, Planner
 
 
 def drop_logs_after(run_dir: Path, step: int, main: bool) -> None:
@@ -277,14 +582,19 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
 
 def export(path: Path, out: Path, merged: bool = False) -> Path:
     """Copy a checkpoint's policy to ``out`` as a plain HF model folder. A LoRA checkpoint holds the
-    adapter (peft's folder); ``merged`` writes the base model with the adapter merged in instead."""
-    path, out = Path(path), Path(out)
+    adapter (peft's folder); ``merged`` writes the base model with the adapter merged in instead.
+
+    ``path`` may be a link to a checkpoint; a link inside it is refused (:func:`check_plain`), so
+    that nothing from outside the checkpoint is copied. Its files are not checked against meta.json:
+    export is also the way out for a checkpoint that no longer resumes."""
+    path, out = Path(path).resolve(), Path(out)
     policy = path / "policy"
     adapter = (policy / "adapter_config.json").is_file()
     if not adapter and not (policy / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds no policy/config.json: is it a checkpoint directory (step-N)?")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory.")
+    check_plain(path)
     if merged and adapter:
         from peft import AutoPeftModelForCausalLM
         from transformers import AutoTokenizer

@@ -237,10 +237,11 @@ class Trainer:
         return path
 
     def resume(self) -> None:
-        """Load the newest complete checkpoint of run_dir and continue after its step."""
-        path = ckpt.latest_checkpoint_of_run(self.run_dir, self.ctx.is_main)
-        if path is not None:
-            self.start_step = ckpt.load_checkpoint(self, path)
+        """Load the newest checkpoint of run_dir that loads (a damaged one is skipped with a warning)
+        and continue after its step."""
+        found = ckpt.load_newest(self)
+        if found is not None:
+            path, self.start_step = found
             ckpt.drop_logs_after(self.run_dir, self.start_step, self.ctx.is_main)
             self.sync()
             if self.ctx.is_main:
