@@ -164,7 +164,9 @@ def on_checkpoint(trainer, step, path):
 
     :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
     :param step: the step the checkpoint holds.
-    :param path: ``pathlib.Path`` of the finished checkpoint directory.
+    :param path: ``pathlib.Path`` of the finished checkpoint directory. Read it, copy it; do not
+        write into it: its ``meta.json`` lists every file, and a resume refuses a checkpoint with
+        files it does not list (state a plugin keeps goes through ``state_dict``).
     """
 
 
