@@ -189,7 +189,7 @@ class FSDPStrategy(ShardingStrategy):
     def load_sharded(self, model, optimizer, path):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from hybridrl.checkpoint import load_distributed
+        from hybridrl.sharded_checkpoint import load_distributed
 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
