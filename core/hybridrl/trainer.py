@@ -114,8 +114,8 @@ class Trainer:
         for i in range(min(len(self.data), 256)):
             longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
         check_context(model_config, longest, cfg.rollout.max_tokens)
-        if not self.run_dir.exists():  # the owner's alone: configs, logs, samples and checkpoints
-            self.run_dir.mkdir(parents=True, mode=0o700)
+        # created the owner's alone (configs, logs, samples, checkpoints); by every rank at once under torchrun
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.ctx.is_main:
             write_config(self.run_dir / "config.yaml", cfg)
         engine_cls = plugins.lookup("rollout engine", cfg.rollout.engine)
