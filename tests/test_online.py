@@ -3,7 +3,6 @@ improves the policy while it serves, and a restart after SIGKILL that loses noth
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import json
 import os
@@ -21,6 +20,7 @@ import yaml
 from hybridrl.config import ConfigError, load_config
 from hybridrl.http import ALLOWED_HOSTS_ENV
 from hybridrl.online import Server, advantages, make_server
+from hybridrl.testing import raw_request as send
 
 spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
 online_user = importlib.util.module_from_spec(spec)
@@ -290,21 +290,6 @@ def test_dashboard_shows_the_online_metrics(serving, tmp_path):
     assert {"online/ratings_per_min", "online/rating_mean_all", "online/version"} <= set(rows_[0])
     with urllib.request.urlopen(s.url + "/health") as r:
         assert json.loads(r.read())["status"] == "ok"
-
-
-def send(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """(status, reply) of a request with exactly these headers beside Host (a None value: left out)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
-        if value is not None:
-            conn.putheader(key, value)
-    conn.endheaders(body)
-    response = conn.getresponse()
-    reply = json.loads(response.read())
-    conn.close()
-    return response.status, reply
 
 
 def test_web_pages_and_bad_lengths_are_refused_before_the_body_is_read(serving, tmp_path, monkeypatch):

@@ -363,3 +363,22 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 600, cwd=None, en
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     cmd += list(launcher) or ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def raw_request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, decoded JSON reply) of a request to a server of ours at ``url`` with exactly these
+    headers beside Host (a None value leaves one out), for tests of what servers refuse."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
+        if value is not None:
+            conn.putheader(key, value)
+    conn.endheaders(body)
+    response = conn.getresponse()
+    reply = json.loads(response.read())
+    conn.close()
+    return response.status, reply

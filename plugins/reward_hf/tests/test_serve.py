@@ -1,7 +1,6 @@
 """serve-reward and the remote reward: real HTTP servers on 127.0.0.1, real models."""
 
 import contextlib
-import http.client
 import json
 import math
 import os
@@ -21,6 +20,7 @@ from hybridrl.cli import main
 from hybridrl.config import load_config
 from hybridrl.http import ALLOWED_HOSTS_ENV, ServiceError, get_json, post_json
 from hybridrl.shaping import ShapingOptions
+from hybridrl.testing import raw_request as send
 
 PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hi.", "Count to three."]
 RESPONSES = ["Paris is the capital.", "Blue.", "It is 4", "hi 7", "one two three"]
@@ -187,21 +187,6 @@ def test_remote_fails_early_and_clearly(tiny_model, make_reward, monkeypatch):
 
 
 # -- what the server checks, and what the client accepts ---------------------------------------
-
-
-def send(url, method, path, body=None, headers=None):
-    """(status, reply) of a request with exactly these headers beside Host (a None value: left out)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
-        if value is not None:
-            conn.putheader(key, value)
-    conn.endheaders(body)
-    response = conn.getresponse()
-    reply = json.loads(response.read())
-    conn.close()
-    return response.status, reply
 
 
 def test_the_token_and_the_host_are_checked_before_the_body_is_read(tiny_model, monkeypatch, capfd):
