@@ -16,6 +16,7 @@ from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.session import EngineSession
 from hybridrl.testing import SevensPlugin
 
 # -- observations as the chat template frames them -------------------------------------------
@@ -71,7 +72,7 @@ def run_loop(tiny_model, tmp_path, max_total_tokens=None):
     engine = Recording(hf(hf.Options(), ctx))
     rollout = RolloutConfig(n=4, max_tokens=24, stop=["e", "t", "a"], temperature=0.7)
     loop = AgentLoop(
-        engine,
+        EngineSession(engine, rollout),
         GoOn(None, ctx),
         agent_config(max_total_tokens=max_total_tokens),
         rollout,

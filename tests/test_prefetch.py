@@ -13,11 +13,16 @@ from hybridrl.prefetch import Prefetcher
 
 
 class Engine:
-    """Stands for the engine and the trainer around it: a weight version the sync bumps, and a log
-    of what ran when (generation in the prefetch thread, syncs in the trainer's)."""
+    """Stands for the engine session and the trainer around it: a weight version the sync bumps, the
+    session's count of updates and versions, and a log of what ran when (generation in the prefetch
+    thread, syncs in the trainer's)."""
 
     def __init__(self):
         self.weights, self.log, self.lock = 0, [], threading.Lock()
+        self.updates = self.version = 0
+
+    def load_state_dict(self, state):
+        self.updates, self.version = state["updates"], state["version"]
 
     def collect(self, step, timer):
         with self.lock:
@@ -26,10 +31,13 @@ class Engine:
         return batch, batch.select([0, 1]), {"reward/mean": float(step)}
 
     def sync(self, prefetch, holds_latest=lambda: True):
-        with prefetch.syncing(holds_latest):
-            with self.lock:
-                self.weights += 1
-                self.log.append(("sync", self.weights))
+        prefetch.before_sync()
+        with self.lock:
+            self.weights += 1
+            self.log.append(("sync", self.weights))
+            self.updates += 1
+            if holds_latest():
+                self.version = self.updates
 
 
 def run(prefetch, engine, steps, first=1, holds_latest=lambda: True):
@@ -44,7 +52,7 @@ def run(prefetch, engine, steps, first=1, holds_latest=lambda: True):
 def test_each_step_trains_on_a_batch_of_weights_k_updates_old():
     for depth in (1, 2):
         engine = Engine()
-        p = Prefetcher(engine.collect, depth, last_step=6)
+        p = Prefetcher(engine.collect, depth, 6, engine)
         got = run(p, engine, 6)
         p.close()
         assert [s for s, _, _ in got] == [1, 2, 3, 4, 5, 6]  # in step order
@@ -60,7 +68,7 @@ def test_each_step_trains_on_a_batch_of_weights_k_updates_old():
 
 def test_a_server_that_skips_reloads_keeps_the_version_it_holds():
     engine = Engine()
-    p = Prefetcher(engine.collect, 1, last_step=5)
+    p = Prefetcher(engine.collect, 1, 5, engine)
     syncs = iter([False, True, False, True, False])  # sync_every 2: the server reloads every other update
     got = run(p, engine, 5, holds_latest=lambda: next(syncs))
     p.close()
@@ -71,19 +79,19 @@ def test_a_server_that_skips_reloads_keeps_the_version_it_holds():
 
 def test_a_checkpoint_holds_the_batches_in_flight_and_resumes_to_the_same_steps():
     engine = Engine()
-    p = Prefetcher(engine.collect, 2, last_step=6)
+    p = Prefetcher(engine.collect, 2, 6, engine)
     straight = run(p, engine, 6)
     p.close()
 
     engine = Engine()
-    p = Prefetcher(engine.collect, 2, last_step=6)
+    p = Prefetcher(engine.collect, 2, 6, engine)
     first = run(p, engine, 3)
     state = p.state_dict()  # steps 4 and 5 were queued: finished, and saved
-    assert sorted(state["steps"]) == [4, 5] and state["updates"] == 3
+    assert sorted(state["steps"]) == [4, 5] and engine.updates == 3
     p.close()
     generated = len(engine.log)
 
-    resumed = Prefetcher(engine.collect, 2, last_step=6)
+    resumed = Prefetcher(engine.collect, 2, 6, engine)
     resumed.load_state_dict(state)
     rest = run(resumed, engine, 6, first=4)
     resumed.close()

@@ -64,13 +64,12 @@ def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None, a
 class AgentLoop:
     """Runs trajectories for a call's prompts: ``agent`` is the ``rollout.agent`` config section."""
 
-    def __init__(self, engine, environment, agent, rollout, tokenizer, end_ids: set[int], tools=None, eager=True):
-        self.engine, self.env, self.agent, self.rollout = engine, environment, agent, rollout
+    def __init__(self, session, environment, agent, rollout, tokenizer, end_ids: set[int], tools=None, eager=True):
+        self.session, self.env, self.agent, self.rollout = session, environment, agent, rollout
         self.tokenizer, self.end_ids, self.tools = tokenizer, end_ids, tools
         self.eager = eager
         self.budget = agent.max_total_tokens or agent.max_turns * rollout.max_tokens
         self.env_name = f"environment '{agent.environment}'"
-        self.component = f"rollout engine '{rollout.engine}'"
 
     def run(self, prompts: list[list[int]], rows: list[dict], messages: list[list[dict]], sampling: SamplingParams):
         """``RolloutOutput`` (with ``sampled_masks``) for ``sampling.n`` trajectories per prompt, and
@@ -109,8 +108,7 @@ class AgentLoop:
     def _generate(self, live: list[Trajectory], base: SamplingParams, seed: int) -> list[Trajectory]:
         """One engine call for ``live``'s next turns; the trajectories that go on to their environment."""
         seeds = [seed + t.index + TURN_SEED_STRIDE * t.turns for t in live]
-        with stage_errors(self.component, "generate"):
-            out = self.engine.generate([t.prompt + t.ids for t in live], base.model_copy(update={"seeds": seeds}))
+        out = self.session.generate([t.prompt + t.ids for t in live], base.model_copy(update={"seeds": seeds}))
         stepping = []
         for t, ids, logprobs, finish in zip(live, out.token_ids, out.logprobs, out.finish_reasons):
             room = self.budget - len(t.ids)
@@ -152,15 +150,15 @@ class AgentLoop:
         return True
 
 
-def build_agent(build, config, engine, tokenizer, end_ids: set[int]) -> AgentLoop | None:
-    """The agent loop of ``rollout.agent`` (None without one); ``build(kind, name, options)`` builds a
-    component as the trainer does."""
+def build_agent(build, config, session, tokenizer, end_ids: set[int]) -> AgentLoop | None:
+    """The agent loop of ``rollout.agent`` (None without one), generating through the engine
+    ``session``; ``build(kind, name, options)`` builds a component as the trainer does."""
     a = config.rollout.agent
     if a is None:
         return None
     tools = {name: build("tool", name, a._tool_options[name]) for name in a.tools}
     env = build("environment", a.environment, a.options)
     env.tools, env.parser = tools, build("tool parser", a.parser, a._parser_options)
-    eager = a.schedule == "eager" or (a.schedule == "auto" and engine.seeds_each_request())
+    eager = a.schedule == "eager" or (a.schedule == "auto" and session.seeds_each_request())
     schemas = [tool.schema() for tool in tools.values()]
-    return AgentLoop(engine, env, a, config.rollout, tokenizer, end_ids, tools=schemas or None, eager=eager)
+    return AgentLoop(session, env, a, config.rollout, tokenizer, end_ids, tools=schemas or None, eager=eager)

@@ -87,6 +87,11 @@ class Sampling(BaseModel):
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
 
 
+#: the sampling settings that leave softmax(logits / T) as it is, which engines (vLLM, SGLang) and
+#: servers otherwise take from the model folder's generation_config.json: send them with every request
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 class SamplingParams(Sampling):
     """What an engine's ``generate`` receives: :class:`Sampling` and the step's seed."""
 
@@ -97,6 +102,19 @@ class SamplingParams(Sampling):
         "the agent loop seeds each trajectory's turn whatever call it lands in. Engines that seed each request "
         "(vllm, sglang) honour it exactly; the hf engine seeds the call with the first.",
     )
+
+    def prompt_seeds(self, prompts: int) -> list[int] | None:
+        """The seed of each of ``prompts`` prompts, its sample j seeded ``+ j`` (vLLM's rule for a
+        request of n samples): ``seeds`` when set, else ``seed + i·n``; None when unseeded."""
+        if self.seeds is not None:
+            return list(self.seeds)
+        return None if self.seed is None else [self.seed + i * self.n for i in range(prompts)]
+
+    def sample_seeds(self, prompts: int) -> list[int] | None:
+        """The seed of each of the ``prompts`` x n samples, grouped by prompt (:meth:`prompt_seeds` + j),
+        for engines that take one request per sample (SGLang)."""
+        seeds = self.prompt_seeds(prompts)
+        return None if seeds is None else [s + j for s in seeds for j in range(self.n)]
 
 
 @dataclass
@@ -109,6 +127,8 @@ class RolloutOutput:
     #: per token, 1 where the policy sampled it and 0 where it did not (observation tokens of a
     #: multi-turn trajectory: attended to, never trained on, logprob 0); None: all sampled
     sampled_masks: list[list[int]] | None = None
+    #: the policy updates the engine's weights held (set by the trainer's engine session, not the engine)
+    policy_version: int | None = None
 
 
 class RolloutEngine(Component):
@@ -132,6 +152,11 @@ class RolloutEngine(Component):
         """Load full (unsharded) policy tensors, in :attr:`weight_format`, in place (buckets of
         whole decoder layers may arrive over several calls of one sync)."""
         raise NotImplementedError
+
+    def memory_options(self, half_prompts: int) -> str:
+        """The options that bound the engine's memory, for an out-of-memory error's fix ("Lower ...");
+        ``half_prompts``: half the prompts of the call that ran out, a value to suggest."""
+        return "the engine's memory options"
 
     def runs_apart(self) -> bool:
         """Whether the engine generates on other devices or in another process than training (a
@@ -211,13 +236,18 @@ class Algorithm(Component):
         """Whether ``entropy`` passed to :meth:`loss` must carry gradients (an entropy bonus)."""
         return False
 
-    def filter_batch(self, batch: Batch) -> Batch:
-        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal).
+    def filter_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal): the rows
+        kept and the filter's metrics (``dynamic_sampling/kept_groups``).
 
-        With ``rollout.refill_rounds`` the trainer calls it again on every round of the step
-        together, so decide each group from its own rows; the last call's metrics are the step's.
+        The metrics travel with the batch: with ``rollout.async`` the filter runs on the prefetch
+        thread, steps ahead of the update, and they are logged with the step that trains on these
+        rows, so keep no state between calls. With ``rollout.refill_rounds`` the trainer calls it
+        again on every round of the step together, so decide each group from its own rows; the
+        last call's metrics are the step's. A bare ``Batch`` returned (plugins written before the
+        metrics) is read as ``(batch, {})``.
         """
-        return batch
+        return batch, {}
 
     def trained_models(self) -> list[Trainable]:
         """Models the algorithm trains besides the policy (PPO's critic), each with its loss.

@@ -180,15 +180,3 @@ def memory_errors(what: str, device: torch.device, sizes: str, fix: str) -> Iter
     except torch.OutOfMemoryError as e:
         first = str(e).split(". ")[0] if str(e) else "out of memory"
         raise OutOfMemory(f"out of memory in {what} on {describe(device)}: {sizes}. {fix} ({first}.)") from e
-
-
-ENGINE_MEMORY = {  # an engine's options that bound its memory
-    "hf": "rollout.batch_size (prompts per generate call; try {half})",
-    "vllm": "rollout.gpu_memory_utilization (its share of the GPU) or rollout.engine_kwargs.max_num_seqs",
-    "sglang": "rollout.mem_fraction_static (its share of the GPU) or rollout.batch_size (try {half})",
-}
-
-
-def engine_memory_fix(engine: str, prompts: int) -> str:
-    option = ENGINE_MEMORY.get(engine, "the engine's memory options").format(half=max(1, prompts // 2))
-    return f"Lower {option}, or rollout.max_tokens."

@@ -38,7 +38,6 @@ from hybridrl.batch import Batch
 from hybridrl.checkpoint import PRIVATE_FILE, make_private, private_files
 from hybridrl.components import RolloutOutput, Sampling, SamplingParams
 from hybridrl.config import ConfigError
-from hybridrl.errors import stage_errors
 from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
 from hybridrl.prompts import encode_prompt
 
@@ -291,8 +290,7 @@ class Learner:
             if version % o.save_every == 0:
                 t.save(version)  # with the learner's state: a restart continues after these ratings
             trained = time.perf_counter()
-            with self.engine_lock, stage_errors(t.rollout.component, "update_weights"):
-                t.engine.update_weights(t.policy_tensors())
+            t.sync()  # the session stamps the new version under the lock of the sync
             self.version = version
             metrics["timing/update"], metrics["timing/sync"] = trained - start, time.perf_counter() - trained
             counts = self.store.counts(self.consumed, time.time() - 600)
@@ -340,11 +338,9 @@ class Learner:
         t = self.trainer
         keys = t.config.rollout.model_dump(include=set(Sampling.model_fields))
         sampling = SamplingParams(**keys | {"n": 1, "max_tokens": max_tokens, "seed": uuid.uuid4().int % 2**31})
-        with self.engine_lock, stage_errors(t.rollout.component, "generate"):
-            version = self.version
-            out = t.engine.generate(prompts, sampling)
+        out = t.session.generate(prompts, sampling)
         return [
-            {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": version}
+            {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": out.policy_version}
             for ids, lp, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)
         ]
 
@@ -554,5 +550,5 @@ class Server:
         for logger in self.trainer.loggers:
             logger.close()
         self.trainer.rewards.close()
-        self.trainer.engine.close()
+        self.trainer.session.close()
         self.store.close()

@@ -5,17 +5,16 @@ One worker thread runs the rollout and reward stage of the steps ahead, in step 
 trainer takes them in order. When step s starts, step s + k is queued; a weight sync waits until
 every queued batch is finished, so the batch of step s + k is generated with the weights the
 engine had when step s started: k updates old when it is trained on (the first k + 1 steps use
-the initial weights), recorded per response in ``policy_version`` (the updates the engine's
-weights hold: a server that reloads every ``sync_every`` updates holds older ones, and the
-staleness metric counts them). Deterministic: the steps'
-prompts, seeds and weight versions do not depend on timing. A checkpoint waits for the batches in
+the initial weights), recorded per response in ``policy_version`` (the engine session's version:
+the updates the engine's weights hold; a server that reloads every ``sync_every`` updates holds
+older ones, and the staleness metric counts them). Deterministic: the steps' prompts, seeds and
+weight versions do not depend on timing. A checkpoint waits for the batches in
 flight and saves them, so a resumed run trains on the very batches the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import sys
 
 import torch
@@ -33,12 +32,11 @@ def unpack(state: dict) -> Batch:
 
 
 class Prefetcher:
-    """``collect(step) -> (rollout, kept, metrics)`` run ahead, up to ``depth`` steps."""
+    """``collect(step) -> (rollout, kept, metrics)`` run ahead, up to ``depth`` steps; ``session``
+    (the engine session, :mod:`hybridrl.session`) counts the updates and the version the engine holds."""
 
-    def __init__(self, collect, depth: int, last_step: int):
-        self.collect, self.depth, self.last_step = collect, depth, last_step
-        self.updates = 0  # weight syncs so far
-        self.version = 0  # the updates in the engine's weights (fewer with a server's sync_every > 1)
+    def __init__(self, collect, depth: int, last_step: int, session):
+        self.collect, self.depth, self.last_step, self.session = collect, depth, last_step, session
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="hybridrl-rollout")
         self.futures: dict[int, cf.Future] = {}
         self.done: dict[int, tuple] = {}  # results restored from a checkpoint
@@ -54,42 +52,36 @@ class Prefetcher:
     def _fill(self, step: int) -> None:
         for s in range(step, min(step + self.depth, self.last_step) + 1):
             if s not in self.futures and s not in self.done:
-                self.futures[s] = self.pool.submit(self._run, s, self.version)
+                self.futures[s] = self.pool.submit(self._run, s, self.session.version)
 
     def take(self, step: int) -> tuple[Batch, Batch, dict[str, float]]:
         """Step ``step``'s rollout, its kept groups and metrics; starts the steps after it."""
         self._fill(step)
         result = self.done.pop(step) if step in self.done else self.futures.pop(step).result()
         rollout, kept, metrics = result
-        stale = (self.updates - rollout["policy_version"]).float()
+        stale = (self.session.updates - rollout["policy_version"]).float()
         return (
             rollout,
             kept,
             metrics | {"rollout/staleness_mean": stale.mean().item(), "rollout/staleness_max": stale.max().item()},
         )
 
-    @contextlib.contextmanager
-    def syncing(self, holds_latest=lambda: True):
-        """Around a weight sync: waits until every queued batch is generated, then counts the update
-        (and the engine's new version, if ``holds_latest()`` says the engine took it)."""
+    def before_sync(self) -> None:
+        """Wait until every queued batch is generated: they come from the weights the engine had
+        when they were queued."""
         cf.wait(list(self.futures.values()))
-        yield
-        self.updates += 1
-        if holds_latest():
-            self.version = self.updates
 
     def state_dict(self) -> dict:
         """The batches in flight, finished: a resumed run starts from them."""
         finished = {s: f.result() for s, f in sorted(self.futures.items())} | self.done
         self.futures, self.done = {}, finished
         return {
-            "updates": self.updates,
-            "version": self.version,
             "steps": {s: {"rollout": pack(r), "kept": pack(k), "metrics": m} for s, (r, k, m) in finished.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.updates, self.version = int(state["updates"]), int(state["version"])
+        if "updates" in state:  # written before the engine session kept the count
+            self.session.load_state_dict(state)
         self.done = {int(s): (unpack(v["rollout"]), unpack(v["kept"]), v["metrics"]) for s, v in state["steps"].items()}
 
     def close(self) -> None:
@@ -98,7 +90,7 @@ class Prefetcher:
         self.pool.shutdown(wait=True)
 
 
-def make_prefetcher(config, engine, collect, main: bool) -> Prefetcher | None:
+def make_prefetcher(config, session, collect, main: bool) -> Prefetcher | None:
     """The prefetcher of ``rollout.async`` (None when it is 0, or when the engine shares the trainer's
     device and process, which it says once)."""
     from hybridrl import distributed
@@ -109,7 +101,7 @@ def make_prefetcher(config, engine, collect, main: bool) -> Prefetcher | None:
         return None
     if distributed.world_size() > 1:
         raise ConfigError("rollout.async runs on one process for now; under torchrun set rollout.async: 0.")
-    if not engine.runs_apart():
+    if not session.runs_apart():
         if main:
             print(
                 f"note: rollout.async={depth}, but rollout engine '{config.rollout.engine}' generates on the "
@@ -119,4 +111,4 @@ def make_prefetcher(config, engine, collect, main: bool) -> Prefetcher | None:
                 flush=True,
             )
         return None
-    return Prefetcher(collect, depth, config.trainer.steps)
+    return Prefetcher(collect, depth, config.trainer.steps, session)

@@ -286,11 +286,20 @@ def agent_check(engine, model_dir, name: str, temperature: float = 0.7, n: int =
     from hybridrl.components import SamplingParams
     from hybridrl.config import AgentConfig, RolloutConfig
     from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
+    from hybridrl.session import EngineSession
 
     tok = load_tokenizer(model_dir)
     rollout = RolloutConfig(engine=name, n=n, max_tokens=24, stop=["e", "t", "a"], temperature=temperature)
     agent = AgentConfig(environment="go_on", max_turns=3)
-    loop = AgentLoop(engine, GoOnEnvironment(), agent, rollout, tok, end_token_ids(model_dir, tok), eager=True)
+    loop = AgentLoop(
+        EngineSession(engine, rollout),
+        GoOnEnvironment(),
+        agent,
+        rollout,
+        tok,
+        end_token_ids(model_dir, tok),
+        eager=True,
+    )
     texts = ["What is 2 + 3?", "Say seven"]
     prompts = [tok(t)["input_ids"] for t in texts]
     chats = [[{"role": "user", "content": t}] for t in texts]

@@ -8,7 +8,6 @@ responses), ``rewards`` (scores), ``update`` (the training loop of every trained
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -54,6 +53,7 @@ from hybridrl.prefetch import make_prefetcher
 from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
 from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
+from hybridrl.session import EngineSession
 from hybridrl.signals import StopSignals
 from hybridrl.update import Trainable, mini_batch_rows, run_update
 
@@ -158,9 +158,11 @@ class Trainer:
         warmup = max(1, t.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
-        agent = build_agent(self._build, cfg, self.engine, self.tokenizer, end_token_ids(model_path, self.tokenizer))
-        self.rollout = RolloutStage(self.engine, self.data, self.prompts, self.tokenizer, cfg, agent)
-        self.prefetch = make_prefetcher(cfg, self.engine, self.collect, self.ctx.is_main)
+        pad = self.tokenizer.pad_token_id
+        self.session = EngineSession(self.engine, cfg.rollout, t.seed, t.prompts_per_step, pad)  # its only caller
+        agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
+        self.rollout = RolloutStage(self.session, self.data, self.prompts, self.tokenizer, cfg, agent)
+        self.prefetch = make_prefetcher(cfg, self.session, self.collect, self.ctx.is_main)
         loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 
@@ -185,7 +187,8 @@ class Trainer:
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
-        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch, **self.extra_state}
+        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch}
+        found |= {"engine_session": self.session, **self.extra_state}
         return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------
@@ -218,15 +221,20 @@ class Trainer:
                             self.signals.exit_code,
                         )
         finally:
-            self.pm.hook.on_train_end(trainer=self, metrics=metrics)
-            for logger in self.loggers:
-                logger.close()
-            self.rewards.close()
-            if self.prefetch is not None:
-                self.prefetch.close()
-            self.engine.close()
-            distributed.teardown()
+            self.close(metrics)
         return metrics
+
+    def close(self, metrics: dict[str, float] | None = None) -> None:
+        """End the run: ``on_train_end`` with the last metrics, then the loggers, the rewards, the
+        prefetcher, the engine and the process group are released."""
+        self.pm.hook.on_train_end(trainer=self, metrics=metrics or {})
+        for logger in self.loggers:
+            logger.close()
+        self.rewards.close()
+        if self.prefetch is not None:
+            self.prefetch.close()
+        self.session.close()
+        distributed.teardown()
 
     def save(self, step: int) -> Path:
         path = ckpt.save_checkpoint(self, step)
@@ -243,7 +251,9 @@ class Trainer:
         if found is not None:
             path, self.start_step = found
             ckpt.drop_logs_after(self.run_dir, self.start_step, self.ctx.is_main)
-            self.sync()
+            if not self.session.updates:  # a checkpoint written before the session kept its count
+                self.session.updates = self.session.version = self.start_step
+            self.sync(update=False)
             if self.ctx.is_main:
                 print(f"resumed from {path} (step {self.start_step})", flush=True)
 
@@ -254,32 +264,26 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
+        check, first = self.session.check, step == self.start_step + 1
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
-        if step == self.start_step + 1:
+        if first:
             with timer("sync_check"):
-                start, start_error = self.rollout.check_start(step, self.probe_logprobs, self.start_step > 0, self.sync)
+                resync = lambda: self.sync(update=False)  # noqa: E731
+                start, start_error = check.start(self.probe_prompt, step, self.probe_logprobs, step > 1, resync)
         rollout, kept, metrics = self.rollouts(step, timer)
         metrics |= start
         batch = self.trainable(step, kept, rollout)  # None: nothing to train on this step
         if batch is not None:
-            with timer("logprobs"):
-                metrics |= self.compute_logprobs(batch)
-            with timer("advantages"):
-                metrics |= self.algorithm.compute_advantages(batch)
-            if distributed.any_rank(not torch.isfinite(batch["advantages"]).all()):
-                self.nonfinite(step, f"the advantages of algorithm '{self.config.algorithm.name}' are NaN/Inf")
-                batch = None
-        if batch is not None:
-            with timer("update"):
-                metrics |= self.update(batch, step)
-        # also after a skipped update: an engine may have released its weights in sleep()
-        with self.engine_free():
-            with timer("sync"):
-                self.sync()
-            if start_error is None:
-                with timer("sync_check"):
-                    metrics |= self.rollout.check_sync(step, self.probe_logprobs, first=step == self.start_step + 1)
-            metrics |= self.engine.metrics()
+            trained, batch = self.train_on(batch, step, timer)
+            metrics |= trained
+        if self.prefetch is not None:  # the batches queued come from the weights they were queued with
+            self.prefetch.before_sync()
+        with timer("sync"):  # also after a skipped update: an engine may have released its weights in sleep()
+            self.sync()
+        if start_error is None:
+            with timer("sync_check"):
+                metrics |= check.after_sync(self.probe_prompt, step, self.probe_logprobs, first)
+        metrics |= self.session.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
@@ -292,10 +296,32 @@ class Trainer:
             raise StageError(start_error)
         return metrics
 
-    def sync(self) -> None:
-        """Send the policy's weights to the engine."""
-        with stage_errors(self.rollout.component, "update_weights"):
-            self.engine.update_weights(self.policy_tensors())
+    def train_on(self, batch: Batch, step: int, timer: Timer | None = None) -> tuple[dict[str, float], Batch | None]:
+        """Train on a scored batch (on the policy's device, the same rows on every rank): the
+        logprobs it needs, the algorithm's advantages, the update of every trained model. Returns
+        the metrics and the batch, or None in its place when the advantages were NaN/Inf and
+        ``trainer.on_nonfinite: skip`` skipped the update. ``hybridrl serve`` trains through it too."""
+        timer = timer or Timer(self.ctx.device)
+        with timer("logprobs"):
+            metrics = self.compute_logprobs(batch)
+        with timer("advantages"):
+            metrics |= self.algorithm.compute_advantages(batch)
+        if distributed.any_rank(not torch.isfinite(batch["advantages"]).all()):
+            self.nonfinite(step, f"the advantages of algorithm '{self.config.algorithm.name}' are NaN/Inf")
+            return metrics, None
+        with timer("update"):
+            metrics |= self.update(batch, step)
+        return metrics, batch
+
+    def sync(self, update: bool = True) -> None:
+        """Send the policy's weights to the engine; ``update``: they hold a new policy update (else
+        the same weights again: a resume, a resync before the first update)."""
+        self.session.sync(self.policy_tensors, update)
+
+    @property
+    def probe_prompt(self) -> list[int]:
+        """The sync check's prompt (:class:`hybridrl.session.SyncCheck`)."""
+        return self.rollout.probe_prompt()
 
     def probe_logprobs(self, probe: Batch) -> torch.Tensor:
         """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""
@@ -309,23 +335,17 @@ class Trainer:
         if self.prefetch is not None:
             with timer("rollout_wait"):
                 return self.prefetch.take(step)
-        with timer("rollout"), stage_errors(self.rollout.component, "wake_up"):
-            self.engine.wake_up()
+        with timer("rollout"):
+            self.session.wake_up()
         out = self.collect(step, timer)
-        with stage_errors(self.rollout.component, "sleep"):
-            self.engine.sleep()
+        self.session.sleep()
         return out
-
-    def engine_free(self):
-        """Hold the engine between two generations (rollout.async) while its weights change."""
-        if self.prefetch is None:
-            return contextlib.nullcontext()
-        return self.prefetch.syncing(self.engine.holds_latest_weights)
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
         """Rollout and reward rounds, then the algorithm's filter: one round, or with
         rollout.refill_rounds more until every rank keeps its share of groups. Returns the rollouts
-        of every round, the groups kept, and the metrics."""
+        of every round, the groups kept, and the metrics, the filter's last call's among them (they
+        travel with the batch: rollout.async runs this on the prefetch thread, steps ahead)."""
         refill, share = self.config.rollout.refill_rounds, self.config.trainer.prompts_per_step // self.ctx.world_size
         rounds, round_metrics = [], defaultdict(list)
         for round_ in range(1 + refill):
@@ -336,13 +356,14 @@ class Trainer:
                     round_metrics[k].append(v)
                 rollout = Batch.cat(rounds, self.tokenizer.pad_token_id) if round_ else rounds[0]
                 kept = self.algorithm.filter_batch(rollout)  # all rounds: its metrics cover them all
+                kept, filtered = kept if isinstance(kept, tuple) else (kept, {})  # a bare Batch: no metrics
             if round_ == refill or distributed.all_ranks(kept.groups() >= share):
                 break  # every rank kept its share of groups (always, when the algorithm drops none)
         metrics = {k: sum(v) / len(v) for k, v in round_metrics.items()}  # rounds are the same size
         if len(rounds) > 1:  # the statistics of all the rounds' responses together
             metrics |= self.rewards.stats(rollout)
             kept = first_groups(kept, share)
-        return rollout, kept, metrics | {"rollout/rounds": len(rounds)}
+        return rollout, kept, metrics | filtered | {"rollout/rounds": len(rounds)}
 
     def trainable(self, step: int, kept: Batch, rollout: Batch) -> Batch | None:
         """The kept groups with padding rows up to every rank's row count, on the policy's device;

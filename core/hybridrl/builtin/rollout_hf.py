@@ -195,6 +195,9 @@ class HFEngine(RolloutEngine):
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
+    def memory_options(self, half_prompts: int) -> str:
+        return f"rollout.batch_size (prompts per generate call; try {half_prompts})"
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         size = self.options.batch_size or len(prompts)

@@ -169,6 +169,9 @@ class SGLangEngine(RolloutEngine):
                 "its workers), or a separate SGLang server (rollout.base_url)."
             )
 
+    def memory_options(self, half_prompts: int) -> str:
+        return f"rollout.mem_fraction_static (its share of the GPU) or rollout.batch_size (try {half_prompts})"
+
     def seeds_each_request(self) -> bool:
         return self.options.per_request_seed
 

@@ -30,7 +30,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hybridrl.components import RolloutOutput, SamplingParams
+from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 
 COMPONENT = "sglang rollout engine"
@@ -57,10 +57,7 @@ def sampling_params(sampling: SamplingParams, stop_token_ids: Iterable[int], *, 
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
+        **NEUTRAL_SAMPLING,
         "stop_token_ids": [] if ignore_eos else sorted(set(stop_token_ids)),
         "ignore_eos": ignore_eos,
         "no_stop_trim": True,  # keep the stop token in output_ids: it is part of the response
@@ -86,11 +83,9 @@ def generate_request(
     """
     ids = [[int(t) for t in p] for p in prompts for _ in range(sampling.n)]
     params = sampling_params(sampling, stop_token_ids, stop_in_engine=stop_in_engine)
-    if per_request_seed and sampling.seeds is not None:  # one seed per prompt; sample j: + j
-        n = sampling.n
-        params = [{**params, "sampling_seed": sampling.seeds[i // n] + i % n} for i in range(len(ids))]
-    elif per_request_seed and sampling.seed is not None:
-        params = [{**params, "sampling_seed": sampling.seed + i} for i in range(len(ids))]
+    seeds = sampling.sample_seeds(len(prompts)) if per_request_seed else None
+    if seeds is not None:
+        params = [{**params, "sampling_seed": seed} for seed in seeds]
     return {"input_ids": ids, "sampling_params": params, "return_logprob": True}
 
 

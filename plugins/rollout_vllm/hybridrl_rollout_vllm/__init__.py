@@ -47,6 +47,9 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors) -> None:
         self.backend.update_weights(named_tensors)
 
+    def memory_options(self, half_prompts: int) -> str:
+        return "rollout.gpu_memory_utilization (its share of the GPU) or rollout.engine_kwargs.max_num_seqs"
+
     def seeds_each_request(self) -> bool:
         return self.options.seed_requests
 

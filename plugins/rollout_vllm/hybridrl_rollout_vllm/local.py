@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from hybridrl.components import RolloutOutput, SamplingParams
+from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import tensor_bytes, weight_buckets
 from hybridrl_rollout_vllm.weights import to_safetensors_dict
 
@@ -203,24 +203,17 @@ class LocalEngine:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
+            **NEUTRAL_SAMPLING,
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
             ignore_eos=getattr(s, "ignore_eos", False),
             logprobs=0,  # the sampled token's logprob only
             detokenize=bool(s.stop),  # text is needed only to find stop strings
         )
-        if not self.options.seed_requests:
+        seeds = s.prompt_seeds(num_prompts) if self.options.seed_requests else None
+        if seeds is None:
             return VSP(**base)
-        if s.seeds is not None:  # one seed per prompt (the agent loop's trajectories)
-            return [VSP(**base, seed=seed) for seed in s.seeds]
-        if s.seed is None:
-            return VSP(**base)
-        # vLLM seeds sample j of a request with seed + j, so requests are spaced n apart
-        return [VSP(**base, seed=s.seed + i * s.n) for i in range(num_prompts)]
+        return [VSP(**base, seed=seed) for seed in seeds]  # vLLM seeds sample j of a request seed + j
 
     # -- weight sync ------------------------------------------------------------------------
 

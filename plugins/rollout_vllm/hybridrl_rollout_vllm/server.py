@@ -19,7 +19,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hybridrl.components import RolloutOutput, SamplingParams
+from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.http import ServiceError, get_json, post_json
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
@@ -62,20 +62,14 @@ class ServerEngine:
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
+            **NEUTRAL_SAMPLING,
             "stop": list(s.stop),
             "ignore_eos": getattr(s, "ignore_eos", False),
             "logprobs": 0,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        if not self.options.seed_requests or (s.seeds is None and s.seed is None):
-            seeds = [None] * len(prompts)
-        else:
-            seeds = s.seeds or [s.seed + i * s.n for i in range(len(prompts))]
+        seeds = (s.prompt_seeds(len(prompts)) if self.options.seed_requests else None) or [None] * len(prompts)
         payloads = [
             base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
         ]

@@ -1,0 +1,217 @@
+"""The engine session: the one owner of the rollout engine.
+
+Everything that needs the engine goes through one :class:`EngineSession`: the loop's rollouts,
+the prefetch thread's (``rollout.async``), the agent loop's turns, ``hybridrl serve``'s answers,
+the sync check's probe; and so do the engine's wake-up and sleep, its weight syncs, its figures
+and its release. The session
+
+- serialises access: one engine call at a time, whatever thread makes it;
+- counts the policy version: ``updates`` (weight syncs of policy updates sent) and ``version``
+  (the updates the engine's weights hold: fewer for a server that syncs every few updates), both
+  changed under the lock of the sync, and stamped on each generation under the lock of that
+  generation (``RolloutOutput.policy_version``): an answer never carries a version older than the
+  weights that sampled it;
+- seeds each call by one rule (:func:`rollout_seed`): prompt p of a step, over all ranks, is
+  seeded ``base + p·n`` (engines that seed each request give its sample j ``+ j``:
+  :meth:`hybridrl.components.SamplingParams.sample_seeds`);
+- checks that the engine computes with the trainer's weights (:class:`SyncCheck`);
+- turns an engine's out-of-memory error into one that names the engine's own memory options
+  (:meth:`hybridrl.components.RolloutEngine.memory_options`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from hybridrl import distributed
+from hybridrl import functional as F
+from hybridrl.batch import Batch
+from hybridrl.components import RolloutEngine, RolloutOutput, Sampling, SamplingParams
+from hybridrl.errors import StageError, stage_errors
+from hybridrl.memory import memory_errors
+
+SYNC_CHECK_FACTOR = 20  # after syncs, allow this many times the difference measured before the first
+PROBE_ROUND = 7  # the sync check's probe draws its own samples: a round no step reaches
+
+
+def rollout_seed(seed: int, step: int, round_: int = 0, first_prompt: int = 0, n: int = 1) -> int:
+    """The sampling seed of a call whose first prompt is the step's prompt ``first_prompt``.
+
+    Engines that seed each request (vllm, sglang) give prompt i of a call ``seed + i·n`` and its
+    sample j ``+ j``; with this rank's first prompt at ``first_prompt`` of the step, prompt p of
+    the step (over all ranks) is seeded ``base + p·n``, so a run samples the same responses on
+    any number of ranks. Rounds of a step draw other samples.
+    """
+    return seed * 100_003 + step + 10_000_019 * round_ + first_prompt * n
+
+
+class EngineSession:
+    """The rollout engine of a run, and everything about it that outlives one call."""
+
+    def __init__(self, engine: RolloutEngine, rollout, seed: int = 0, prompts_per_step: int = 1, pad_id: int = 0):
+        """``rollout``: the config's rollout section; ``seed``, ``prompts_per_step``: the trainer's."""
+        self.engine, self.rollout, self.seed, self.pad_id = engine, rollout, seed, pad_id
+        self.prompts_per_step = prompts_per_step
+        self.component = f"rollout engine '{rollout.engine}'"
+        self.lock = threading.RLock()  # one engine call at a time
+        self.updates = 0  # policy updates sent to the engine
+        self.version = 0  # the updates the engine's weights hold
+        self.check = SyncCheck(self)
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def sampling(self, step: int, round_: int = 0, **changes) -> SamplingParams:
+        """What the engine samples with: the rollout section of the config, ``changes`` applied, and
+        the seed of this rank's first prompt of the step's round (:func:`rollout_seed`)."""
+        first = distributed.rank() * (self.prompts_per_step // distributed.world_size())
+        keys = self.rollout.model_dump(include=set(Sampling.model_fields)) | changes
+        return SamplingParams(**keys, seed=rollout_seed(self.seed, step, round_, first, keys["n"]))
+
+    def seeds_each_request(self) -> bool:
+        return self.engine.seeds_each_request()
+
+    def runs_apart(self) -> bool:
+        return self.engine.runs_apart()
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str = "generate") -> RolloutOutput:
+        """The engine's responses to ``prompts``, stamped with the policy version that sampled them."""
+        with self.lock, stage_errors(self.component, what), self._memory_errors(prompts, sampling):
+            out = self.engine.generate(prompts, sampling)
+            out.policy_version = self.version
+        return out
+
+    def wake_up(self) -> None:
+        """Restore the engine's memory before generating."""
+        with self.lock, stage_errors(self.component, "wake_up"):
+            self.engine.wake_up()
+
+    def sleep(self) -> None:
+        """Free the engine's memory for training."""
+        with self.lock, stage_errors(self.component, "sleep"):
+            self.engine.sleep()
+
+    def sync(self, tensors, update: bool = True) -> None:
+        """Send the policy's weights (``tensors``: named tensors, or a callable that yields them once
+        the engine is free). ``update``: they hold one more policy update (a resume's or a check's
+        resync sends the same weights again)."""
+        with self.lock, stage_errors(self.component, "update_weights"):
+            self.engine.update_weights(tensors() if callable(tensors) else tensors)
+            if update:
+                self.updates += 1
+                if self.engine.holds_latest_weights():
+                    self.version = self.updates
+
+    def metrics(self) -> dict[str, float]:
+        with self.lock:
+            return self.engine.metrics()
+
+    def close(self) -> None:
+        with self.lock:
+            self.engine.close()
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates, self.version = int(state["updates"]), int(state["version"])
+
+    @contextlib.contextmanager
+    def _memory_errors(self, prompts: list[list[int]], sampling: SamplingParams):
+        """Out of memory while generating: an error naming the engine, the sizes and its memory options."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            longest = max(map(len, prompts), default=0)
+            sizes = f"{len(prompts)} prompts x {sampling.n} samples of up to {longest} + {sampling.max_tokens} tokens"
+            device = getattr(getattr(self.engine, "ctx", None), "device", torch.device("cpu"))
+            fix = f"Lower {self.engine.memory_options(max(1, len(prompts) // 2))}, or rollout.max_tokens."
+            with memory_errors(f"{self.component} generate", device, sizes, fix):
+                raise
+
+
+class SyncCheck:
+    """Whether the engine computes with the trainer's weights: the engine samples one token a few
+    times for a probe prompt, and the policy scores them (``rollout.sync_check``)."""
+
+    def __init__(self, session: EngineSession):
+        self.session, self.rollout = session, session.rollout
+        self.allowed = self.rollout.sync_check
+        self.means: list[float] = []  # each rank's difference of the latest probe
+
+    def enabled(self) -> bool:
+        return bool(self.rollout.sync_check) and self.session.engine.holds_latest_weights()
+
+    @torch.no_grad()
+    def probe(self, prompt: list[int], step: int, policy_logprobs, samples: int = 8) -> float:
+        """The engine samples one token ``samples`` times for ``prompt``; returns the largest, over
+        ranks, mean |engine logprob - ``policy_logprobs(batch)``| of those tokens."""
+        s = self.session
+        s.wake_up()  # the next step's rollout needs it awake anyway
+        keys = self.rollout.model_dump(include={"temperature", "top_p", "top_k"})
+        seed = rollout_seed(s.seed, step, PROBE_ROUND)  # the same on every rank
+        out = s.generate([prompt], SamplingParams(**keys, n=samples, max_tokens=1, seed=seed), "generate (sync check)")
+        batch = Batch.from_rollout([prompt], out, samples, s.pad_id)
+        lp = policy_logprobs(batch)
+        diff = (lp - batch["rollout_logprobs"].to(lp.device)).abs()
+        self.means = distributed.all_gather_objects(float(F.masked_mean(diff, batch["response_mask"].to(lp.device))))
+        return max(self.means)
+
+    def start(self, prompt, step: int, policy_logprobs, resumed: bool, resync) -> tuple[dict[str, float], str | None]:
+        """Before the run's first update, when the engine should hold the policy's own weights: the
+        difference the engine's precision and conventions give (the baseline), the metrics, and an
+        error message when it is above ``rollout.sync_check``. An engine that started from other
+        weights (a server left by another run) is sent the policy's (``resync()``) and probed again.
+        Later checks allow ``max(rollout.sync_check, SYNC_CHECK_FACTOR x baseline)``."""
+        r = self.rollout
+        if not self.enabled():
+            return {}, None
+        base = first = self.probe(prompt, step, policy_logprobs)
+        if first > r.sync_check and not resumed:  # resumed: the engine took the checkpoint's weights already
+            resync()
+            base = self.probe(prompt, step, policy_logprobs)
+        self.allowed = max(r.sync_check, SYNC_CHECK_FACTOR * base)
+        metrics = {"rollout/sync_check_start": first, "rollout/sync_check_baseline": base}
+        metrics["rollout/sync_check_allowed"] = self.allowed
+        if base <= r.sync_check:
+            return metrics, None
+        if resumed:
+            return metrics, self._error(step, base, r.sync_check, "at resume")
+        ranks = [i for i, d in enumerate(self.means) if d > r.sync_check]
+        return metrics, (
+            f"{self.session.component} on rank(s) {ranks}: before the first update, holding the policy's own weights "
+            f"(as loaded, and sent once more), its logprobs of a probe prompt differ from the policy's by {base:.3g} "
+            f"on average (rollout.sync_check allows {r.sync_check:g}). The weights are the same on both sides: the "
+            "engine computes logprobs another way than the trainer, which scores each sampled token at its own "
+            "position under softmax(logits / temperature) over the whole vocabulary, in the policy's precision. "
+            "Check the engine's logprobs (temperature applied, no offset, not truncated), its dtype, or the model's "
+            "support in the engine (or, for a server, that it takes weights at all); for an engine of lower "
+            "precision raise rollout.sync_check. Step 1's metrics are in metrics.jsonl."
+        )
+
+    def after_sync(self, prompt, step: int, policy_logprobs, first: bool = True) -> dict[str, float]:
+        """After a weight sync: the probe of :meth:`probe`, whose difference above the allowed one
+        (see :meth:`start`) is an error naming the ranks. It runs after the ``first`` sync of a run
+        and then every ``rollout.sync_check_every`` steps."""
+        r = self.rollout
+        due = first or (r.sync_check_every > 0 and step % r.sync_check_every == 0)
+        if not due or not self.enabled():
+            return {}
+        worst = self.probe(prompt, step, policy_logprobs)
+        if worst > self.allowed:
+            raise StageError(self._error(step, worst, self.allowed, f"after the weight sync of step {step}"))
+        return {"rollout/sync_check_diff_max": worst}
+
+    def _error(self, step: int, worst: float, tol: float, when: str) -> str:
+        ranks = [i for i, d in enumerate(self.means) if d > tol]
+        return (
+            f"{self.session.component} on rank(s) {ranks}: {when} its logprobs of a probe prompt differ from the "
+            f"policy's by {worst:.3g} on average (allowed: {tol:.3g}, from rollout.sync_check and the difference "
+            "before the first sync): the engine does not compute with the trainer's weights. A sync that did not "
+            "reach it, weights released by sleep() and never reloaded, or tensors it loads under other names or "
+            "layouts; set rollout.sync_check: 0 to skip this check."
+        )
