@@ -95,12 +95,12 @@ def worker(args) -> None:
     torch.manual_seed(0)
     cfg = Qwen2Config(**(TINY if args.smoke else QWEN05))
     model = Qwen2ForCausalLM(cfg).to(dtype).train()
-    ctx = RunContext("", None, device, dtype, 0, Path(tempfile.gettempdir()))
+    rank, world = distributed.rank(), distributed.world_size()
+    ctx = RunContext("", None, device, dtype, 0, Path(tempfile.gettempdir()), rank=rank, world_size=world)
     if strategy_name == "fsdp":
         strategy = FSDPStrategy(FSDPStrategy.Options(**options), ctx)
     else:
         strategy = SingleDevice(SingleDevice.Options(), ctx)
-    ctx.rank, ctx.world_size = distributed.rank(), distributed.world_size()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

@@ -28,13 +28,27 @@ def top_level_imports(path: Path) -> set[str]:
     return found
 
 
-def core_graph() -> dict[str, set[str]]:
+def all_imports(path: Path) -> set[str]:
+    """hybridrl modules ``path`` names anywhere: module level, under TYPE_CHECKING, inside functions."""
+    found = set()
+    for sub in ast.walk(ast.parse(path.read_text())):
+        if isinstance(sub, ast.Import):
+            found |= {a.name for a in sub.names if a.name.startswith("hybridrl")}
+        elif isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("hybridrl"):
+            found.add(sub.module)
+            found |= {f"{sub.module}.{a.name}" for a in sub.names}
+    return found
+
+
+def core_graph(imports=top_level_imports) -> dict[str, set[str]]:
     modules = {module_name(p): p for p in CORE.rglob("*.py")}
-    return {name: {m for m in top_level_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    return {name: {m for m in imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
-def test_no_import_cycles_in_the_core():
-    graph = core_graph()
+def test_no_import_cycles_in_the_core_at_any_level():
+    """Not at import time, and not either through imports for type checking or inside functions:
+    every module stands on the modules below it."""
+    graph = core_graph(all_imports)
     state: dict[str, str] = {}
 
     def visit(node, path):
@@ -59,3 +73,14 @@ def test_plugins_import_shared_modules_not_the_trainer():
     for path in (ROOT / "plugins").glob("*/hybridrl_*/**/*.py"):
         source = path.read_text()
         assert "hybridrl.trainer" not in source, f"{path} imports from the trainer; use a shared module"
+
+
+def test_the_contract_stands_on_the_ground():
+    """components.py (the plugin contract) imports only the data types and helpers it hands to
+    plugins, even for type checking: nothing of the trainer's machinery."""
+    assert core_graph(all_imports)["hybridrl.components"] <= {
+        "hybridrl.batch",
+        "hybridrl.devices",
+        "hybridrl.distributed",
+        "hybridrl.functional",
+    }

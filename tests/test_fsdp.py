@@ -6,6 +6,7 @@ worker script (``python -m torch.distributed.run ... tests/test_fsdp.py worker .
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -312,7 +313,7 @@ def test_fsdp_options_that_cannot_work_are_named(tmp_path):
     from hybridrl.models import compute_dtype
 
     assert compute_dtype("auto", torch.bfloat16, ctx.device, "x") == torch.bfloat16  # float32 masters, bf16 compute
-    ctx.dtype = torch.float32
+    ctx = dataclasses.replace(ctx, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"sharding.offload .* the policy is on cpu \(trainer.device\)"):
         FSDPStrategy(FSDPStrategy.Options(offload=True), ctx)
     with pytest.raises(ValueError, match="shard_group_size is for mode hybrid_shard"):

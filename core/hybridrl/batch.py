@@ -12,7 +12,20 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrl import distributed
-from hybridrl.components import RolloutOutput
+
+
+@dataclass
+class RolloutOutput:
+    """Responses for P prompts x n samples, grouped by prompt: prompt i has rows i*n .. i*n+n-1."""
+
+    token_ids: list[list[int]]  # sampled tokens, the stop token included when one was hit
+    logprobs: list[list[float]]  # logprob of each sampled token under the sampling policy
+    finish_reasons: list[str]  # "stop" or "length"
+    #: per token, 1 where the policy sampled it and 0 where it did not (observation tokens of a
+    #: multi-turn trajectory: attended to, never trained on, logprob 0); None: all sampled
+    sampled_masks: list[list[int]] | None = None
+    #: the policy updates the engine's weights held (set by the trainer's engine session, not the engine)
+    policy_version: int | None = None
 
 
 @dataclass

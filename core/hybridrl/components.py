@@ -7,19 +7,16 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybridrl.batch import Batch, RolloutOutput  # noqa: F401 (RolloutOutput: part of the contract)
 from hybridrl.functional import LossAggregation
-
-if TYPE_CHECKING:
-    from hybridrl.batch import Batch
-    from hybridrl.update import Trainable
 
 
 class Options(BaseModel):
@@ -28,9 +25,15 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunContext:
-    """What every component may need to know about the run it is part of."""
+    """What every component may need to know about the run it is part of; read-only.
+
+    The trainer builds it before any component, complete but for the run's services, which join it
+    once built (``dataclasses.replace``): ``strategy`` and ``passes`` are set for every component
+    built after the sharding strategy (the algorithm, rewards, the engine, loggers, agents'
+    environments and tools), and None for prompt sources and the strategy itself.
+    """
 
     model_path: str  # a plain Hugging Face model folder (GGUF files are converted first)
     tokenizer: Any  # the policy's transformers tokenizer
@@ -40,7 +43,7 @@ class RunContext:
     run_dir: Path
     rank: int = 0  # this process's rank under torchrun (0 on one process)
     world_size: int = 1  # processes in the run; each trains on its share of the step's prompts
-    strategy: Any = None  # the run's ShardingStrategy, set once it is built (to wrap extra models)
+    strategy: ShardingStrategy | None = None  # the run's sharding strategy (to wrap extra models)
     local_rank: int = 0  # the rank within its node: the GPU index under torchrun
     trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
     dropout: bool = False  # model.dropout: keep dropout active in the models that train
@@ -115,20 +118,6 @@ class SamplingParams(Sampling):
         for engines that take one request per sample (SGLang)."""
         seeds = self.prompt_seeds(prompts)
         return None if seeds is None else [s + j for s in seeds for j in range(self.n)]
-
-
-@dataclass
-class RolloutOutput:
-    """Responses for P prompts x n samples, grouped by prompt: prompt i has rows i*n .. i*n+n-1."""
-
-    token_ids: list[list[int]]  # sampled tokens, the stop token included when one was hit
-    logprobs: list[list[float]]  # logprob of each sampled token under the sampling policy
-    finish_reasons: list[str]  # "stop" or "length"
-    #: per token, 1 where the policy sampled it and 0 where it did not (observation tokens of a
-    #: multi-turn trajectory: attended to, never trained on, logprob 0); None: all sampled
-    sampled_masks: list[list[int]] | None = None
-    #: the policy updates the engine's weights held (set by the trainer's engine session, not the engine)
-    policy_version: int | None = None
 
 
 class RolloutEngine(Component):
@@ -208,6 +197,26 @@ class RewardFunction(Component):
 
 
 # --- algorithm ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trainable:
+    """A model the update stage trains, and how."""
+
+    name: str  # metric prefix: "actor" (the policy), "critic", ...
+    label: str  # what messages call it: "policy (algorithm 'grpo')", "critic (algorithm 'ppo')"
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: a micro-batch -> (its loss, aggregated with ``aggregation``; metrics to log, floats or tensors);
+    #: token statistics among the metrics are weighted by the micro-batch's response tokens
+    loss: Callable[[Batch], tuple[torch.Tensor, dict[str, Any]]]
+    aggregation: LossAggregation
+    epochs: int = 1
+    mini_batch_size: int | None = None  # responses per optimizer step over all ranks; None: the whole batch
+    micro_batch_size: int | None = None  # responses per pass; None: the trainer's micro-batches
+    packed: bool = False  # the loss runs packed passes: the trainer's micro-batches cut for them
+    max_grad_norm: float = 1.0
+    scheduler: Any = None  # stepped once per update stage
 
 
 class Algorithm(Component):

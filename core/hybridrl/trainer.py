@@ -8,6 +8,7 @@ responses), ``rewards`` (scores), ``update`` (the training loop of every trained
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,7 @@ from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
 from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
-from hybridrl.components import RunContext
+from hybridrl.components import RunContext, Trainable
 from hybridrl.config import RunConfig, check_world, write_config
 from hybridrl.devices import model_device_errors, resolve_device
 from hybridrl.engine_weights import engine_tensors
@@ -55,7 +56,7 @@ from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
 from hybridrl.session import EngineSession
 from hybridrl.signals import StopSignals
-from hybridrl.update import Trainable, mini_batch_rows, run_update
+from hybridrl.update import mini_batch_rows, run_update
 
 
 class Trainer:
@@ -86,29 +87,13 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints. Continue that run with --resume "
                 "(trainer.resume=true), or choose a new trainer.run_dir."
             )
-        self.ctx = RunContext(
-            model_path="",
-            tokenizer=None,
-            device=device,
-            dtype=DTYPES[cfg.model.dtype],
-            seed=t.seed,
-            run_dir=self.run_dir,
-            rank=distributed.rank(),
-            world_size=distributed.world_size(),
-            local_rank=distributed.env_world()[2],
-            trust_remote_code=cfg.model.trust_remote_code,
-            dropout=cfg.model.dropout,
-            response_tokens=cfg.rollout.max_tokens,
-            responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
-        )
-        self.data = self._build("dataset", cfg.data.source, cfg.data.options)
-        check_columns(self.data, cfg)
-        self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
-
         with distributed.main_first():  # one rank converts a GGUF file into the shared cache
             model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        self.ctx.model_path, self.ctx.tokenizer = model_path, self.tokenizer
+        self.ctx = self.run_context(model_path, device)
+        self.data = self._build("dataset", cfg.data.source, cfg.data.options)
+        check_columns(self.data, cfg)
+        self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
         model_config = load_model_config(model_path, cfg.model.trust_remote_code)
         longest = 0  # prompt lengths, before any model is loaded
         for i in range(min(len(self.data), 256)):
@@ -125,13 +110,46 @@ class Trainer:
             raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
-        self.ctx.strategy = self.strategy
         self.passes = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
-        self.ctx.passes = self.passes
+        # the context every later component gets: complete, with the run's services
+        self.ctx = dataclasses.replace(self.ctx, strategy=self.strategy, passes=self.passes)
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
         self.rewards = Rewards(
             [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
         )
+        self.setup_models(model_path)
+        self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
+        pad = self.tokenizer.pad_token_id
+        self.session = EngineSession(self.engine, cfg.rollout, t.seed, t.prompts_per_step, pad)  # its only caller
+        agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
+        self.rollout = RolloutStage(self.session, self.data, self.prompts, self.tokenizer, cfg, agent)
+        self.prefetch = make_prefetcher(cfg, self.session, self.collect, self.ctx.is_main)
+        loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
+        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
+
+    def run_context(self, model_path: str, device: torch.device) -> RunContext:
+        """What the components learn of the run; the strategy and the passes join it once built."""
+        cfg, t = self.config, self.config.trainer
+        return RunContext(
+            model_path=model_path,
+            tokenizer=self.tokenizer,
+            device=device,
+            dtype=DTYPES[cfg.model.dtype],
+            seed=t.seed,
+            run_dir=self.run_dir,
+            rank=distributed.rank(),
+            world_size=distributed.world_size(),
+            local_rank=distributed.env_world()[2],
+            trust_remote_code=cfg.model.trust_remote_code,
+            dropout=cfg.model.dropout,
+            response_tokens=cfg.rollout.max_tokens,
+            responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
+        )
+
+    def setup_models(self, model_path: str) -> None:
+        """The policy (with its LoRA adapters), the reference when the algorithm needs one, the
+        optimizer and its schedule, placed by the sharding strategy."""
+        cfg, t = self.config, self.config.trainer
 
         def load(adapters=None):
             model = load_causal_lm(
@@ -157,14 +175,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
         warmup = max(1, t.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
-        pad = self.tokenizer.pad_token_id
-        self.session = EngineSession(self.engine, cfg.rollout, t.seed, t.prompts_per_step, pad)  # its only caller
-        agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
-        self.rollout = RolloutStage(self.session, self.data, self.prompts, self.tokenizer, cfg, agent)
-        self.prefetch = make_prefetcher(cfg, self.session, self.collect, self.ctx.is_main)
-        loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
-        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 
     def setup_distributed(self) -> torch.device:
         """This process's device; under torchrun, check the config for N ranks, join the process

@@ -14,36 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from hybridrl import distributed
 from hybridrl.batch import Batch, real_rows
-from hybridrl.functional import LossAggregation
+from hybridrl.components import Trainable
 from hybridrl.memory import MicroBatches, consecutive, memory_errors, pass_fix, pass_sizes
 from hybridrl.metrics import WeightedStats
-
-
-@dataclass
-class Trainable:
-    """A model the update stage trains, and how."""
-
-    name: str  # metric prefix: "actor" (the policy), "critic", ...
-    label: str  # what messages call it: "policy (algorithm 'grpo')", "critic (algorithm 'ppo')"
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    #: a micro-batch -> (its loss, aggregated with ``aggregation``; metrics to log, floats or tensors);
-    #: token statistics among the metrics are weighted by the micro-batch's response tokens
-    loss: Callable[[Batch], tuple[torch.Tensor, dict[str, Any]]]
-    aggregation: LossAggregation
-    epochs: int = 1
-    mini_batch_size: int | None = None  # responses per optimizer step over all ranks; None: the whole batch
-    micro_batch_size: int | None = None  # responses per pass; None: the trainer's micro-batches
-    packed: bool = False  # the loss runs packed passes: the trainer's micro-batches cut for them
-    max_grad_norm: float = 1.0
-    scheduler: Any = None  # stepped once per update stage
 
 
 def raise_nonfinite(what: str) -> None:

@@ -145,7 +145,7 @@ def engine_kwargs(options, ctx) -> dict:
         kwargs["context_length"] = options.context_length
     if options.attention_backend is not None:
         kwargs["attention_backend"] = options.attention_backend
-    if getattr(ctx, "responses_per_call", None):
+    if ctx.responses_per_call:
         # decoding batches above SGLang's largest CUDA graph (256 on an H200 by default) run without
         # graphs: capture them up to the batch the trainer sends (multiples of 8, as SGLang's list)
         kwargs["cuda_graph_max_bs_decode"] = -(-ctx.responses_per_call // 8) * 8
