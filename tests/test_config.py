@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from hybridrl import plugins
-from hybridrl.config import ConfigError, apply_overrides, dump_config, load_config
+from hybridrl.config import ConfigError, apply_overrides, load_config
+from hybridrl.config_files import dump_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl.config import ConfigError, dump_config, is_secret, load_config
+from hybridrl.config import ConfigError, load_config
+from hybridrl.config_files import dump_config, is_secret
 from hybridrl.dashboard.server import JsonlTail
 from hybridrl.http import ALLOWED_HOSTS_ENV, HostCheck
 

@@ -21,7 +21,8 @@ from hybridrl import functional as F
 from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
 from hybridrl.components import RunContext, Trainable
-from hybridrl.config import RunConfig, check_world, write_config
+from hybridrl.config import RunConfig, check_world
+from hybridrl.config_files import write_config
 from hybridrl.devices import model_device_errors, resolve_device
 from hybridrl.engine_weights import engine_tensors
 from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite, stage_errors

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridrl.config import redact
+from hybridrl.config_files import redact
 from hybridrl.http import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
 
 STATIC = Path(__file__).parent / "static"
