@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from hybridrl import distributed
-from hybridrl.checkpoint import CheckpointError, per_rank, refused
+from hybridrl.checkpoint import per_rank
+from hybridrl.checkpoint_files import CheckpointError, refused
 
 # What torch.distributed.checkpoint's .metadata is made of (torch 2.13), by module; plus torch's dtypes.
 DCP_METADATA_GLOBALS = {
