@@ -117,7 +117,6 @@ class GRPO(Algorithm):
         self.clip_high = high if options.clip_high is None else options.clip_high
         length = options.loss_norm_length or getattr(ctx, "response_tokens", None)
         self.loss_aggregation = F.LossAggregation(options.loss_agg_mode or agg, length)
-        self._filter_metrics: dict[str, float] = {}
 
     @property
     def loss_agg_mode(self) -> str:
@@ -132,23 +131,27 @@ class GRPO(Algorithm):
         return self.options.entropy_coeff > 0
 
     def filter_batch(self, batch):
-        """DAPO dynamic sampling; the result is empty when every group's rewards are equal."""
+        """DAPO dynamic sampling: the rows of the groups whose rewards vary (none when every group's
+        are equal) and the ``dynamic_sampling/*`` metrics of this batch."""
         if not self.options.dynamic_sampling or len(batch) == 0:
-            return batch
+            return batch, {}
         keep = varied_groups(batch["scores"], batch["group_ids"])
         groups = torch.unique(batch["group_ids"]).numel()
         kept = torch.unique(batch["group_ids"][keep]).numel()
-        self._filter_metrics = {
+        metrics = {
             "dynamic_sampling/kept_groups": float(kept),
             "dynamic_sampling/kept_fraction": kept / max(groups, 1),
         }
-        return batch.select(torch.nonzero(keep).squeeze(-1))
+        return batch.select(torch.nonzero(keep).squeeze(-1)), metrics
 
     def compute_advantages(self, batch):
         o = self.options
-        metrics, self._filter_metrics = self._filter_metrics, {}
+        metrics = {}
         mask = batch["response_mask"]
         scores = batch["scores"].to(mask.device).float()
+        if "baseline" in batch:  # the caller's baseline per response (hybridrl serve): score - baseline
+            batch["advantages"] = F.baseline_advantages(scores, batch["baseline"], mask)
+            return metrics
         if o.overlong_buffer_len:
             penalty = overlong_penalty(
                 mask.sum(-1), o.overlong_max_length, o.overlong_buffer_len, o.overlong_penalty_factor

@@ -207,25 +207,26 @@ def test_estimator_option_chooses_the_estimator(estimator, expected):
 def test_dynamic_sampling_drops_uniform_groups_and_reports_it():
     algo = make_grpo(dynamic_sampling=True)
     b = scored_batch([1.0, 1.0, 0.0, 1.0, 0.5], [0, 0, 1, 1, 2], [1, 2, 3, 4, 1])
-    kept = algo.filter_batch(b)
+    kept, metrics = algo.filter_batch(b)
     assert kept["group_ids"].tolist() == [1, 1, 2] and kept["scores"].tolist() == [0.0, 1.0, 0.5]
-    metrics = algo.compute_advantages(kept)
     assert metrics["dynamic_sampling/kept_groups"] == 2.0
     assert metrics["dynamic_sampling/kept_fraction"] == pytest.approx(2 / 3)
-    assert "dynamic_sampling/kept_groups" not in algo.compute_advantages(kept)  # reported once
+    assert "dynamic_sampling/kept_groups" not in algo.compute_advantages(kept)  # with the batch, not after it
 
 
 def test_dynamic_sampling_can_empty_the_batch_without_crashing():
     algo = make_grpo(dynamic_sampling=True, overlong_buffer_len=1, overlong_max_length=4)
-    empty = algo.filter_batch(scored_batch([1.0, 1.0], [0, 0], [1, 2]))
+    empty, metrics = algo.filter_batch(scored_batch([1.0, 1.0], [0, 0], [1, 2]))
     assert len(empty) == 0 and empty["response_mask"].shape == (0, 4)
-    metrics = algo.compute_advantages(empty)
-    assert empty["advantages"].shape == (0, 4) and metrics["dynamic_sampling/kept_fraction"] == 0.0
+    assert metrics["dynamic_sampling/kept_fraction"] == 0.0
+    algo.compute_advantages(empty)
+    assert empty["advantages"].shape == (0, 4)
 
 
 def test_dynamic_sampling_off_keeps_everything():
     b = scored_batch([1.0, 1.0], [0, 0], [1, 2])
-    assert make_grpo().filter_batch(b) is b
+    kept, metrics = make_grpo().filter_batch(b)
+    assert kept is b and metrics == {}
 
 
 def test_overlong_without_max_length_is_a_config_error():
