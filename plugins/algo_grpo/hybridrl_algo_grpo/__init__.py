@@ -17,8 +17,8 @@ from pydantic import Field, ValidationInfo, field_validator
 from hybridrl import distributed
 from hybridrl import functional as F
 from hybridrl.components import Algorithm
-from hybridrl.correction import RolloutCorrectionOptions, rollout_correction
 from hybridrl.hookspecs import hookimpl
+from hybridrl.objective import PolicyLossOptions, PolicyObjective
 from hybridrl_algo_grpo.functional import (
     group_advantages,
     gspo_policy_loss,
@@ -34,8 +34,17 @@ ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseli
 LOSS_DEFAULTS = {"vanilla": (0.2, 0.2, "token-mean"), "gspo": (3e-4, 4e-4, "seq-mean-token-mean")}
 
 
+class GSPOObjective(PolicyObjective):
+    """The shared objective with GSPO's sequence-level ratio as its surrogate (no dual clip)."""
+
+    def surrogate(self, old_logp, logp, advantages, mask, weights):  # all (B, T)
+        return gspo_policy_loss(
+            old_logp, logp, advantages, mask, self.clip_low, self.clip_high, self.aggregation, weights
+        )
+
+
 class GRPO(Algorithm):
-    class Options(RolloutCorrectionOptions):
+    class Options(PolicyLossOptions):
         estimator: Literal[ESTIMATORS] = Field(
             "grpo",
             description="Advantage estimator: grpo (group mean/std), rloo (leave-one-out mean), "
@@ -58,7 +67,6 @@ class GRPO(Algorithm):
             ge=0,
             description="Ratio clip above: 1 + clip_high (DAPO clip-higher: 0.28). Default 0.2 (vanilla), 4e-4 (gspo).",
         )
-        clip_c: float = Field(3.0, gt=1, description="vanilla: dual-clip bound for negative advantages.")
         kl_coef: float = Field(
             0.0, ge=0, description="KL-to-reference loss coefficient (beta); 0 loads no reference model."
         )
@@ -67,16 +75,9 @@ class GRPO(Algorithm):
             description="KL estimator of the KL loss: k3 (verl's low_var_kl) or k2. k1 and abs are refused: "
             "on-policy their gradient does not pull towards the reference (docs/algorithms.md).",
         )
-        entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
         loss_agg_mode: Literal[F.AGG_MODES] | None = Field(
             None,
             description="Token aggregation of the loss. Default token-mean (vanilla), seq-mean-token-mean (gspo).",
-        )
-        loss_norm_length: int | None = Field(
-            None,
-            gt=0,
-            description="seq-mean-token-sum-norm (Dr. GRPO): the constant L of sum(m l) / (responses x L); "
-            "default rollout.max_tokens.",
         )
         dynamic_sampling: bool = Field(
             False, description="DAPO: drop the groups whose rewards are all equal before the update."
@@ -112,11 +113,21 @@ class GRPO(Algorithm):
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
-        low, high, agg = LOSS_DEFAULTS[options.policy_loss]
-        self.clip_low = low if options.clip_low is None else options.clip_low
-        self.clip_high = high if options.clip_high is None else options.clip_high
-        length = options.loss_norm_length or getattr(ctx, "response_tokens", None)
-        self.loss_aggregation = F.LossAggregation(options.loss_agg_mode or agg, length)
+        o = options
+        low, high, agg = LOSS_DEFAULTS[o.policy_loss]
+        self.clip_low = low if o.clip_low is None else o.clip_low
+        self.clip_high = high if o.clip_high is None else o.clip_high
+        objective = GSPOObjective if o.policy_loss == "gspo" else PolicyObjective
+        self.objective = objective.from_options(
+            o,
+            o.aggregation(o.loss_agg_mode or agg, ctx),
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            kl_coef=o.kl_coef,
+            kl_kind=o.kl_kind,
+            kl_metric="actor/kl",
+        )
+        self.loss_aggregation = self.objective.aggregation
 
     @property
     def loss_agg_mode(self) -> str:
@@ -124,11 +135,11 @@ class GRPO(Algorithm):
 
     @property
     def needs_reference(self) -> bool:
-        return self.options.kl_coef > 0
+        return self.objective.needs_reference
 
     @property
     def needs_entropy_grad(self) -> bool:
-        return self.options.entropy_coeff > 0
+        return self.objective.needs_entropy_grad
 
     def filter_batch(self, batch):
         """DAPO dynamic sampling: the rows of the groups whose rewards vary (none when every group's
@@ -175,37 +186,9 @@ class GRPO(Algorithm):
         return metrics
 
     def loss(self, batch, logprobs, entropy):
-        o = self.options
-        mask = batch["response_mask"]
-        agg = self.loss_aggregation
-        weights, corrected = rollout_correction(batch, o)  # None unless rollout_correction or rollout_mask
-        if o.policy_loss == "gspo":
-            loss, m = gspo_policy_loss(
-                batch["old_logprobs"], logprobs, batch["advantages"], mask, self.clip_low, self.clip_high, agg, weights
-            )
-        else:
-            loss, m = F.policy_loss(
-                batch["old_logprobs"],
-                logprobs,
-                batch["advantages"],
-                mask,
-                clip_low=self.clip_low,
-                clip_high=self.clip_high,
-                clip_c=o.clip_c,
-                agg_mode=agg,
-                token_weights=weights,
-            )
-        metrics = {f"actor/{k}": v.item() for k, v in m.items()} | corrected
-        metrics["actor/pg_loss"] = loss.item()
-        if o.entropy_coeff > 0:
-            ent = agg(entropy, mask)
-            loss = loss - o.entropy_coeff * ent
-            metrics["actor/entropy_loss"] = ent.item()
-        if o.kl_coef > 0:
-            kl = agg(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_kind), mask)
-            loss = loss + o.kl_coef * kl
-            metrics["actor/kl"] = kl.item()
-        return loss, metrics
+        """The shared policy objective (:mod:`hybridrl.objective`; GSPO's with ``policy_loss: gspo``),
+        its KL term logged as ``actor/kl``."""
+        return self.objective(batch, logprobs, entropy)
 
 
 @hookimpl

@@ -16,10 +16,10 @@ from pydantic import Field, ValidationInfo, field_validator
 from hybridrl import distributed
 from hybridrl import functional as F
 from hybridrl.components import Algorithm
-from hybridrl.correction import RolloutCorrectionOptions, rollout_correction
 from hybridrl.hookspecs import hookimpl
 from hybridrl.memory import consecutive, per_pass
 from hybridrl.models import disable_dropout
+from hybridrl.objective import PolicyLossOptions, PolicyObjective
 from hybridrl.update import Trainable
 from hybridrl_algo_ppo import functional as PF
 from hybridrl_algo_ppo.critic import load_value_model, response_values
@@ -28,19 +28,11 @@ KL_KIND = Literal["k1", "abs", "k2", "k3"]
 
 
 class PPO(Algorithm):
-    class Options(RolloutCorrectionOptions):
-        # -- policy loss
+    class Options(PolicyLossOptions):
+        # -- policy loss (and clip_c, entropy_coeff, loss_norm_length: PolicyLossOptions)
         clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")
         clip_high: float = Field(0.2, ge=0, description="Ratio clip above: 1 + clip_high.")
-        clip_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
         loss_agg_mode: Literal[F.AGG_MODES] = Field("token-mean", description="Token aggregation of the policy loss.")
-        loss_norm_length: int | None = Field(
-            None,
-            gt=0,
-            description="seq-mean-token-sum-norm: the constant L of sum(m l) / (responses x L), for the policy "
-            "and the value loss; default rollout.max_tokens.",
-        )
-        entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus: the loss subtracts this x entropy.")
         # -- advantages
         gamma: float = Field(1.0, ge=0, le=1, description="Discount of GAE (and of the returns without critic).")
         lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
@@ -112,9 +104,18 @@ class PPO(Algorithm):
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
-        length = options.loss_norm_length or getattr(ctx, "response_tokens", None)
-        self.loss_aggregation = F.LossAggregation(options.loss_agg_mode, length)
-        self.value_aggregation = F.LossAggregation(options.critic_loss_agg_mode, length)
+        o = options
+        self.loss_aggregation = o.aggregation(o.loss_agg_mode, ctx)
+        self.value_aggregation = o.aggregation(o.critic_loss_agg_mode, ctx)
+        self.objective = PolicyObjective.from_options(
+            o,
+            self.loss_aggregation,
+            clip_low=o.clip_low,
+            clip_high=o.clip_high,
+            kl_coef=o.kl_loss_coef if o.use_kl_loss else 0.0,
+            kl_kind=o.kl_loss_type,
+            kl_metric="actor/kl_loss",
+        )
         self.kl_coef = options.kl_coef
         self.critic = self.critic_optimizer = None
         world = ctx.world_size if ctx is not None else 1
@@ -142,8 +143,7 @@ class PPO(Algorithm):
 
     @property
     def needs_reference(self) -> bool:
-        o = self.options
-        return o.use_kl_in_reward or (o.use_kl_loss and o.kl_loss_coef > 0)
+        return self.options.use_kl_in_reward or self.objective.needs_reference
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -151,7 +151,7 @@ class PPO(Algorithm):
 
     @property
     def needs_entropy_grad(self) -> bool:
-        return self.options.entropy_coeff > 0
+        return self.objective.needs_entropy_grad
 
     # -- advantages -----------------------------------------------------------------------
 
@@ -214,31 +214,8 @@ class PPO(Algorithm):
     # -- policy loss ----------------------------------------------------------------------
 
     def loss(self, batch, logprobs, entropy):
-        o = self.options
-        mask = batch["response_mask"]
-        weights, corrected = rollout_correction(batch, o)  # None unless rollout_correction or rollout_mask
-        loss, m = F.policy_loss(
-            batch["old_logprobs"],
-            logprobs,
-            batch["advantages"],
-            mask,
-            clip_low=o.clip_low,
-            clip_high=o.clip_high,
-            clip_c=o.clip_c,
-            agg_mode=self.loss_aggregation,
-            token_weights=weights,
-        )
-        metrics = {f"actor/{k}": v.item() for k, v in m.items()} | corrected
-        metrics["actor/pg_loss"] = loss.item()
-        if o.entropy_coeff > 0:
-            ent = self.loss_aggregation(entropy, mask)
-            loss = loss - o.entropy_coeff * ent
-            metrics["actor/entropy_loss"] = ent.item()
-        if o.use_kl_loss and o.kl_loss_coef > 0:
-            kl = self.loss_aggregation(F.kl_penalty(logprobs, batch["ref_logprobs"], o.kl_loss_type), mask)
-            loss = loss + o.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.item()
-        return loss, metrics
+        """The shared policy objective (:mod:`hybridrl.objective`), its KL term logged as ``actor/kl_loss``."""
+        return self.objective(batch, logprobs, entropy)
 
     # -- critic update --------------------------------------------------------------------
 
