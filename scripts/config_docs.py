@@ -50,6 +50,20 @@ def main() -> str:
         "A component section holds the core keys of its kind and the keys of the plugin it names.",
         "Override any key from the command line: `hybridrl train cfg.yaml trainer.steps=5 rewards.0.weight=2`.",
         "",
+        "How values are read:",
+        "",
+        "- **Relative paths**: a file or folder the run reads (`model.path`, a dataset's `path` and `data_files`,",
+        "  a reward's code, a critic's path) is looked up beside the config file first, then in the current",
+        "  directory; names that are neither (a hub name, `package:NAME`) stay as given. What the run writes",
+        "  (`trainer.run_dir`, tracker folders) is relative to the current directory.",
+        "- **on/off**: YAML reads `on`, `off`, `yes` and `no` as booleans; an option whose words are `on`/`off`",
+        "  (`compile`, `rollout_correction`, ...) takes them as those words.",
+        "- **Secrets**: `${env:VAR}` in any string is the environment variable VAR; the run's `config.yaml`",
+        "  writes the reference again, and other values under secret-looking keys (`api_key`, `token`) as",
+        "  `<redacted>`.",
+        "- **The run's `config.yaml`** holds every option, the plugins' defaults included: rerunning it runs",
+        "  the same configuration even after a default changes.",
+        "",
     ]
     reg = plugins.registry()
     for section, model, kind in SECTIONS:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridrl import plugins
 from hybridrl.config import ConfigError, apply_overrides, load_config
@@ -129,6 +130,46 @@ def test_every_example_config_is_valid(path):
         *[("reward function", r.function) for r in cfg.rewards],
     ]:
         assert plugins.lookup(kind, name)
+    # the config.yaml a run writes has every option, the plugins' defaults too, and reads back the same
+    written = dump_config(cfg)
+    again = load_config(data=yaml.safe_load(written))
+    assert dump_config(again) == written
+    assert "compile" in yaml.safe_load(written)["rollout"] or cfg.rollout.engine != "hf"
+
+
+def test_yaml_on_and_off_are_the_words_of_options_that_take_them(tmp_path):
+    """YAML 1.1 reads on/off/yes/no as booleans: an option of on/off words takes them as meant."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {path: unused}\n"
+        "data: {source: reasoning_gym, task: chain_sum}\n"
+        "rewards: [{function: reasoning_gym}]\n"
+        "rollout: {engine: hf, compile: off, fuse_projections: on}\n"
+        "algorithm: {name: grpo, rollout_correction: off}\n"
+    )
+    cfg = load_config(path, ["sharding.mixed_precision=off"])
+    assert (cfg.rollout.options.compile, cfg.rollout.options.fuse_projections) == ("off", "on")
+    assert cfg.algorithm.options.rollout_correction == "off" and cfg.sharding.options.mixed_precision == "off"
+    assert load_config(path, ["trainer.share_prompts=off"]).trainer.share_prompts is False  # a true boolean option
+    with pytest.raises(ConfigError, match=r"sharding.mixed_precision: Input should be 'auto', 'off' or 'bf16'"):
+        load_config(path, ["sharding.mixed_precision=on"])  # no 'on' to read it as
+
+
+def test_relative_input_paths_are_found_beside_the_config_file(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "train.jsonl").write_text('{"question": "1 + 1", "answer": "2"}\n')
+    (project / "run.yaml").write_text(
+        "model: {path: HuggingFaceTB/SmolLM2-135M-Instruct}\n"
+        "data: {source: hf, path: data/train.jsonl, prompt_column: question, answer_column: answer}\n"
+        "rewards: [{function: answer_match}]\n"
+        "trainer: {run_dir: runs/x}\n"
+    )
+    monkeypatch.chdir(tmp_path)  # anywhere but the config's folder
+    cfg = load_config("project/run.yaml")
+    assert cfg.data.options.path == str((project / "data" / "train.jsonl").resolve())
+    assert cfg.model.path == "HuggingFaceTB/SmolLM2-135M-Instruct"  # no such folder there: a hub name, as given
+    assert cfg.trainer.run_dir == "runs/x"  # what the run writes stays relative to the current directory
 
 
 def test_prompts_shared_and_sequences_packed_at_once_is_refused():

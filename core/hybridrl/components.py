@@ -7,22 +7,62 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hybridrl.batch import Batch, RolloutOutput  # noqa: F401 (RolloutOutput: part of the contract)
 from hybridrl.functional import LossAggregation
 
 
-class Options(BaseModel):
-    """Base of every component's options: unknown keys are errors."""
+def literal_choices(annotation) -> set | None:
+    """The strings a field accepts when it is a ``Literal`` (possibly in a union with None or
+    others), or None when it also accepts booleans or is no Literal at all."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(args)
+    choices = set()
+    for arg in args:
+        if arg is bool:
+            return None
+        choices |= literal_choices(arg) or set()
+    return choices or None
+
+
+#: marks a config field as a file or folder the run reads: a relative path is looked up beside the
+#: config file first (``Field(..., json_schema_extra=INPUT_PATH)``; see :func:`hybridrl.config.load_config`)
+INPUT_PATH = {"input_path": True}
+
+
+class ConfigModel(BaseModel):
+    """Base of every model a YAML section is validated against: unknown keys and NaN/Inf are errors,
+    and YAML's booleans are read as the ``on``/``off`` of an option that takes those words (YAML
+    1.1 reads ``compile: off`` as false)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_switches(cls, value, info):
+        if not isinstance(value, bool) or info.field_name not in cls.model_fields:
+            return value
+        choices = literal_choices(cls.model_fields[info.field_name].annotation)
+        word = "on" if value else "off"
+        return word if choices and value not in choices and word in choices else value
+
+
+class Options(ConfigModel):
+    """Base of every component's options: unknown keys are errors."""
+
+    def changed(self, name: str) -> bool:
+        """Whether option ``name`` holds another value than its default. A run's config.yaml writes
+        every option out, defaults included, so ask this rather than whether a key was given."""
+        return getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)
 
 
 @dataclass(frozen=True)
@@ -68,7 +108,7 @@ class Component:
 # --- rollout -----------------------------------------------------------------------------
 
 
-class Sampling(BaseModel):
+class Sampling(ConfigModel):
     """How responses are sampled: the sampling keys of the YAML ``rollout`` section, declared once.
 
     The config validates them there; the trainer hands them to the engine as
@@ -76,8 +116,6 @@ class Sampling(BaseModel):
     truncated only by ``top_p`` and ``top_k``, and by nothing a model folder's
     ``generation_config.json`` says.
     """
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     n: int = Field(8, gt=0, description="Samples per prompt.")
     temperature: float = Field(
@@ -269,6 +307,12 @@ class Algorithm(Component):
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
         """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks.
+
+        A batch may bring its own ``baseline`` (B,): each response's baseline, known to its caller
+        (``hybridrl serve``: the mean rating of the other answers to the prompt, or of earlier
+        ratings). Then the advantage is score - baseline on every response token
+        (:func:`hybridrl.functional.baseline_advantages`), in place of the algorithm's estimator;
+        ``grpo`` and ``ppo`` do so.
 
         Returns metrics to log.
         """

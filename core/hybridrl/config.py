@@ -8,6 +8,7 @@ that lists the valid ones.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,17 +16,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
-from hybridrl.components import Sampling
+from hybridrl.components import INPUT_PATH, ConfigModel, Sampling
 from hybridrl.config_files import apply_overrides, format_validation_error, interpolate_env, keys_of
 from hybridrl.errors import ConfigError
 from hybridrl.shaping import ShapingOptions
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class Strict(ConfigModel):
+    pass
 
 
-class Section(BaseModel):
+class Section(ConfigModel):
     """A component section: core keys here, the plugin's keys validated by its Options."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -53,7 +54,8 @@ class LoraOptions(Strict):
 class ModelConfig(Strict):
     path: str = Field(
         description="A Hugging Face model folder, or a folder holding a GGUF file "
-        "(with gguf_file), or 'package:NAME' for a folder inside an installed package."
+        "(with gguf_file), or 'package:NAME' for a folder inside an installed package.",
+        json_schema_extra=INPUT_PATH,
     )
     gguf_file: str | None = Field(
         None, description="GGUF file name inside path; converted once to a plain HF folder in the cache."
@@ -330,6 +332,23 @@ class RunConfig(Strict):
     online: OnlineConfig = Field(default_factory=OnlineConfig)
     _env_refs: dict = PrivateAttr(default_factory=dict)  # {path: the text with ${env:VAR}}, for dump_config
 
+    def complete(self) -> dict:
+        """The config as a mapping with every default written out, the plugins' options included:
+        what a run writes to its config.yaml (:func:`hybridrl.config_files.dump_config`)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        for _, where, section, _ in component_sections(self):
+            node = data
+            for part in re.findall(r"[^.\[\]]+", where):
+                node = node[int(part)] if part.isdigit() else node[part]
+            if section.options is not None:
+                node.update(section.options.model_dump(mode="json", by_alias=True))
+        for name, options in self.logging._options.items():
+            data["logging"][name] = options.model_dump(mode="json", by_alias=True)
+        if self.rollout.agent is not None:
+            tools = self.rollout.agent._tool_options
+            data["rollout"]["agent"]["tool_options"] = {n: o.model_dump(mode="json") for n, o in tools.items()}
+        return data
+
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
         t = self.trainer
@@ -364,7 +383,10 @@ class RunConfig(Strict):
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> RunConfig:
     """Read YAML (or take ``data``), apply ``key.sub=value`` overrides, put in the environment variables
-    that ``${env:VAR}`` names (:func:`interpolate_env`), validate everything."""
+    that ``${env:VAR}`` names (:func:`interpolate_env`), validate everything. A file or folder the
+    run reads (fields marked :data:`~hybridrl.components.INPUT_PATH`: model.path, a dataset's
+    files, a reward's code) given as a relative path is looked up beside the config file first,
+    then in the current directory (:func:`beside_config`)."""
     if data is None:
         path = Path(path)
         if not path.is_file():
@@ -384,7 +406,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), data:
         raise ConfigError(format_validation_error(e, RunConfig)) from None
     resolve(cfg)
     cfg._env_refs = refs
+    if path is not None:
+        beside_config(cfg, Path(path).resolve().parent)
     return cfg
+
+
+def beside_config(cfg: RunConfig, folder: Path) -> None:
+    """Make the relative input paths of ``cfg`` that exist under ``folder`` (the config file's) absolute.
+    Others stay as given: paths relative to the current directory, hub names, ``package:NAME``."""
+
+    def beside(value):
+        if isinstance(value, list):
+            return [beside(v) for v in value]
+        if isinstance(value, dict):
+            return {k: beside(v) for k, v in value.items()}
+        if not isinstance(value, str) or ":" in value or Path(value).expanduser().is_absolute():
+            return value
+        found = folder / value
+        return str(found.resolve()) if found.exists() else value
+
+    for model in config_models(cfg):
+        for name, field in type(model).model_fields.items():
+            if (field.json_schema_extra or {}).get("input_path") and getattr(model, name) is not None:
+                setattr(model, name, beside(getattr(model, name)))
+
+
+def config_models(model: BaseModel):
+    """``model`` and every model inside it, plugin options included."""
+    yield model
+    inner = [getattr(model, name) for name in type(model).model_fields]
+    inner += [getattr(model, "_options", None), getattr(model, "_tool_options", None)]
+    for value in inner:
+        for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                yield from config_models(item)
 
 
 def resolve(cfg: RunConfig) -> None:

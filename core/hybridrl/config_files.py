@@ -143,9 +143,10 @@ def write_config(path, cfg) -> None:
 
 
 def dump_config(cfg) -> str:
-    """The config as YAML, without secrets: strings under secret keys (:func:`is_secret`) become
-    ``<redacted>``, and values given as ``${env:VAR}`` are written as that again."""
-    data = redact(cfg.model_dump(mode="json", by_alias=True))
+    """The run config as YAML, every default written out (``cfg.complete()``), without secrets:
+    strings under secret keys (:func:`is_secret`) become ``<redacted>``, and values given as
+    ``${env:VAR}`` are written as that again."""
+    data = redact(cfg.complete())
     for path, text in cfg._env_refs.items():
         node, last = data, path[-1]
         try:

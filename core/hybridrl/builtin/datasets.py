@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from hybridrl.components import Options, PromptSource
+from hybridrl.components import INPUT_PATH, Options, PromptSource
 from hybridrl.errors import ConfigError
 from hybridrl.hookspecs import hookimpl
 
@@ -31,9 +31,12 @@ class HFDataset(PromptSource):
     class Options(Options):
         path: str = Field(
             description="datasets.load_dataset path: 'json', 'parquet', 'csv' (with data_files), a single "
-            ".json/.jsonl/.parquet/.csv file, a local dataset folder, or a hub name already in the local cache."
+            ".json/.jsonl/.parquet/.csv file, a local dataset folder, or a hub name already in the local cache.",
+            json_schema_extra=INPUT_PATH,
         )
-        data_files: str | list[str] | dict[str, Any] | None = Field(None, description="Files for json/parquet/csv.")
+        data_files: str | list[str] | dict[str, Any] | None = Field(
+            None, description="Files for json/parquet/csv.", json_schema_extra=INPUT_PATH
+        )
         name: str | None = Field(None, description="Dataset configuration name.")
         split: str = "train"
         limit: int | None = Field(None, gt=0, description="Use only the first N rows.")

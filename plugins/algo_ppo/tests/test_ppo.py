@@ -1,5 +1,6 @@
 """The PPO algorithm: its loss terms, KL control state, critic-free advantages, and the critic."""
 
+import dataclasses
 import math
 
 import pytest
@@ -28,8 +29,7 @@ def ctx(tiny_model, tmp_path_factory):
         seed=0,
         run_dir=tmp_path_factory.mktemp("run"),
     )
-    c.strategy = SingleDevice(SingleDevice.Options(), c)
-    return c
+    return dataclasses.replace(c, strategy=SingleDevice(SingleDevice.Options(), c))
 
 
 def token_batch(B=4, P=3, T=5, seed=0):

@@ -126,7 +126,7 @@ class LocalEngine:
             # Seeded requests fail on CPU when a prompt's prefill is split over steps
             # ("CPU Generator does not use offset"), so prefills are never split there.
             kw["enable_chunked_prefill"] = False
-            if "gpu_memory_utilization" in o.model_fields_set:
+            if o.changed("gpu_memory_utilization"):
                 kw["gpu_memory_utilization"] = o.gpu_memory_utilization
         else:
             kw["gpu_memory_utilization"] = o.gpu_memory_utilization

@@ -163,7 +163,7 @@ class VLLMOptions(Options):
 
     @model_validator(mode="after")
     def _check_mode(self):
-        local = [k for k in LOCAL_ONLY if k in self.model_fields_set]
+        local = [k for k in LOCAL_ONLY if self.changed(k)]
         if self.base_url:
             if local:
                 raise ValueError(
@@ -171,7 +171,7 @@ class VLLMOptions(Options):
                     "(server mode); set them on the vLLM server, or remove base_url."
                 )
         else:
-            server = [k for k in SERVER_ONLY if k in self.model_fields_set]
+            server = [k for k in SERVER_ONLY if self.changed(k)]
             if server:
                 raise ValueError(
                     f"{', '.join(server)} only apply with base_url (server mode); set base_url or remove them."

@@ -17,7 +17,8 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
-from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
@@ -105,7 +106,7 @@ def test_registered_and_options_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="Unknown key 'gpu_mem' in rollout.*gpu_memory_utilization"):
         load_config(data=base | {"rollout": {"engine": "vllm", "gpu_mem": 0.5}})
     with pytest.raises(ConfigError, match="gpu_memory_utilization configure the in-process engine.*base_url"):
-        load_config(data=base | {"rollout": {"engine": "vllm", "base_url": "http://x", "gpu_memory_utilization": 0.5}})
+        load_config(data=base | {"rollout": {"engine": "vllm", "base_url": "http://x", "gpu_memory_utilization": 0.7}})
     with pytest.raises(ConfigError, match="sync_every only apply with base_url"):
         load_config(data=base | {"rollout": {"engine": "vllm", "sync_every": 2}})
     for name, field in plugins.lookup("rollout engine", "vllm").Options.model_fields.items():
