@@ -169,6 +169,25 @@ def test_keep_last_rotation_and_export(tiny_model, tmp_path):
         assert torch.equal(exported.state_dict()[name], tensor), name
 
 
+def test_the_final_checkpoint_can_keep_the_weights_alone_or_be_left_out(tiny_model, tmp_path, capfd):
+    run = tmp_path / "weights"
+    trainer = Trainer(load_config(data=config(tiny_model, run, steps=2, save_every=1, save_final="weights")))
+    trainer.train()
+    full, final = ckpt.list_checkpoints(run)
+    assert "optimizer" in torch.load(full / "optimizer.pt") and "optimizer" not in torch.load(final / "optimizer.pt")
+    assert json.loads((final / "meta.json").read_text())["weights_only"] is True
+    assert sum(f.stat().st_size for f in final.rglob("*")) < sum(f.stat().st_size for f in full.rglob("*"))
+    # a longer run resumes from it: the policy's weights, a fresh optimizer, said once
+    resumed = Trainer(load_config(data=config(tiny_model, run, steps=3, resume=True, save_final="weights")))
+    resumed.train()
+    assert resumed.start_step == 2 and [r["step"] for r in rows(run)] == [1, 2, 3]
+    assert "holds the policy's weights without the optimizer's state" in capfd.readouterr().err
+
+    off = tmp_path / "off"
+    Trainer(load_config(data=config(tiny_model, off, steps=2, save_final=False))).train()
+    assert ckpt.list_checkpoints(off) == [] and len(rows(off)) == 2
+
+
 def test_existing_run_is_not_overwritten_without_resume(tiny_model, tmp_path):
     Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=1))).train()
     with pytest.raises(ConfigError, match="already holds checkpoints. Continue that run with --resume"):

@@ -141,8 +141,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(trainer, step: int) -> Path:
-    """Write the trainer's state for ``step`` atomically; returns the checkpoint directory."""
+def save_checkpoint(trainer, step: int, weights_only: bool = False) -> Path:
+    """Write the trainer's state for ``step`` atomically; returns the checkpoint directory.
+    ``weights_only``: without the optimizer's state (``trainer.save_final: weights``): the policy,
+    the LR schedule and the run's state; a resume from it starts the optimizer afresh."""
     from hybridrl import __version__
 
     rank, main = distributed.rank(), distributed.is_main()
@@ -156,13 +158,13 @@ def save_checkpoint(trainer, step: int) -> Path:
     tmp = Path(distributed.broadcast_object(tmp))  # every rank writes its part into rank 0's directory
     try:
         trainer.strategy.save_model(trainer.policy, tmp / "policy")
-        sharded = trainer.strategy.save_sharded(trainer.policy, trainer.optimizer, tmp / "sharded")
+        sharded = not weights_only and trainer.strategy.save_sharded(trainer.policy, trainer.optimizer, tmp / "sharded")
         components = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
         if not main:
             torch.save({"rng": rng_state(), "components": components}, tmp / f"rank-{rank}.pt")
         else:
             trainer.tokenizer.save_pretrained(tmp / "policy")
-            optimizer = {} if sharded else {"optimizer": trainer.optimizer.state_dict()}
+            optimizer = {} if sharded or weights_only else {"optimizer": trainer.optimizer.state_dict()}
             torch.save({**optimizer, "scheduler": trainer.scheduler.state_dict()}, tmp / "optimizer.pt")
             torch.save(
                 {"step": step, "rng": rng_state(), "prompts": trainer.prompts.state_dict(), "components": components},
@@ -175,6 +177,7 @@ def save_checkpoint(trainer, step: int) -> Path:
                 "hybridrl": __version__,
                 "sharding": trainer.config.sharding.strategy,
                 "world_size": distributed.world_size(),
+                "weights_only": weights_only,
                 "files": file_list(tmp),
             }
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
@@ -218,7 +221,15 @@ def load_checkpoint(trainer, path: Path) -> int:
             trainer.strategy.load_sharded(trainer.policy, trainer.optimizer, path / "sharded")
         else:
             trainer.strategy.load_model(trainer.policy, path / "policy")
-            trainer.optimizer.load_state_dict(opt["optimizer"])
+            if "optimizer" in opt:
+                trainer.optimizer.load_state_dict(opt["optimizer"])
+            elif distributed.is_main():
+                print(
+                    f"note: checkpoint {path.name} holds the policy's weights without the optimizer's state "
+                    "(trainer.save_final: weights); the optimizer starts afresh.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         trainer.scheduler.load_state_dict(opt["scheduler"])
         trainer.prompts.load_state_dict(state["prompts"])
         for name, sub in state["components"].items():
@@ -260,7 +271,8 @@ def check_layout(trainer, path: Path, meta: dict) -> None:
     sharded = (Path(path) / "sharded").is_dir()
     saved = (meta.get("sharding", "fsdp" if sharded else "single"), int(meta.get("world_size", 1)))
     now = (trainer.config.sharding.strategy, distributed.world_size())
-    if sharded != trainer.strategy.multi_process or (sharded and saved != now):
+    weights_only = bool(meta.get("weights_only")) and saved == now  # the policy's folder: no shards to match
+    if not weights_only and (sharded != trainer.strategy.multi_process or (sharded and saved != now)):
         raise ValueError(
             f"Checkpoint {path} was written by sharding strategy '{saved[0]}' on {saved[1]} process(es); this run "
             f"uses '{now[0]}' on {now[1]}. Resume with the same strategy and world size (torchrun "

@@ -16,39 +16,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from hybridrl import plugins
-from hybridrl.components import INPUT_PATH, ConfigModel, Sampling
-from hybridrl.config_files import apply_overrides, format_validation_error, interpolate_env, keys_of
+from hybridrl.components import INPUT_PATH, Sampling
+from hybridrl.config_files import (
+    apply_overrides,
+    beside_config,
+    format_validation_error,
+    interpolate_env,
+    keys_of,
+    options_error,
+)
+from hybridrl.config_sections import AgentConfig, LoraOptions, OnlineConfig, Section, Strict
 from hybridrl.errors import ConfigError
 from hybridrl.shaping import ShapingOptions
-
-
-class Strict(ConfigModel):
-    pass
-
-
-class Section(ConfigModel):
-    """A component section: core keys here, the plugin's keys validated by its Options."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    _options: Any = PrivateAttr(default=None)
-
-    @property
-    def options(self):
-        """The chosen plugin's validated options (set by :func:`resolve`)."""
-        return self._options
-
-
-class LoraOptions(Strict):
-    """LoRA adapters (peft) on the policy: only they train; see docs/lora.md."""
-
-    r: int = Field(16, gt=0, description="Rank of each adapter.")
-    alpha: float = Field(32, gt=0, description="Scaling numerator: the adapter's output is multiplied by alpha / r.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (0 keeps the update exact).")
-    target_modules: list[str] | str = Field(
-        "all-linear",
-        description="Layers that get adapters: names (q_proj, v_proj, ...) or 'all-linear' (every linear layer "
-        "but the output layer).",
-    )
 
 
 class ModelConfig(Strict):
@@ -99,35 +78,6 @@ class DataConfig(Section):
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
     max_prompt_tokens: int = Field(512, gt=0, description="Longer prompts are an error.")
     shuffle: bool = True
-
-
-class AgentConfig(Section):
-    """Multi-turn rollouts: the environment plugin (its options are this section's other keys),
-    the tools it may call, and the bounds of a trajectory."""
-
-    environment: str = Field(description="Environment plugin (hybridrl plugins lists them): tools, retry, ...")
-    max_turns: int = Field(4, gt=0, description="Most assistant turns of a trajectory.")
-    max_total_tokens: int | None = Field(
-        None,
-        gt=0,
-        description="Most tokens of a trajectory after its prompt: sampled turns and observations together; "
-        "default max_turns x rollout.max_tokens. rollout.max_tokens bounds each turn.",
-    )
-    tools: list[str] = Field(default_factory=list, description="Tool plugins the model may call (calculator, python).")
-    tool_options: dict[str, dict] = Field(
-        default_factory=dict, description="Options of each tool, by name: {python: {timeout_s: 5}}."
-    )
-    parser: str = Field("hermes", description="Tool-call parser plugin: the format the chat template teaches.")
-    schedule: Literal["auto", "eager", "turns"] = Field(
-        "auto",
-        description="eager: a trajectory whose observation is ready goes to the engine at once, without waiting "
-        "for the others' tools (reproducible with engines that seed each request: vllm, sglang); turns: every "
-        "trajectory's turn k is generated together (reproducible with every engine). auto: eager with engines "
-        "that seed each request, else turns.",
-    )
-    workers: int = Field(8, gt=0, description="Threads that run environment steps and tool calls.")
-    _tool_options: dict[str, Any] = PrivateAttr(default_factory=dict)
-    _parser_options: Any = PrivateAttr(default=None)
 
 
 class RolloutConfig(Section, Sampling):
@@ -251,6 +201,12 @@ class TrainerConfig(Strict):
     save_every: int = Field(
         0, ge=0, description="Checkpoint every N steps (0: only at the end and when interrupted by Ctrl-C or SIGTERM)."
     )
+    save_final: bool | Literal["weights"] = Field(
+        True,
+        description="Checkpoint after the last step: true (everything a resume needs), 'weights' (the policy and "
+        "the run's state without the optimizer's, about a third of the size with AdamW: a resume from it starts "
+        "the optimizer afresh), or false (none; the policy is then only in the checkpoints of save_every).",
+    )
     keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a save.")
     resume: bool = Field(
         False,
@@ -288,36 +244,6 @@ class LoggingConfig(BaseModel):
         description="Logger plugins; each one's options go under logging.<name>.",
     )
     _options: dict[str, Any] = PrivateAttr(default_factory=dict)
-
-
-class OnlineConfig(Strict):
-    """``hybridrl serve``: answer users with the policy, learn from their ratings (docs/online.md)."""
-
-    update_every: int = Field(16, gt=0, description="Run an update once this many new ratings are in.")
-    update_every_s: float = Field(
-        0, ge=0, description="Also run one when the oldest untrained rating is this many seconds old; 0: off."
-    )
-    max_batch: int = Field(256, gt=0, description="Most ratings one update trains on (the oldest first).")
-    baseline: Literal["auto", "leave_one_out", "running"] = Field(
-        "auto",
-        description="Advantage = rating - baseline. leave_one_out: the mean rating of the other answers to the same "
-        "prompt in the update; running: the mean of all earlier ratings; auto: leave_one_out where the update "
-        "has another answer to the prompt, running otherwise.",
-    )
-    rating_min: float = Field(0.0, description="Lowest rating accepted; 'down' (thumbs down) stores it.")
-    rating_max: float = Field(1.0, description="Highest rating accepted; 'up' (thumbs up) stores it.")
-    batch_requests: int = Field(
-        16, gt=0, description="Requests that wait while the engine is busy are answered together, up to this many."
-    )
-    max_request_bytes: int = Field(65536, gt=0, description="Larger request bodies get 413.")
-    requests_per_minute: int = Field(120, gt=0, description="Per client address; more get 429.")
-    save_every: int = Field(1, gt=0, description="Checkpoint every this many updates (the last one always).")
-
-    @model_validator(mode="after")
-    def _range(self):
-        if not self.rating_min < self.rating_max:
-            raise ValueError(f"online.rating_min={self.rating_min} must be below online.rating_max={self.rating_max}.")
-        return self
 
 
 class RunConfig(Strict):
@@ -411,37 +337,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), data:
     return cfg
 
 
-def beside_config(cfg: RunConfig, folder: Path) -> None:
-    """Make the relative input paths of ``cfg`` that exist under ``folder`` (the config file's) absolute.
-    Others stay as given: paths relative to the current directory, hub names, ``package:NAME``."""
-
-    def beside(value):
-        if isinstance(value, list):
-            return [beside(v) for v in value]
-        if isinstance(value, dict):
-            return {k: beside(v) for k, v in value.items()}
-        if not isinstance(value, str) or ":" in value or Path(value).expanduser().is_absolute():
-            return value
-        found = folder / value
-        return str(found.resolve()) if found.exists() else value
-
-    for model in config_models(cfg):
-        for name, field in type(model).model_fields.items():
-            if (field.json_schema_extra or {}).get("input_path") and getattr(model, name) is not None:
-                setattr(model, name, beside(getattr(model, name)))
-
-
-def config_models(model: BaseModel):
-    """``model`` and every model inside it, plugin options included."""
-    yield model
-    inner = [getattr(model, name) for name in type(model).model_fields]
-    inner += [getattr(model, "_options", None), getattr(model, "_tool_options", None)]
-    for value in inner:
-        for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]:
-            if isinstance(item, BaseModel):
-                yield from config_models(item)
-
-
 def resolve(cfg: RunConfig) -> None:
     """Look up every named plugin and validate its options; errors list the choices."""
     for kind, where, section, name in component_sections(cfg):
@@ -511,22 +406,7 @@ def _validate_options(cls, values: dict, where: str, kind: str, name: str, secti
         return cls.Options.model_validate(values)
     except ValidationError as e:
         core_keys = keys_of(section_cls) if section_cls else []
-        plugin_keys = keys_of(cls.Options)
-        lines = []
-        for err in e.errors():
-            key = ".".join(str(x) for x in err["loc"])
-            if err["type"] == "extra_forbidden":
-                valid = ", ".join(core_keys) if core_keys else ""
-                mine = ", ".join(plugin_keys) or "(none)"
-                lines.append(
-                    f"Unknown key '{key}' in {where} ({kind} '{name}'). Valid keys: "
-                    + (f"{valid}; and for {kind} '{name}': {mine}." if valid else f"{mine}.")
-                )
-            elif err["type"] == "missing":
-                lines.append(f"Missing required key '{where}.{key}' for {kind} '{name}'.")
-            else:
-                lines.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r}).")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(options_error(e, where, f"{kind} '{name}'", core_keys, keys_of(cls.Options))) from None
 
 
 def check_world(cfg: RunConfig, world: int, multi_process: bool) -> None:

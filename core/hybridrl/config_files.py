@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -45,6 +46,37 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def beside_config(cfg: BaseModel, folder: Path) -> None:
+    """Make the relative input paths of ``cfg`` that exist under ``folder`` (the config file's) absolute.
+    Others stay as given: paths relative to the current directory, hub names, ``package:NAME``."""
+
+    def beside(value):
+        if isinstance(value, list):
+            return [beside(v) for v in value]
+        if isinstance(value, dict):
+            return {k: beside(v) for k, v in value.items()}
+        if not isinstance(value, str) or ":" in value or Path(value).expanduser().is_absolute():
+            return value
+        found = folder / value
+        return str(found.resolve()) if found.exists() else value
+
+    for model in config_models(cfg):
+        for name, field in type(model).model_fields.items():
+            if (field.json_schema_extra or {}).get("input_path") and getattr(model, name) is not None:
+                setattr(model, name, beside(getattr(model, name)))
+
+
+def config_models(model: BaseModel):
+    """``model`` and every model inside it, plugin options included."""
+    yield model
+    inner = [getattr(model, name) for name in type(model).model_fields]
+    inner += [getattr(model, "_options", None), getattr(model, "_tool_options", None)]
+    for value in inner:
+        for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                yield from config_models(item)
+
+
 def keys_of(model: type[BaseModel]) -> list[str]:
     """The keys a config file uses for ``model`` (``async``, not the attribute ``async_``)."""
     return sorted(f.alias or name for name, f in model.model_fields.items())
@@ -66,6 +98,23 @@ def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
             lines.append(err["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r}).")
+    return "\n".join(lines)
+
+
+def options_error(e: ValidationError, where: str, component: str, core_keys: list[str], own_keys: list[str]) -> str:
+    """A plugin's options that did not validate, in words: an unknown key lists the section's core
+    keys (``core_keys``) and the ``component``'s own; a missing or bad one is named with its section."""
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"])
+        if err["type"] == "extra_forbidden":
+            mine = ", ".join(own_keys) or "(none)"
+            valid = f"{', '.join(core_keys)}; and for {component}: {mine}." if core_keys else f"{mine}."
+            lines.append(f"Unknown key '{key}' in {where} ({component}). Valid keys: {valid}")
+        elif err["type"] == "missing":
+            lines.append(f"Missing required key '{where}.{key}' for {component}.")
+        else:
+            lines.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r}).")
     return "\n".join(lines)
 
 

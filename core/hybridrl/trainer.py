@@ -223,8 +223,9 @@ class Trainer:
                             raise
                         raise distributed.RankFailure(distributed.describe_failure(e, step, t.timeout_s)) from e
                     stop = self.signals.agree()
-                    if stop or step == t.steps or (t.save_every and step % t.save_every == 0):
-                        path = self.save(step)
+                    last = step == t.steps and not stop
+                    if stop or (last and t.save_final) or (t.save_every and step % t.save_every == 0):
+                        path = self.save(step, weights_only=last and t.save_final == "weights")
                     if stop:
                         raise Interrupted(
                             f"stopped by {stop} after step {step}; checkpoint {path}. "
@@ -247,8 +248,8 @@ class Trainer:
         self.session.close()
         distributed.teardown()
 
-    def save(self, step: int) -> Path:
-        path = ckpt.save_checkpoint(self, step)
+    def save(self, step: int, weights_only: bool = False) -> Path:
+        path = ckpt.save_checkpoint(self, step, weights_only)
         if self.ctx.is_main:
             ckpt.rotate(self.run_dir, self.config.trainer.keep_last)
         distributed.barrier()
