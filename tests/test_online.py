@@ -15,11 +15,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from hybridrl import plugins
 from hybridrl.config import ConfigError, load_config
+from hybridrl.functional import baseline_advantages
+from hybridrl.hookspecs import hookimpl
 from hybridrl.http import ALLOWED_HOSTS_ENV
-from hybridrl.online import Server, advantages, make_server
+from hybridrl.online import Server, baselines, make_server
+from hybridrl.online.learner import prompt_groups
 from hybridrl.testing import raw_request as send
 
 spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
@@ -79,14 +84,29 @@ def rows(run_dir, table):
         return db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
 
 
-def test_advantages_by_hand():
-    ratings, prompts = [1.0, 0.0, 1.0, 0.5], [[1], [1], [2], [3]]
+def wait_for_update(url, version, timeout=60):
+    """Until update ``version`` is whole: the weights swapped, the checkpoint and the metrics written."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = get(url, "/v1/status")
+        if status["policy_version"] >= version and not status["learning"]:
+            break
+        time.sleep(0.05)
+    assert get(url, "/v1/status")["policy_version"] == version
+
+
+def test_baselines_by_hand():
+    ratings, groups = [1.0, 0.0, 1.0, 0.5], prompt_groups([[1], [1], [2], [3]])
+    assert groups == [0, 0, 1, 2]  # the two answers to prompt [1] share a group
     # prompt [1] answered twice: each against the other (leave-one-out); the others against 0.4
-    assert advantages(ratings, prompts, "auto", 0.4) == pytest.approx([1.0, -1.0, 0.6, 0.1])
-    assert advantages(ratings, prompts, "running", 0.4) == pytest.approx([0.6, -0.4, 0.6, 0.1])
-    assert advantages(ratings, prompts, "leave_one_out", 0.4) == pytest.approx([1.0, -1.0, 0.6, 0.1])
+    assert baselines(ratings, groups, "auto", 0.4) == pytest.approx([0.0, 1.0, 0.4, 0.4])
+    assert baselines(ratings, groups, "running", 0.4) == pytest.approx([0.4, 0.4, 0.4, 0.4])
+    assert baselines(ratings, groups, "leave_one_out", 0.4) == pytest.approx([0.0, 1.0, 0.4, 0.4])
     # the first update: no earlier ratings, the baseline is these ratings' mean (0.625)
-    assert advantages(ratings, prompts, "running", None) == pytest.approx([0.375, -0.625, 0.375, -0.125])
+    assert baselines(ratings, groups, "running", None) == pytest.approx([0.625] * 4)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    adv = baseline_advantages(torch.tensor(ratings), torch.tensor([0.0, 1.0, 0.4, 0.4]), mask)
+    assert torch.allclose(adv, torch.tensor([[1.0, 1, 0], [-1, 0, 0], [0.6, 0.6, 0.6], [0, 0, 0]]))
 
 
 def test_an_answer_carries_an_id_and_the_policy_version_and_is_stored_with_its_tokens(serving, tmp_path):
@@ -179,9 +199,7 @@ def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(ser
     thread.start()
     for i, a in enumerate(first):
         post(s.url, "/v1/feedback", {"id": a["id"], "rating": i % 2})
-    deadline = time.time() + 60
-    while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for_update(s.url, 1)
     thread.join()
     assert not errors and len(answers) == 10
     status = get(s.url, "/v1/status")
@@ -221,6 +239,104 @@ def test_requests_that_wait_are_answered_in_one_generate_call(serving):
     assert code == 200 and a["usage"]["completion_tokens"] <= 2
 
 
+class Updates:
+    """The batch of each online update, as the on_step_end hook sees it (advantages included)."""
+
+    def __init__(self):
+        self.batches = []
+
+    @hookimpl
+    def on_step_end(self, trainer, step, metrics, batch):
+        self.batches.append(batch)
+
+
+@pytest.fixture
+def updates():
+    pm, seen = plugins.get_plugin_manager(), Updates()
+    pm.register(seen, name="online-updates")
+    yield seen
+    pm.unregister(seen)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # two answers to each of two prompts: each against the other answer to its prompt
+        ("leave_one_out", [[1.0, -1.0, 0.25, -0.25], [0.0, 0.0, -0.5, 0.5]]),
+        # the first update against its own mean (0.4375), the second against the ratings before it (0.4375)
+        ("running", [[0.5625, -0.4375, 0.0625, -0.1875], [0.5625, 0.5625, -0.4375, 0.0625]]),
+    ],
+)
+def test_the_advantages_of_an_update_are_rating_minus_baseline(serving, updates, mode, expected):
+    """The learner gives the algorithm ratings and baselines; grpo's compute_advantages makes
+    rating - baseline on every token of the answer, as computed here by hand."""
+    s = serving(update_every=4, baseline=mode)
+    for version, ratings in enumerate([[1.0, 0.0, 0.5, 0.25], [1.0, 1.0, 0.0, 0.5]], 1):
+        answers = [ask(s.url, text) for text in ("Say 7", "Say 7", "Say 8", "Say 8")]
+        for a, rating in zip(answers, ratings):
+            assert post(s.url, "/v1/feedback", {"id": a["id"], "rating": rating})[0] == 200
+        wait_for_update(s.url, version)
+    assert len(updates.batches) == 2
+    for batch, want in zip(updates.batches, expected):
+        mask = batch["response_mask"].float()
+        assert batch["group_ids"].tolist() == [0, 0, 1, 1]
+        assert torch.allclose(batch["advantages"], torch.tensor(want, device=mask.device)[:, None] * mask)
+
+
+def test_an_answer_carries_the_version_of_the_weights_that_sampled_it(serving):
+    """Users hammer the server while the learner swaps weights (slowly): every generate call's
+    answers carry the version of the weights the engine held for the whole call."""
+    s = serving(update_every=4, requests_per_minute=100_000)
+    engine, learner = s.server.trainer.engine, s.server.learner
+    weights = {"swaps": 0, "swapping": False}  # the engine's own count of the weights it loaded
+    calls = []  # (the call's output, the weights at its start and end, whether the learner was training)
+    update_weights, generate = engine.update_weights, engine.generate
+
+    def slow_update_weights(tensors):
+        weights["swapping"] = True
+        time.sleep(0.2)  # a wide window for a generate call to slip into
+        update_weights(tensors)
+        weights["swaps"] += 1
+        weights["swapping"] = False
+
+    def watched_generate(prompts, sampling):
+        before, learning = dict(weights), learner.learning
+        out = generate(prompts, sampling)
+        calls.append((out, before, dict(weights), learning))
+        return out
+
+    def slow_train_on(*args, **kwargs):
+        time.sleep(0.2)  # users keep asking while it trains
+        return train_on(*args, **kwargs)
+
+    trainer, train_on = s.server.trainer, s.server.trainer.train_on
+    engine.update_weights, engine.generate, trainer.train_on = slow_update_weights, watched_generate, slow_train_on
+    stop, answers = threading.Event(), []
+
+    def hammer():
+        while not stop.is_set():
+            answers.append(post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for version in (1, 2):
+            for _ in range(4):
+                post(s.url, "/v1/feedback", {"id": ask(s.url)["id"], "rating": 1})
+            wait_for_update(s.url, version)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert weights["swaps"] == 2 and any(learning for *_, learning in calls)  # answers came while it trained
+    for out, before, after, _ in calls:
+        assert not before["swapping"] and not after["swapping"]
+        assert out.policy_version == before["swaps"] == after["swaps"]
+    assert answers and all(code == 200 for code, _ in answers)
+    assert {a["policy_version"] for _, a in answers} <= {0, 1, 2} and ask(s.url)["policy_version"] == 2
+
+
 def test_simulated_users_ratings_rise(serving):
     """Users rate answers by the fraction of '7's, which the server does not know: after a few
     hundred ratings, the mean rating is higher than at the start."""
@@ -245,7 +361,7 @@ def test_sigkill_during_an_update_loses_no_acknowledged_rating(tiny_model, tmp_p
             code, _ = post(url, "/v1/feedback", {"id": a["id"], "rating": acked % 3 / 2})
             acked += code == 200
             status = get(url, "/v1/status")
-            if status["learning"] and status["policy_version"] >= 1:  # a saved version to go back to
+            if status["learning"] and any((run / "checkpoints").glob("step-*")):  # a saved version to go back to
                 os.kill(proc.pid, signal.SIGKILL)
                 killed_learning = True
     finally:
@@ -283,9 +399,7 @@ def test_dashboard_shows_the_online_metrics(serving, tmp_path):
     s = serving(update_every=4)
     for _ in range(4):
         post(s.url, "/v1/feedback", {"id": ask(s.url)["id"], "rating": 1})
-    deadline = time.time() + 60
-    while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for_update(s.url, 1)
     rows_ = RunFiles(tmp_path / "run").metric_rows(None, 0)["rows"]
     assert {"online/ratings_per_min", "online/rating_mean_all", "online/version"} <= set(rows_[0])
     with urllib.request.urlopen(s.url + "/health") as r:
@@ -341,9 +455,7 @@ def test_run_files_are_the_owners_alone_and_hold_no_secrets(tiny_model, tmp_path
     try:
         for _ in range(2):
             post(s.url, "/v1/feedback", {"id": ask(s.url)["id"], "rating": 1})
-        deadline = time.time() + 60
-        while get(s.url, "/v1/status")["policy_version"] < 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_update(s.url, 1)
     finally:
         s.stop()
     run = tmp_path / "run"

@@ -113,14 +113,14 @@ def cmd_serve(args) -> int:
     server = Server(cfg, args.host, args.port, token, allow=tuple(args.allow_host))
     t = server.trainer
     print(
-        f"hybridrl {__version__}: serving policy version {server.learner.version} on {server.url} "
+        f"hybridrl {__version__}: serving policy version {server.version} on {server.url} "
         f"(POST /v1/chat/completions, POST /v1/feedback, GET /v1/status); run directory {t.run_dir}",
         flush=True,
     )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        print(f"serve: stopped at policy version {server.learner.version}", file=sys.stderr)
+        print(f"serve: stopped at policy version {server.version}", file=sys.stderr)
     return 0
 
 

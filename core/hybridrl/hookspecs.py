@@ -147,7 +147,8 @@ def on_train_start(trainer):
 
 @hookspec
 def on_step_end(trainer, step, metrics, batch):
-    """Called after every step, after the weight sync and before the loggers write.
+    """Called after every step, after the weight sync and before the loggers write. Under
+    ``hybridrl serve`` a step is an update on users' ratings (its batch: the rated answers).
 
     :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
     :param step: the step just finished, counting from 1.
@@ -172,7 +173,7 @@ def on_checkpoint(trainer, step, path):
 
 @hookspec
 def on_train_end(trainer, metrics):
-    """Called once when the run ends, normally or not.
+    """Called once when the run ends, normally or not (``hybridrl serve``: when it stops).
 
     :param trainer: the :class:`~hybridrl.trainer.Trainer`.
     :param metrics: the last step's metrics (empty if no step finished).

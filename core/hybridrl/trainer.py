@@ -209,9 +209,7 @@ class Trainer:
         self.setup()
         if t.resume:
             self.resume()
-        for logger in self.loggers:
-            logger.open(t.steps, self.start_step)
-        self.pm.hook.on_train_start(trainer=self)
+        self.open(t.steps)
         metrics: dict[str, float] = {}
         try:
             with self.signals.catch():
@@ -235,6 +233,13 @@ class Trainer:
         finally:
             self.close(metrics)
         return metrics
+
+    def open(self, steps: int = 0) -> None:
+        """Start the run's record: the loggers (``steps``: the run's last step; 0: none, ``hybridrl
+        serve``), then ``on_train_start``. :meth:`close` ends it."""
+        for logger in self.loggers:
+            logger.open(steps, self.start_step)
+        self.pm.hook.on_train_start(trainer=self)
 
     def close(self, metrics: dict[str, float] | None = None) -> None:
         """End the run: ``on_train_end`` with the last metrics, then the loggers, the rewards, the

@@ -1,0 +1,157 @@
+"""The HTTP API of ``hybridrl serve``: OpenAI-style ``POST /v1/chat/completions``,
+``POST /v1/feedback``, ``GET /v1/status`` and ``GET /health``.
+
+On 127.0.0.1 unless told otherwise, with a token on any other address, request size and rate
+limits, and the checks every server of hybridrl makes (:mod:`hybridrl.http`: Host and Origin, the
+token before the body, throttled wrong tokens, timeouts). The endpoints are methods of
+:class:`Api`, which checks a request and calls the server (:class:`hybridrl.online.Server`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+
+from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
+
+TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+class BadRequest(HttpError):
+    """A request the server refuses; ``code`` is its HTTP status."""
+
+
+def json_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    return body
+
+
+def check_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRequest(400, f"each message needs a role ({', '.join(sorted(ROLES))}) and a string content")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_rating(value, o) -> float:
+    """A number in [rating_min, rating_max], or 'up' / 'down' (thumbs)."""
+    if value in ("up", "down"):
+        return o.rating_max if value == "up" else o.rating_min
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not o.rating_min <= value <= o.rating_max:
+        raise BadRequest(400, f"'rating' must be a number from {o.rating_min:g} to {o.rating_max:g}, or 'up' / 'down'")
+    return float(value)
+
+
+def completion(answer: dict, model: str) -> dict:
+    """A stored answer as an OpenAI chat completion, with the policy version that sampled it."""
+    prompt, generated = len(answer["prompt_ids"]), len(answer["response_ids"])
+    return {
+        "id": answer["id"],
+        "object": "chat.completion",
+        "created": int(answer["created"]),
+        "model": model,
+        "policy_version": answer["version"],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": answer["text"]},
+                "finish_reason": answer["finish_reason"],
+            }
+        ],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+    }
+
+
+class RateLimit:
+    """At most ``per_minute`` requests per client address in any 60 seconds."""
+
+    def __init__(self, per_minute: int):
+        self.per_minute, self.seen, self.lock = per_minute, defaultdict(deque), threading.Lock()
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            times = self.seen[client]
+            while times and now - times[0] > 60:
+                times.popleft()
+            if len(times) >= self.per_minute:
+                return False
+            times.append(now)
+            return True
+
+
+class Api:
+    """The endpoints: each checks its request, then asks ``server`` (``answer``, ``rate``,
+    ``status``, ``health``); ``options``: the config's ``online`` section."""
+
+    def __init__(self, server, options):
+        self.server, self.options, self.limit = server, options, RateLimit(options.requests_per_minute)
+
+    def routes(self) -> dict:
+        return {
+            ("GET", "/health"): self.health,
+            ("GET", "/v1/status"): self.server.status,
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/feedback"): self.feedback,
+        }
+
+    def throttle(self, client: str) -> None:
+        if not self.limit.allow(client):
+            per_minute = self.options.requests_per_minute
+            raise HttpError(429, f"over {per_minute} requests a minute", {"Retry-After": "60"})
+
+    def health(self) -> dict:
+        return {"status": self.server.health()}
+
+    def chat(self, body) -> dict:
+        body = json_object(body)
+        if body.get("stream"):
+            raise BadRequest(400, "'stream' is not supported: leave it out or set it to false")
+        if body.get("n", 1) != 1:
+            raise BadRequest(400, "'n' must be 1: each answer is rated on its own")
+        answer = self.server.answer(check_messages(body.get("messages")), body.get("max_tokens"))
+        return completion(answer, body["model"] if isinstance(body.get("model"), str) else "policy")
+
+    def feedback(self, body) -> dict:
+        body = json_object(body)
+        answer_id = body.get("id")
+        if not isinstance(answer_id, str):
+            raise BadRequest(400, "'id' must be the id of a chat completion")
+        rating = parse_rating(body.get("rating"), self.options)
+        preferred = body.get("preferred")
+        if preferred is not None and not isinstance(preferred, str):
+            raise BadRequest(400, "'preferred' must be a string: the answer the user would have wanted")
+        seq = self.server.rate(answer_id, rating, preferred)
+        return {"id": answer_id, "rating": rating, "stored": True, "seq": seq}
+
+
+def make_server(server, host: str, port: int, token: str | None, options, allow: tuple[str, ...] = ()) -> JsonServer:
+    """The HTTP server of ``server`` (not started: call serve_forever). A non-loopback ``host`` needs a
+    ``token``; ``allow``: Host names and origins it answers beside the loopback ones and
+    ``$HYBRIDRL_ALLOWED_HOSTS``."""
+    require_token("serve", host, token, TOKEN_ENV)
+    api = Api(server, options)
+
+    class Handler(JsonHandler):
+        def routes(self):
+            return api.routes()
+
+        def throttle(self):
+            api.throttle(self.client_address[0])
+
+    return listen(
+        "serve",
+        host,
+        port,
+        Handler,
+        token=token,
+        max_body=options.max_request_bytes,
+        max_body_name=f"online.max_request_bytes={options.max_request_bytes}",
+        allow=allow,
+        hint=f"list it in ${ALLOWED_HOSTS_ENV} (comma-separated) to allow it",
+    )
