@@ -7,7 +7,7 @@ import pytest
 from hybridrl import plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_tokenizer
-from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
+from hybridrl.prompts import PromptOrder, check_columns, encode_prompt, prompt_messages, row_answer
 
 
 def source(name, **options):
@@ -35,7 +35,13 @@ def test_missing_column_is_named_with_the_fields(jsonl):
         data={
             "model": {"path": "x"},
             "rewards": [{"function": "answer_match"}],
-            "data": {"source": "hf", "path": "json", "data_files": jsonl, "prompt_column": "q"},
+            "data": {
+                "source": "hf",
+                "path": "json",
+                "data_files": jsonl,
+                "prompt_column": "q",
+                "answer_column": "answer",
+            },
         }
     )
     ds = source("hf", path="json", data_files=jsonl)
@@ -112,3 +118,52 @@ def test_smollm2_chat_template_from_the_packaged_gguf(smollm2):
     ids, text = encode_prompt({"q": "What is 2 + 3?"}, Cfg, tok)
     assert text.startswith("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
     assert text.endswith("<|im_start|>assistant\n") and tok.decode(ids) == text
+
+
+def data_config(**data):
+    data = {"source": "hf", "path": "unused.jsonl", **data}
+    return load_config(data={"model": {"path": "x"}, "rewards": [{"function": "format", "pattern": "x"}], "data": data})
+
+
+VERL_ROWS = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+        "extra_info": {"split": "train", "index": i, "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"},
+    }
+    for i in range(3)
+]
+
+
+def test_a_verl_parquet_file_loads_as_it_is(tmp_path, tiny_model):
+    import datasets
+
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(VERL_ROWS).to_parquet(str(path))
+    cfg = data_config(source="hf", path=str(path))
+    ds = source("hf", path=str(path))
+    check_columns(ds, cfg)  # auto: the chat messages in 'prompt', the ground truth in reward_model
+    assert ds[1] == VERL_ROWS[1]
+    assert prompt_messages(ds[1], cfg.data) == VERL_ROWS[1]["prompt"] and row_answer(ds[1], cfg.data) == "2"
+    assert encode_prompt(ds[1], cfg.data, load_tokenizer(tiny_model))[1].endswith(
+        "What is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # a dotted path names any nested field; one that is not there lists the nested fields
+    assert row_answer(ds[1], data_config(answer_column="extra_info.index").data) == 1
+    with pytest.raises(
+        ConfigError, match=r"answer_column is 'reward_model.truth'.*reward_model.ground_truth, extra_info"
+    ):
+        check_columns(ds, data_config(source="hf", path=str(path), answer_column="reward_model.truth"))
+
+
+def test_trl_text_prompts_and_extra_columns(capsys):
+    cfg = data_config(template="Q: {prompt} ({level})")
+    row = {"prompt": "1+1=", "solution": "2", "level": 3, "question": "one plus one"}
+    assert prompt_messages(row, cfg.data) == [{"role": "user", "content": "Q: 1+1= (3)"}]
+    assert row_answer(row, cfg.data) is None  # no answer field: rewards read the row's fields themselves
+    check_columns([row], cfg)
+    assert "the rows have prompt and question; prompts come from 'prompt'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="auto, but the rows have neither prompt nor question. Fields: q, a"):
+        check_columns([{"q": "1+1=", "a": "2"}], cfg)

@@ -222,8 +222,9 @@ class RolloutEngine(Component):
 class RewardFunction(Component):
     """Scores each response of a batch.
 
-    ``batch["prompt_text"]``, ``batch["response_text"]``, ``batch["answer"]`` and
-    ``batch["metadata"]`` are lists with one entry per response.
+    ``batch["prompt_text"]``, ``batch["response_text"]``, ``batch["answer"]`` (the row's
+    ``data.answer_column``), ``batch["metadata"]`` and ``batch["row"]`` (the prompt source's whole
+    row: every field, nested ones included) are lists with one entry per response.
     """
 
     def score(self, batch: Batch) -> torch.Tensor | list[float]:

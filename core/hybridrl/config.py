@@ -67,8 +67,18 @@ class ModelConfig(Strict):
 
 class DataConfig(Section):
     source: str = Field("hf", description="Prompt source plugin.")
-    prompt_column: str = Field("question", description="Row field holding the question, or a list of chat messages.")
-    answer_column: str | None = Field("answer", description="Row field with the ground truth given to rewards.")
+    prompt_column: str = Field(
+        "auto",
+        description="Row field holding the prompt: text (through data.template) or a list of chat messages; a dotted "
+        "path reaches a nested field. auto: 'prompt' (TRL's and verl's column) where the rows have it, else "
+        "'question'.",
+    )
+    answer_column: str | None = Field(
+        "auto",
+        description="Row field with the ground truth given to rewards (batch['answer']); a dotted path reaches a "
+        "nested field. auto: 'answer' where the rows have it, else verl's 'reward_model.ground_truth', else none. "
+        "Every field of the row reaches rewards anyway (batch['row']).",
+    )
     template: str = Field(
         "{prompt}",
         description="Python format string for the user message; {prompt} is "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from hybridrl import distributed
 from hybridrl.errors import ConfigError
 
 
@@ -40,18 +43,79 @@ class PromptOrder:
         self._order = self._permutation()
 
 
+def field(row: dict, path: str):
+    """The row's field ``path``: a key of the row, or a dotted path into its nested mappings
+    (``reward_model.ground_truth``); KeyError when a part is missing."""
+    if path in row:
+        return row[path]
+    value = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(path)
+        value = value[part]
+    return value
+
+
+def has_field(row: dict, path: str) -> bool:
+    try:
+        field(row, path)
+    except KeyError:
+        return False
+    return True
+
+
+def fields(row: dict, prefix: str = "") -> list[str]:
+    """Every field of a row, nested ones as dotted paths: what an error lists."""
+    out = []
+    for key, value in row.items():
+        out.append(prefix + key)
+        if isinstance(value, dict):
+            out += fields(value, f"{prefix}{key}.")
+    return out
+
+
+#: data.prompt_column: auto takes the first field of these that the rows have (TRL's and verl's
+#: column, then reasoning-gym's); a row that has neither keeps the key 'auto' (hybridrl serve's rows)
+PROMPT_FIELDS = ("prompt", "question")
+#: data.answer_column: auto takes the first of these the rows have (verl's ground truth second), else none
+ANSWER_FIELDS = ("answer", "reward_model.ground_truth")
+
+
+def prompt_column(row: dict, data_cfg) -> str:
+    """The field of ``row`` that holds its prompt: data.prompt_column, ``auto`` resolved."""
+    col = data_cfg.prompt_column
+    if col != "auto":
+        return col
+    return next((c for c in PROMPT_FIELDS if c in row), col)
+
+
+def answer_column(row: dict, data_cfg) -> str | None:
+    """The field of ``row`` that holds the ground truth given to rewards, or None."""
+    col = data_cfg.answer_column
+    if col != "auto":
+        return col
+    return next((c for c in ANSWER_FIELDS if has_field(row, c)), None)
+
+
+def row_answer(row: dict, data_cfg):
+    """The ground truth of ``row`` (``batch["answer"]``): its answer column's value, or None."""
+    col = answer_column(row, data_cfg)
+    return field(row, col) if col is not None and has_field(row, col) else None
+
+
 def prompt_messages(row: dict, data_cfg) -> list[dict]:
     """The chat messages of a row: the prompt column (text through data.template, or messages)."""
-    value = row[data_cfg.prompt_column]
+    col = prompt_column(row, data_cfg)
+    value = field(row, col)
     if value is None or (isinstance(value, str | list) and not value):
         raise ConfigError(
-            f"data: a row's prompt (field '{data_cfg.prompt_column}') is {value!r}; every row needs one. Drop such "
+            f"data: a row's prompt (field '{col}') is {value!r}; every row needs one. Drop such "
             f"rows from the data, or set data.prompt_column to another of the row's fields: {', '.join(row)}."
         )
     if isinstance(value, list):  # already chat messages
         messages = list(value)
     else:
-        try:
+        try:  # the prompt field by its name too: template '{question}' works as '{prompt}' does
             content = data_cfg.template.format(**{**row, "prompt": value})
         except KeyError as e:
             raise ConfigError(
@@ -82,17 +146,32 @@ def encode_prompt(row: dict, data_cfg, tokenizer, tools: list[dict] | None = Non
 
 
 def check_columns(source, cfg) -> None:
-    """The source has rows, and the prompt and answer columns the run config names exist in them."""
+    """The source has rows, and the prompt and answer columns the run config names exist in them
+    (dotted paths into nested fields too); says which field ``auto`` chose where the rows have several."""
     if len(source) == 0:
         raise ConfigError(
             f"data: the prompt source '{cfg.data.source}' yields no prompts. Check its options (file, split, "
             "task, size) in the data section."
         )
-    columns = getattr(source, "columns", None) or list(source[0])
+    row = source[0]
+    names = fields(row)
+    if cfg.data.prompt_column == "auto":
+        found = [c for c in PROMPT_FIELDS if c in row]
+        if not found:
+            raise ConfigError(
+                f"data.prompt_column is auto, but the rows have neither {' nor '.join(PROMPT_FIELDS)}. "
+                f"Fields: {', '.join(names)}. Set data.prompt_column to the field that holds the prompt."
+            )
+        if len(found) > 1 and distributed.is_main():
+            print(
+                f"data: the rows have {' and '.join(found)}; prompts come from '{found[0]}' "
+                f"(data.prompt_column: auto). Set data.prompt_column to choose another.",
+                file=sys.stderr,
+            )
     for key in ("prompt_column", "answer_column"):
         col = getattr(cfg.data, key)
-        if col is not None and col not in columns:
+        if col not in (None, "auto") and not has_field(row, col):
             raise ConfigError(
                 f"data.{key} is '{col}', but the rows have no such field. "
-                f"Fields: {', '.join(columns)}. Set data.{key} to one of them."
+                f"Fields: {', '.join(names)}. Set data.{key} to one of them."
             )

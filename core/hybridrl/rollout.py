@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridrl import distributed
 from hybridrl.batch import Batch
-from hybridrl.prompts import PromptOrder, encode_prompt, prompt_messages
+from hybridrl.prompts import PromptOrder, encode_prompt, prompt_messages, row_answer
 from hybridrl.session import EngineSession
 
 
@@ -38,9 +38,10 @@ class RolloutStage:
         first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
         rollout["group_ids"] = rollout["group_ids"] + first
         rollout["prompt_text"] = [prompt_texts[i // n] for i in range(len(rollout))]
-        col = cfg.data.answer_column
-        rollout["answer"] = [rows[i // n].get(col) if col else None for i in range(len(rollout))]
+        answers = [row_answer(row, cfg.data) for row in rows]
+        rollout["answer"] = [answers[i // n] for i in range(len(rollout))]
         rollout["metadata"] = [rows[i // n].get("metadata") for i in range(len(rollout))]
+        rollout["row"] = [rows[i // n] for i in range(len(rollout))]  # every field, for rewards that want them
         rollout["messages"] = [chats[i // n] for i in range(len(rollout))]
         if self.agent is None:
             rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
