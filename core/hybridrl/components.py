@@ -231,6 +231,12 @@ class RewardFunction(Component):
         """Return one scalar per response, shape (B,)."""
         raise NotImplementedError
 
+    def metrics(self) -> dict[str, float]:
+        """Figures of the latest :meth:`score` call, logged as ``reward/<name>/<key>`` with the step's
+        metrics (a failure rate, the mean of a sub-score); ranks' values are averaged, so give means
+        over this rank's responses, not sums."""
+        return {}
+
     def close(self) -> None:
         pass
 

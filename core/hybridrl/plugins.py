@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "hybridrl"
 BUILTIN_PLUGINS = (
     "hybridrl.builtin.rollout_hf",
     "hybridrl.builtin.rewards",
+    "hybridrl.builtin.python_reward",
     "hybridrl.builtin.sharding_single",
     "hybridrl.builtin.sharding_fsdp",
     "hybridrl.builtin.datasets",

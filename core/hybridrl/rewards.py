@@ -50,6 +50,7 @@ class Rewards:
                 bad = int((~torch.isfinite(s)).sum())
                 print(f"warning: reward '{rc.label}' returned NaN/Inf for {bad} responses", file=sys.stderr)
             batch[f"reward/{rc.label}"] = s
+            metrics |= {f"reward/{rc.label}/{k}": float(v) for k, v in fn.metrics().items()}
             every = distributed.all_gather_cat(s) if rc.shaping.active else None  # the same on every rank
             if every is not None and torch.isfinite(every).all():  # NaN/Inf: left to the step's guard
                 shaped = self.shaping.apply(rc.label, every, distributed.all_gather_cat(lengths), rc.shaping)
