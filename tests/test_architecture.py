@@ -83,4 +83,5 @@ def test_the_contract_stands_on_the_ground():
         "hybridrl.devices",
         "hybridrl.distributed",
         "hybridrl.functional",
+        "hybridrl.options",
     }

@@ -7,62 +7,17 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 from __future__ import annotations
 
 import contextlib
-import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from hybridrl.batch import Batch, RolloutOutput  # noqa: F401 (RolloutOutput: part of the contract)
 from hybridrl.functional import LossAggregation
-
-
-def literal_choices(annotation) -> set | None:
-    """The strings a field accepts when it is a ``Literal`` (possibly in a union with None or
-    others), or None when it also accepts booleans or is no Literal at all."""
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Literal:
-        return set(args)
-    choices = set()
-    for arg in args:
-        if arg is bool:
-            return None
-        choices |= literal_choices(arg) or set()
-    return choices or None
-
-
-#: marks a config field as a file or folder the run reads: a relative path is looked up beside the
-#: config file first (``Field(..., json_schema_extra=INPUT_PATH)``; see :func:`hybridrl.config.load_config`)
-INPUT_PATH = {"input_path": True}
-
-
-class ConfigModel(BaseModel):
-    """Base of every model a YAML section is validated against: unknown keys and NaN/Inf are errors,
-    and YAML's booleans are read as the ``on``/``off`` of an option that takes those words (YAML
-    1.1 reads ``compile: off`` as false)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _yaml_switches(cls, value, info):
-        if not isinstance(value, bool) or info.field_name not in cls.model_fields:
-            return value
-        choices = literal_choices(cls.model_fields[info.field_name].annotation)
-        word = "on" if value else "off"
-        return word if choices and value not in choices and word in choices else value
-
-
-class Options(ConfigModel):
-    """Base of every component's options: unknown keys are errors."""
-
-    def changed(self, name: str) -> bool:
-        """Whether option ``name`` holds another value than its default. A run's config.yaml writes
-        every option out, defaults included, so ask this rather than whether a key was given."""
-        return getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)
+from hybridrl.options import INPUT_PATH, ConfigModel, Options, literal_choices  # noqa: F401 (the contract's)
 
 
 @dataclass(frozen=True)
@@ -226,6 +181,13 @@ class RewardFunction(Component):
     ``data.answer_column``), ``batch["metadata"]`` and ``batch["row"]`` (the prompt source's whole
     row: every field, nested ones included) are lists with one entry per response.
     """
+
+    @classmethod
+    def needs(cls, options: Options) -> set[str]:
+        """The row fields :meth:`score` reads beside the prompt and the response, with these
+        ``options``: ``"answer"`` (``batch["answer"]``, the ground truth), ``"metadata"``. Checked
+        against each evaluation set's first row before any model loads; default: none."""
+        return set()
 
     def score(self, batch: Batch) -> torch.Tensor | list[float]:
         """Return one scalar per response, shape (B,)."""

@@ -1,0 +1,56 @@
+"""The base of every model a YAML section is validated against, and of every component's options.
+
+Unknown keys and NaN/Inf are errors; YAML's booleans are read as the on/off words of options
+that take them; fields that name a file the run reads are marked :data:`INPUT_PATH`.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+def literal_choices(annotation) -> set | None:
+    """The strings a field accepts when it is a ``Literal`` (possibly in a union with None or
+    others), or None when it also accepts booleans or is no Literal at all."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(args)
+    choices = set()
+    for arg in args:
+        if arg is bool:
+            return None
+        choices |= literal_choices(arg) or set()
+    return choices or None
+
+
+#: marks a config field as a file or folder the run reads: a relative path is looked up beside the
+#: config file first (``Field(..., json_schema_extra=INPUT_PATH)``; see :func:`hybridrl.config.load_config`)
+INPUT_PATH = {"input_path": True}
+
+
+class ConfigModel(BaseModel):
+    """Base of every model a YAML section is validated against: unknown keys and NaN/Inf are errors,
+    and YAML's booleans are read as the ``on``/``off`` of an option that takes those words (YAML
+    1.1 reads ``compile: off`` as false)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_switches(cls, value, info):
+        if not isinstance(value, bool) or info.field_name not in cls.model_fields:
+            return value
+        choices = literal_choices(cls.model_fields[info.field_name].annotation)
+        word = "on" if value else "off"
+        return word if choices and value not in choices and word in choices else value
+
+
+class Options(ConfigModel):
+    """Base of every component's options: unknown keys are errors."""
+
+    def changed(self, name: str) -> bool:
+        """Whether option ``name`` holds another value than its default. A run's config.yaml writes
+        every option out, defaults included, so ask this rather than whether a key was given."""
+        return getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)
