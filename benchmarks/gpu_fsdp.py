@@ -4,7 +4,7 @@
 A Qwen2.5-0.5B-shaped model (Qwen2ForCausalLM: 24 layers, hidden 896, vocabulary 151,936,
 tied embeddings; random weights built from its config, nothing downloaded) trains on the
 same global batch of random token sequences in every configuration: forward through
-``hybridrl.models.response_logprobs`` (logits of the response half only, as the trainer
+``hybridrl.passes.response_logprobs`` (logits of the response half only, as the trainer
 computes them), backward of the mean response logprob, gradient clipping through the
 strategy, an AdamW step. No generation. For each configuration it measures, per GPU:
 
@@ -87,7 +87,7 @@ def worker(args) -> None:
     from hybridrl.builtin.sharding_fsdp import FSDPStrategy
     from hybridrl.builtin.sharding_single import SingleDevice
     from hybridrl.components import RunContext
-    from hybridrl.models import response_logprobs
+    from hybridrl.passes import response_logprobs
 
     _, strategy_name, dtype_name, options = CONFIGS[args.worker]
     dtype = getattr(torch, dtype_name)

@@ -15,7 +15,7 @@ calls after the other: ``--warmup`` calls per path first (they compile), then ``
 rounds of ``--calls`` timed calls per path, the GPU synchronised around each. Reported per path:
 the median seconds per rollout and tokens/s, its time over the decoding loop's (``time ratio``),
 the fraction of tokens that are the same as the decoding loop's for the same seed, and the mean and max absolute
-difference between the engine's logprobs and the trainer's (``hybridrl.models.response_logprobs``
+difference between the engine's logprobs and the trainer's (``hybridrl.passes.response_logprobs``
 of a float32 policy on the same tokens). This runs for the bfloat16 engine (the default on
 CUDA) and for a float32 copy (``dtype: float32``), where the logprobs should match the
 trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
@@ -103,7 +103,7 @@ def logprob_diff(policy, prompts, out, n: int, pad_id: int, device) -> tuple[flo
     import torch
 
     from hybridrl.batch import Batch
-    from hybridrl.models import response_logprobs
+    from hybridrl.passes import response_logprobs
 
     batch = Batch.from_rollout(prompts, out, n, pad_id)
     mask = batch["response_mask"].bool()

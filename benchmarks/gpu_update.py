@@ -93,17 +93,14 @@ def compiled_graphs() -> int:
         return 0
 
 
-def run_tokens(trainer, batch, rows, prompt, response) -> int:
-    """Tokens a pass of ``rows`` runs: its packed rows (trainer.pack_sequences), else its padded ones."""
+def run_tokens(p, prompt, response) -> int:
+    """Tokens the planned pass ``p`` runs: its packed rows (trainer.pack_sequences), else its padded ones."""
     from hybridrl import batch as batch_module
-    from hybridrl import packing
+    from hybridrl.passes import PACKED
 
-    if trainer.pass_layout["pack"]:
-        part = batch.select(rows)
-        packed = packing.pack(part.input_ids, part.attention_mask, part["responses"].shape[1])
-        if packed is not None:
-            return packed.input_ids.numel()
-    return batch_module.padded_tokens(prompt, response, rows)
+    if p.layout == PACKED:
+        return p.placement.tokens()
+    return batch_module.padded_tokens(prompt, response, p.rows)
 
 
 def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budget") -> dict:
@@ -112,7 +109,7 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
     import torch
 
     from hybridrl import batch as batch_module
-    from hybridrl import memory
+    from hybridrl import passes
     from hybridrl.config import load_config
     from hybridrl.metrics import update_throughput
     from hybridrl.trainer import Trainer
@@ -138,11 +135,11 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
     trainer = Trainer(load_config(data=cfg), name="bench-update")
     trainer.setup()
     if not head:
-        trainer.policy._hybridrl_head_split = False  # the plain path: (B, T, V) logits from the model
-        trainer.ref._hybridrl_head_split = False
+        for model in filter(None, (trainer.policy, trainer.ref)):  # the plain path: (B, T, V) logits from the model
+            trainer.passes.handle(model).plain_head()
     trainer.engine.close()
     cost = None if pass_cost == "budget" else int(pass_cost)
-    memory.token_budget_split = functools.partial(batch_module.token_budget_split, pass_cost=cost)
+    passes.token_budget_split = functools.partial(batch_module.token_budget_split, pass_cost=cost)
     vocab = trainer.policy.config.vocab_size
     batch = reference_batch(args, trainer.tokenizer, vocab).to(trainer.ctx.device)
     rows = []
@@ -162,9 +159,9 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
         common.wait_for_gpu()
         end = time.perf_counter()
         m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
-        groups = trainer.passes.groups(b)
+        groups = [part.planned for part in trainer.passes.parts(trainer.policy, b)]
         prompt, response = b["prompt_mask"].sum(-1).tolist(), b.response_lengths().tolist()
-        padded = sum(run_tokens(trainer, b, g, prompt, response) for g in groups)  # what the passes run
+        padded = sum(run_tokens(p, prompt, response) for p in groups)  # what the passes run
         rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()},
                      "passes": len(groups), "padded_tokens": padded, "graphs": compiled_graphs()})  # fmt: skip
         print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)

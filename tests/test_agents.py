@@ -15,7 +15,8 @@ from hybridrl.components import Environment, Observation, RunContext, SamplingPa
 from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 from hybridrl.session import EngineSession
 from hybridrl.testing import SevensPlugin
 

@@ -4,13 +4,9 @@ gradients as the textbook computation from full logits."""
 import pytest
 import torch
 
-from hybridrl.models import (
-    chunked_head_logprobs,
-    disable_dropout,
-    head_split,
-    load_causal_lm,
-    response_logprobs,
-)
+from hybridrl.forward import ModelHandle, chunked_head_logprobs, head_split
+from hybridrl.models import disable_dropout, load_causal_lm
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import embedded_tokens, small_model
 
 
@@ -203,19 +199,23 @@ def test_fused_output_layer_gives_the_same_values_and_gradients(model, keep_byte
         assert torch.allclose(w, g, rtol=1e-4, atol=1e-5 * float(w.abs().max().clamp(min=1)))
 
 
-def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(model, monkeypatch):
-    from hybridrl import models
+def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(model, tmp_path, monkeypatch):
+    from hybridrl import forward, plugins
+    from hybridrl.components import RunContext
+    from hybridrl.passes import Runner
 
     calls = []
-    real = models._fused_chunk()
-    monkeypatch.setattr(models, "_fused_chunk", lambda: lambda *a: calls.append(a[3].shape) or real(*a))
+    real = forward._fused_chunk()
+    monkeypatch.setattr(forward, "_fused_chunk", lambda: lambda *a: calls.append(a[3].shape) or real(*a))
     ids, mask = padded_batch(model.config.vocab_size)
     want, _ = response_logprobs(model, ids, mask, 9)
-    models.fuse_output_layer(model, 2**30)
-    try:
-        got, _ = response_logprobs(model, ids, mask, 9)
-    finally:
-        del model._hybridrl_fused_head
+    single = plugins.lookup("sharding strategy", "single")
+    ctx = RunContext("", None, torch.device("cpu"), torch.float32, 0, tmp_path)
+    strategy = single(single.Options(compile=True), ctx)  # its models' handles get the fused output layer
+    handle = Runner(strategy=strategy).handle(model)
+    assert handle.fused_head_bytes == 8 * 2**30
+    assert not [name for name in vars(model) if name.startswith("_hybridrl")]  # nothing hung on the model
+    got, _ = response_logprobs(handle, ids, mask, 9)
     assert calls == [(3 * 6, model.config.hidden_size)]  # one chunk: the 6 kept response columns of 3 rows
     assert torch.allclose(got, want, atol=1e-5)
 
@@ -240,16 +240,18 @@ def grouped_batch(vocab: int):
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3", "gemma", "gpt2"])
 def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
     model = disable_dropout(small_model(arch))
+    handle = ModelHandle(model)
     if path == "plain":
-        model._hybridrl_head_split = False  # as under FSDP or for models that transform their logits
-    assert (head_split(model) is None) == (path == "plain")  # checked before tokens are counted
+        handle.plain_head()  # as under FSDP or for models that transform their logits
+    assert (handle.head_split() is None) == (path == "plain")  # checked before tokens are counted
     ids, mask = grouped_batch(64)
     T = 8
     resp = mask[:, -T:].bool()
 
     def run(share):
         model.zero_grad()
-        lp, ent = response_logprobs(model, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=share)
+        out = dict(with_entropy=True, entropy_grad=True, share_prompts=share)
+        lp, ent = response_logprobs(handle, ids, mask, T, 0.7, **out)
         (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -265,8 +267,10 @@ def test_shared_prompts_give_the_full_passes_values_and_gradients(arch, path):
 
 
 def test_shared_prompts_keep_the_plain_pass_without_repeated_prompts_or_with_checkpointing(model):
+    handle = ModelHandle(model)
+    handle.head_split()  # its one-time probe, before the tokens are counted
     ids, mask = padded_batch(model.config.vocab_size)  # three different prompts
-    _, tokens = embedded_tokens(model, lambda: response_logprobs(model, ids, mask, 9))
+    _, tokens = embedded_tokens(model, lambda: response_logprobs(handle, ids, mask, 9))
     assert tokens == 3 * (16 - 2 - 3)  # one pass over every row
     ids, mask = grouped_batch(model.config.vocab_size)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -274,7 +278,7 @@ def test_shared_prompts_keep_the_plain_pass_without_repeated_prompts_or_with_che
         model.train()
         with torch.no_grad():
             want, _ = reference(model, ids, mask, 8)
-        lp, tokens = embedded_tokens(model, lambda: response_logprobs(model, ids, mask, 8)[0])
+        lp, tokens = embedded_tokens(model, lambda: response_logprobs(handle, ids, mask, 8)[0])
     finally:
         model.gradient_checkpointing_disable()
         model.eval()
@@ -290,18 +294,18 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     """One GRPO step: with trainer.share_prompts 'auto' (on for the CPU) the reference's and the
     policy's passes run each prompt once; with false, once per response, packed (trainer.pack_sequences
     'auto' packs where prompts are not shared)."""
-    from hybridrl import logprobs, trainer
+    from hybridrl import passes, trainer
     from hybridrl.config import load_config
     from hybridrl.testing import SevensPlugin
 
     calls = []
 
-    def recording(model, *args, share_prompts=True, pack=False, **kw):
-        calls.append((model, share_prompts, pack))
-        return response_logprobs(model, *args, share_prompts=share_prompts, pack=pack, **kw)
+    def recording(handle, ids, mask, T, out, p):
+        calls.append((handle.model, p.layout))
+        return run(handle, ids, mask, T, out, p)
 
-    monkeypatch.setattr(logprobs, "response_logprobs", recording)
-    monkeypatch.setattr(trainer, "response_logprobs", recording)
+    run = passes.run_logprobs
+    monkeypatch.setattr(passes, "run_logprobs", recording)
     register_plugin(SevensPlugin(), name="sevens")
     t = trainer.Trainer(load_config(data={
         "model": {"path": tiny_model},
@@ -316,5 +320,8 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     for logger in t.loggers:  # train() would open them
         logger.open(1, 0)
     t.step(1)
-    assert {model is t.ref for model, *_ in calls} == {True, False}  # the reference's pass and the policy's
-    assert {(shared, packed) for _, shared, packed in calls} == {(share == "auto", share is False)}  # else packed
+    assert {model is t.ref for model, _ in calls} == {True, False}  # the reference's pass and the policy's
+    planner = t.passes.planner  # trainer.share_prompts and trainer.pack_sequences resolved, there alone
+    assert (planner.share, planner.pack) == (share == "auto", share is False)
+    # packed where that saves tokens, which these sequences of nearly equal lengths do not: padded
+    assert {layout for _, layout in calls} == {passes.SHARED if share == "auto" else passes.PADDED}

@@ -11,7 +11,8 @@ import torch
 from hybridrl import lora
 from hybridrl.config import ConfigError, LoraOptions, load_config
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import disable_dropout, load_causal_lm, response_logprobs
+from hybridrl.models import disable_dropout, load_causal_lm
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import SevensPlugin, build_tiny_model, fixed_batch, hf_greedy, policy_greedy, small_model
 from hybridrl.trainer import Trainer
 

@@ -7,7 +7,7 @@ import torch
 from hybridrl import functional as F
 from hybridrl.batch import pad_responses
 from hybridrl.config import load_config
-from hybridrl.models import response_logprobs
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 

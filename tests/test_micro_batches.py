@@ -7,8 +7,7 @@ import torch
 from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
-from hybridrl.memory import split_widest
-from hybridrl.models import head_split, keeps_sequences_apart
+from hybridrl.passes import split_widest
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
@@ -107,8 +106,7 @@ def one_update(model, run_dir, lengths=LENGTHS, **trainer):
     t.algorithm.compute_advantages(batch)
     grads = {}
     t.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in t.policy.named_parameters()})
-    head_split(t.policy)  # its one-time two-token check is not a pass of the update
-    keeps_sequences_apart(t.policy.base_model)  # nor the one of packing
+    t.passes.handle(t.policy).can_pack()  # its one-time checks (output layer, packing) are not passes of the update
     passes = []  # (padded) tokens of each forward pass of the update
     t.policy.base_model.register_forward_pre_hook(
         lambda m, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
@@ -203,7 +201,7 @@ def oom(*args, **kwargs):
 def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change(
     tiny_model, tmp_path, register_plugin, monkeypatch
 ):
-    import hybridrl.logprobs
+    import hybridrl.passes
     from hybridrl.memory import OutOfMemory
 
     register_plugin(SevensPlugin(), name="sevens")
@@ -220,7 +218,7 @@ def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change
 
     batch = fixed_batch(t.tokenizer, LENGTHS)
     with monkeypatch.context() as m:
-        m.setattr(hybridrl.logprobs, "response_logprobs", oom)
+        m.setattr(hybridrl.passes, "run_logprobs", oom)
         with pytest.raises(
             OutOfMemory,
             match=r"in the logprobs of the reference model on cpu: a pass of \d+ responses x "
@@ -266,6 +264,7 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
     with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored afterwards
         t = Trainer(load_config(data=cfg))
         t.setup()
+        assert t.passes.handle(t.policy).fused_head_bytes == 8 * 2**30  # the compiled, fused output layer
         for step in (1, 2, 3):
             lengths = [[min(16, 1 + int(rng.expovariate(1 / 4))) for _ in range(4)] for _ in range(4)]
             batch = fixed_batch(t.tokenizer, lengths)

@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from hybridrl import packing
-from hybridrl.models import can_pack, disable_dropout, head_split, keeps_sequences_apart, response_logprobs
+from hybridrl import forward, packing
+from hybridrl.forward import ModelHandle
+from hybridrl.models import disable_dropout
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import embedded_tokens, small_model
+
+
+def passes(lengths, width, budget):
+    """The row indices of the passes :func:`packing.cut` cuts."""
+    return [rows for rows, _ in packing.cut(lengths, width, budget)]
 
 
 def test_first_fit_puts_each_sequence_longest_first_into_the_first_row_with_room():
@@ -18,13 +25,14 @@ def test_first_fit_puts_each_sequence_longest_first_into_the_first_row_with_room
 
 def test_passes_take_consecutive_packed_rows_up_to_the_budget():
     # packed rows of 8: [6, 2] (rows 4 and 3), [5, 3] (rows 0 and 1), [4] (row 2)
-    assert packing.passes([5, 3, 4, 2, 6], 8, 16) == [[3, 4, 0, 1], [2]]  # two packed rows a pass
-    assert packing.passes([5, 3, 4, 2, 6], 8, 7) == [[3, 4], [0, 1], [2]]  # a budget under a row: one each
-    assert packing.passes([], 8, 16) == []
+    assert passes([5, 3, 4, 2, 6], 8, 16) == [[3, 4, 0, 1], [2]]  # two packed rows a pass
+    assert passes([5, 3, 4, 2, 6], 8, 7) == [[3, 4], [0, 1], [2]]  # a budget under a row: one each
+    assert passes([], 8, 16) == []
 
 
-def test_the_rows_of_a_pass_packed_on_their_own_take_no_more_packed_rows():
-    """What a pass runs (its rows packed again) stays within the budget its cut assumed."""
+def test_each_pass_runs_its_rows_where_the_one_first_fit_of_the_batch_put_them():
+    """A pass's placement is its share of the batch's packed rows: within the budget the cut assumed,
+    every sequence in a row of its own pass, none overlapping."""
     import random
 
     rng = random.Random(0)
@@ -32,8 +40,13 @@ def test_the_rows_of_a_pass_packed_on_their_own_take_no_more_packed_rows():
         width = rng.randint(4, 30)
         lengths = [rng.randint(1, width) for _ in range(rng.randint(1, 40))]
         budget = width * rng.randint(1, 6)
-        for rows in packing.passes(lengths, width, budget):
-            assert packing.first_fit([lengths[i] for i in rows], width)[2] * width <= budget, (lengths, width)
+        for rows, placed in packing.cut(lengths, width, budget):
+            assert placed.tokens() <= budget, (lengths, width)
+            used = [[0] * width for _ in range(placed.rows)]
+            for i, r, c in zip(rows, placed.where, placed.start):
+                for k in range(c, c + lengths[i]):
+                    used[r][k] += 1
+            assert max(max(row) for row in used) == 1, (lengths, width)
 
 
 def test_pack_width_rounds_up_to_the_multiple():
@@ -88,7 +101,8 @@ def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, attenti
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model(arch))
     model.set_attn_implementation(attention)  # model.attn_implementation
-    assert head_split(model) is not None and keeps_sequences_apart(model.base_model)
+    handle = ModelHandle(model)
+    assert handle.head_split() is not None and handle.can_pack()  # probed once, before tokens are counted
     ids, mask = batch_of_lengths(64)
     T = 8
     resp = mask[:, -T:].bool()
@@ -96,7 +110,7 @@ def test_packed_passes_give_the_padded_passes_values_and_gradients(arch, attenti
     def run(pack):
         model.zero_grad()
         lp, ent = response_logprobs(
-            model, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=False, pack=pack
+            handle, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=False, pack=pack
         )
         (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -124,11 +138,12 @@ def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes(dt
         return forward(*args, position_ids=position_ids, attention_mask=attention_mask, **kw)
 
     body.forward = masked_forward
-    assert not keeps_sequences_apart(body)
+    handle = ModelHandle(model)
+    assert not handle.can_pack()
     ids, mask = batch_of_lengths(64)
     with torch.no_grad():
-        want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
-        packed = lambda: response_logprobs(model, ids, mask, 8, share_prompts=False, pack=True)  # noqa: E731
+        want, _ = response_logprobs(handle, ids, mask, 8, share_prompts=False)
+        packed = lambda: response_logprobs(handle, ids, mask, 8, share_prompts=False, pack=True)  # noqa: E731
         (got, _), tokens = embedded_tokens(model, packed)
     assert tokens == 9 * 13
     assert torch.equal(got, want)
@@ -137,16 +152,17 @@ def test_a_model_that_lets_packed_sequences_see_each_other_runs_padded_passes(dt
 def test_compiled_blocks_run_packed_passes_with_the_eager_padded_values(monkeypatch):
     """sharding.compile's blocks and fused output layer, over packed rows of two shapes (the
     passes of a step): the eager padded pass's logprobs and gradients."""
-    from hybridrl.models import find_blocks, fuse_output_layer
+    from hybridrl.models import find_blocks
 
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model("qwen2"))
     ids, mask = batch_of_lengths(64)
     T, resp = 8, mask[:, -8:].bool()
+    handle = ModelHandle(model)
 
     def run(pack, rows):
         model.zero_grad()
-        lp, _ = response_logprobs(model, ids[rows], mask[rows], T, 0.7, share_prompts=False, pack=pack)
+        lp, _ = response_logprobs(handle, ids[rows], mask[rows], T, 0.7, share_prompts=False, pack=pack)
         lp[resp[rows]].sum().backward()
         return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -154,8 +170,8 @@ def test_compiled_blocks_run_packed_passes_with_the_eager_padded_values(monkeypa
     want = [run(False, rows) for rows in parts]
     for block in find_blocks(model):
         block.compile()
-    fuse_output_layer(model, 2**30)
-    assert can_pack(model)  # its one-time check, before the tokens are counted
+    handle = ModelHandle(model, fused_head_bytes=2**30)  # sharding.compile's fused output layer
+    assert handle.can_pack()  # its one-time check, before the tokens are counted
     for rows, packed_rows, (want_lp, want_grad) in zip(parts, [5, 3], want):
         (lp, grad), tokens = embedded_tokens(model, lambda: run(True, rows))  # noqa: B023 - called at once
         assert tokens == packed_rows * 16
@@ -274,10 +290,11 @@ def test_the_emulated_flash_attention_follows_transformers_dispatch(emulated_fla
     model = disable_dropout(small_model("qwen2"))
     ids, mask = batch_of_lengths(64)
     resp = mask[:, -8:].bool()
+    handle = ModelHandle(model)  # its output layer probed once, before the kernels' calls are recorded
     with torch.no_grad():
-        want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
+        want, _ = response_logprobs(handle, ids, mask, 8, share_prompts=False)
         model.set_attn_implementation(EMULATED_FLASH)
-        got, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
+        got, _ = response_logprobs(handle, ids, mask, 8, share_prompts=False)
         assert set(emulated_flash) == {("varlen", 9)}
         assert (got[resp] - want[resp]).abs().max() < 1e-5
         p = packing.pack(ids, mask, 8)
@@ -295,11 +312,10 @@ def test_packed_passes_under_flash_attention_give_the_padded_passes_values_and_g
 ):
     """Several packed rows run end to end as one row, the layout in which flash attention keeps
     sequences apart: the padded pass's values and gradients from the packed pass's tokens."""
-    from hybridrl import models
-
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model(arch))
     model.set_attn_implementation(EMULATED_FLASH)
+    handle = ModelHandle(model)
     ids, mask = batch_of_lengths(64)
     T = 8
     resp = mask[:, -T:].bool()
@@ -307,12 +323,12 @@ def test_packed_passes_under_flash_attention_give_the_padded_passes_values_and_g
     def run(pack):
         model.zero_grad()
         lp, ent = response_logprobs(
-            model, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=False, pack=pack
+            handle, ids, mask, T, 0.7, with_entropy=True, entropy_grad=True, share_prompts=False, pack=pack
         )
         (lp[resp].sum() + 0.3 * ent[resp].sum()).backward()
         return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    assert can_pack(model)  # its one-time checks, before the tokens and the kernels' calls are counted
+    assert handle.can_pack()  # its one-time checks, before the tokens and the kernels' calls are counted
     (want_lp, want_ent, want_grad), padded = embedded_tokens(model, lambda: run(False))
     emulated_flash.clear()
     (lp, ent, grad), packed = embedded_tokens(model, lambda: run(True))
@@ -321,7 +337,7 @@ def test_packed_passes_under_flash_attention_give_the_padded_passes_values_and_g
     assert (ent[resp] - want_ent[resp]).abs().max() < 1e-5
     for n in want_grad:
         assert (grad[n] - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max(), n
-    assert models.packed_layout(model.base_model) == models.ONE_ROW
+    assert handle.packed_layout() == forward.ONE_ROW
     assert {kind for kind, _ in emulated_flash} == {"varlen"}  # the 5 rows ran as one
 
 
@@ -330,8 +346,6 @@ def test_packed_rows_under_flash_attention_see_the_sequences_before_them(arch, e
     """What packed passes did before the guard probed two rows: one packed row keeps its sequences
     apart under flash attention (what a probe of one row sees), several rows do not, and their
     logprobs are far from the padded pass's."""
-    from hybridrl import models
-
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 16)
     model = disable_dropout(small_model(arch))
     model.set_attn_implementation(EMULATED_FLASH)
@@ -342,9 +356,9 @@ def test_packed_rows_under_flash_attention_see_the_sequences_before_them(arch, e
         alone = torch.cat([body(input_ids=x).last_hidden_state[0] for x in (a, b)])
         one_row = body(input_ids=torch.cat([a, b], 1), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
         assert (one_row.last_hidden_state[0] - alone).abs().max() < 1e-5
-        assert models.packed_layout(body) == models.ONE_ROW  # the rows as they are fail the probe
+        assert forward.packed_layout(body) == forward.ONE_ROW  # the rows as they are fail the probe
         want, _ = response_logprobs(model, ids, mask, 8, share_prompts=False)
-        monkeypatch.setattr(models, "packed_layout", lambda body: models.ROWS)  # the rows as they are
+        monkeypatch.setattr(forward, "packed_layout", lambda body: forward.ROWS)  # the rows as they are
         got, _ = response_logprobs(model, ids, mask, 8, share_prompts=False, pack=True)
     resp = mask[:, -8:].bool()
     assert (got[resp] - want[resp]).abs().max() > 1e-2
@@ -354,8 +368,6 @@ def test_a_flash_kernel_that_takes_16_bit_inputs_only_is_probed_under_autocast(e
     """flash-attn refuses float32 inputs; float32 weights train under bfloat16 autocast, so the
     probe runs there too, rather than leaving such a model on padded passes."""
     from transformers import modeling_flash_attention_utils as flash_utils
-
-    from hybridrl import models
 
     def sixteen_bit_only(kernel):
         def run(q, *args, **kwargs):
@@ -372,4 +384,4 @@ def test_a_flash_kernel_that_takes_16_bit_inputs_only_is_probed_under_autocast(e
     model.set_attn_implementation(EMULATED_FLASH)
     with pytest.raises(RuntimeError, match="fp16 and bf16"):
         model.base_model(input_ids=torch.tensor([[3, 5]]))  # float32, no autocast: refused
-    assert models.packed_layout(model.base_model) == models.ONE_ROW
+    assert forward.packed_layout(model.base_model) == forward.ONE_ROW

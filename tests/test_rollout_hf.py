@@ -10,7 +10,8 @@ from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped
 from hybridrl.builtin.rollout_hf import compacted_rows
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
-from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 
 TEXTS = ["abc", "a much longer prompt", "hello world, how are you?"]  # different lengths: left padding matters
 

@@ -6,7 +6,9 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.components import RunContext
-from hybridrl.models import head_split, load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.forward import ModelHandle
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 
 
 def strategy(tiny_model, tmp_path, **options):
@@ -16,12 +18,15 @@ def strategy(tiny_model, tmp_path, **options):
 
 
 def loss_and_grads(model, strategy):
+    """``model`` (or its handle) under ``strategy``'s autocast: logprobs and gradients of a pass."""
+    handle = model if isinstance(model, ModelHandle) else ModelHandle(model)
+    model = handle.model
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (4, 12), generator=g)
     mask = torch.ones_like(ids)
     model.zero_grad()
     with strategy.autocast():
-        lp, _ = response_logprobs(model, ids, mask, 6)
+        lp, _ = response_logprobs(handle, ids, mask, 6)
     lp.sum().backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -63,13 +68,14 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
     compiled = strategy(tiny_model, tmp_path, compile=True)
     model = compiled.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers)
-    assert model._hybridrl_fused_head == 8 * 2**30  # the output layer's compiled chunk, keep_logits_gib 8
+    assert compiled.fused_head_bytes == 8 * 2**30  # the output layer's compiled chunk, keep_logits_gib 8
+    handle = ModelHandle(model, compiled.fused_head_bytes)  # as the pass runner makes it
     torch._dynamo.reset()  # no compiled code of earlier tests to reuse (the counters run on)
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
-    assert head_split(model) is not None
+    assert handle.head_split() is not None
     assert graphs["unique_graphs"] == before  # its probe compiled nothing
-    lp2, grads2 = loss_and_grads(model, compiled)
+    lp2, grads2 = loss_and_grads(handle, compiled)
     assert graphs["unique_graphs"] > before  # the passes did
     assert torch.allclose(lp, lp2, atol=1e-5)
     for n in grads:

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hybridrl import distributed, packing
-from hybridrl.batch import Batch, padded_tokens, token_budget_split
+from hybridrl import distributed
+from hybridrl.batch import Batch
 from hybridrl.errors import StageError
 
 AUTO_FRACTION = 0.8  # of the free memory; the estimate is an upper bound (see docs/performance.md)
@@ -65,13 +65,9 @@ def describe(device: torch.device) -> str:
 
 
 class MicroBatches:
-    """The trainer's passes over a batch: ``trainer.micro_batch_size`` responses at a time, or
-    ``trainer.micro_batch_tokens`` tokens (an int, or ``auto``), or the whole batch.
-
-    Under a multi-process strategy every rank must run the same number of passes (each one is
-    collective): each rank cuts its own rows by their lengths, and a rank with fewer passes
-    than another splits its most padded ones until it has as many (verl's dynamic batch size
-    likewise gives every data-parallel rank the largest rank's number of micro-batches)."""
+    """How much a pass may take: ``trainer.micro_batch_size`` responses, or
+    ``trainer.micro_batch_tokens`` tokens (an int, or ``auto``), or the whole batch. The pass
+    planner (:class:`hybridrl.passes.Planner`) cuts the passes from it."""
 
     def __init__(self, size: int | None, tokens: int | str | None, model_config, strategy, device: torch.device):
         self.size, self.tokens, self.device = size, None if size else tokens, device
@@ -98,43 +94,6 @@ class MicroBatches:
             )
         return max(budget, 1)
 
-    def groups(self, batch: Batch, packed: bool = False) -> list[list[int]]:
-        """Row indices of each pass over ``batch``; ``packed``: of passes that run packed rows
-        (:func:`hybridrl.packing.passes`), else padded ones."""
-        tokens = self.budget()
-        if not tokens:
-            return consecutive(len(batch), self.size)
-        if packed:
-            lengths = (batch["prompt_mask"].sum(-1) + batch.response_lengths()).tolist()
-            groups = packing.passes(lengths, packing.pack_width(width_of(batch)), tokens)
-        else:
-            groups = token_budget_split(batch, tokens)
-        if distributed.world_size() > 1:  # every rank the same number of passes, each cut by its own lengths
-            passes = int(distributed.all_reduce([float(len(groups))], "max")[0])
-            groups = split_widest(batch, groups, passes)
-        return groups
-
-
-def split_widest(batch: Batch, groups: list[list[int]], passes: int) -> list[list[int]]:
-    """``groups`` (rows longest first within each) cut further until there are ``passes``: each
-    time the pass of the most padded tokens, into halves (neither pads more than it did). Needs
-    ``passes`` <= rows."""
-    prompt, response = batch["prompt_mask"].sum(-1).tolist(), batch.response_lengths().tolist()
-    groups = list(groups)
-    while len(groups) < passes:
-        k = max(
-            (k for k, g in enumerate(groups) if len(g) > 1), key=lambda k: padded_tokens(prompt, response, groups[k])
-        )
-        g = groups[k]
-        groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
-    return groups
-
-
-def consecutive(rows: int, size: int | None) -> list[list[int]]:
-    """Row indices of passes of ``size`` consecutive rows (default all)."""
-    size = size or rows
-    return [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
-
 
 def width_of(batch: Batch) -> int:
     """Tokens of a padded row: prompt and response columns."""
@@ -157,18 +116,6 @@ def pass_fix(part: Batch, size: int | None) -> str:
         f"Set trainer.micro_batch_tokens (try {max(width, rows * width // 2):,}) or "
         "sharding.activation_checkpointing: true."
     )
-
-
-def per_pass(batch: Batch, groups: list[list[int]], what: str, device, size: int | None, forward) -> torch.Tensor:
-    """``forward(part)`` of each pass's rows (out-of-memory errors naming ``what``), concatenated
-    back in the batch's order."""
-    parts = []
-    for part in (batch.select(g) for g in groups):
-        with memory_errors(what, device, pass_sizes(part), pass_fix(part, size)):
-            parts.append(forward(part))
-    out = torch.cat(parts)
-    rows = torch.tensor([i for g in groups for i in g], device=out.device)
-    return torch.empty_like(out).index_copy_(0, rows, out)
 
 
 @contextlib.contextmanager

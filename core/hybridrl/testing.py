@@ -248,7 +248,8 @@ def sampler_check(engine, model_dir, temperature: float = 0.7, n: int = 16, max_
     uniform, more than 5 distinct first tokens per prompt; one that reads the file gives neither.
     """
     from hybridrl.components import SamplingParams
-    from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+    from hybridrl.models import load_causal_lm, load_tokenizer
+    from hybridrl.passes import response_logprobs
 
     tok = load_tokenizer(model_dir)
     prompts = [tok(t)["input_ids"] for t in SAMPLER_PROMPTS]
@@ -285,7 +286,8 @@ def agent_check(engine, model_dir, name: str, temperature: float = 0.7, n: int =
     from hybridrl.agents import AgentLoop
     from hybridrl.components import SamplingParams
     from hybridrl.config import AgentConfig, RolloutConfig
-    from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer, response_logprobs
+    from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer
+    from hybridrl.passes import response_logprobs
     from hybridrl.session import EngineSession
 
     tok = load_tokenizer(model_dir)

@@ -23,10 +23,11 @@ from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_row
 from hybridrl.components import RunContext, Trainable
 from hybridrl.config import RunConfig, check_world
 from hybridrl.config_files import write_config
-from hybridrl.devices import model_device_errors, resolve_device
+from hybridrl.devices import resolve_device
 from hybridrl.engine_weights import engine_tensors
 from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite, stage_errors
-from hybridrl.logprobs import batch_logprobs
+from hybridrl.evaluation import Evaluation
+from hybridrl.forward import Outputs
 from hybridrl.memory import MicroBatches
 from hybridrl.metrics import (
     Timer,
@@ -39,7 +40,6 @@ from hybridrl.metrics import (
 )
 from hybridrl.models import (
     DTYPES,
-    can_pack,
     check_context,
     check_model_path,
     disable_dropout,
@@ -49,8 +49,8 @@ from hybridrl.models import (
     load_model_config,
     load_tokenizer,
     resolve_model_path,
-    response_logprobs,
 )
+from hybridrl.passes import Planner, Runner
 from hybridrl.prefetch import make_prefetcher
 from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
 from hybridrl.rewards import Rewards
@@ -100,6 +100,7 @@ class Trainer:
         for i in range(min(len(self.data), 256)):
             longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
         check_context(model_config, longest, cfg.rollout.max_tokens)
+        self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)  # data.eval, checked
         # created the owner's alone (configs, logs, samples, checkpoints); by every rank at once under torchrun
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.ctx.is_main:
@@ -111,7 +112,8 @@ class Trainer:
             raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
-        self.passes = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
+        budget = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
+        self.passes = Runner(Planner(t.share_prompts, t.pack_sequences, budget, device), self.strategy, device)
         # the context every later component gets: complete, with the run's services
         self.ctx = dataclasses.replace(self.ctx, strategy=self.strategy, passes=self.passes)
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
@@ -125,6 +127,7 @@ class Trainer:
         agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
         self.rollout = RolloutStage(self.session, self.data, self.prompts, self.tokenizer, cfg, agent)
         self.prefetch = make_prefetcher(cfg, self.session, self.collect, self.ctx.is_main)
+        self.evaluation.connect(self.session, self.rewards, agent, self._build)
         loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 
@@ -213,6 +216,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         try:
             with self.signals.catch():
+                if t.eval_before_train and self.start_step == 0:
+                    self.evaluate(0)
                 for step in range(self.start_step + 1, t.steps + 1):
                     try:
                         metrics = self.step(step)
@@ -222,6 +227,8 @@ class Trainer:
                         raise distributed.RankFailure(distributed.describe_failure(e, step, t.timeout_s)) from e
                     stop = self.signals.agree()
                     last = step == t.steps and not stop
+                    if (last and t.eval_after_train) or (t.eval_every and step % t.eval_every == 0 and not stop):
+                        self.evaluate(step)
                     if stop or (last and t.save_final) or (t.save_every and step % t.save_every == 0):
                         path = self.save(step, weights_only=last and t.save_final == "weights")
                     if stop:
@@ -248,6 +255,7 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         self.rewards.close()
+        self.evaluation.close()
         if self.prefetch is not None:
             self.prefetch.close()
         self.session.close()
@@ -273,6 +281,20 @@ class Trainer:
             self.sync(update=False)
             if self.ctx.is_main:
                 print(f"resumed from {path} (step {self.start_step})", flush=True)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the data.eval sets with the weights the engine holds, between two steps (0: before
+        the first); their metrics go to the loggers at ``step`` (docs/evaluation.md). With
+        rollout.async, the batches queued were finished before the last sync, so eval changes none."""
+        if not self.evaluation.sets:
+            return {}
+        distributed.heartbeat(step, "eval")
+        if self.prefetch is not None:
+            self.prefetch.before_sync()
+        metrics = self.evaluation.run(step, self.run_dir)
+        for logger in self.loggers:
+            logger.log(step, metrics)
+        return metrics
 
     def nonfinite(self, step: int, what: str) -> None:
         """Abort with a clear message, or (trainer.on_nonfinite=skip) warn and let the caller skip."""
@@ -342,7 +364,7 @@ class Trainer:
 
     def probe_logprobs(self, probe: Batch) -> torch.Tensor:
         """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""
-        return self._forward(self.policy, probe, "policy", one_pass=True)
+        return self.passes.logprobs(self.policy, probe, self.config.rollout.temperature, "policy", one_pass=True)
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -395,24 +417,20 @@ class Trainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> dict[str, float]:
         """Old logprobs when the step makes several updates; reference logprobs when needed."""
-        metrics = {}
+        metrics, temperature = {}, self.config.rollout.temperature
         if not self._on_policy(len(batch)) or self.algorithm.needs_old_logprobs:
-            batch["old_logprobs"] = self._forward(self.policy, batch, "policy")
+            batch["old_logprobs"] = self.passes.logprobs(self.policy, batch, temperature, "policy")
             stats = WeightedStats()
             mask = batch["response_mask"]
             stats.add(mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], mask), float(mask.sum()))
             metrics |= stats.result()
         if self.ref is not None:
-            batch["ref_logprobs"] = self._forward(self.ref, batch, "reference model")
+            batch["ref_logprobs"] = self.passes.logprobs(self.ref, batch, temperature, "reference model")
         elif self.algorithm.needs_reference:  # LoRA: the base model is the reference
             with lora.adapter_off(self.policy):
-                batch["ref_logprobs"] = self._forward(self.policy, batch, "reference model (adapters off)")
+                what = "reference model (adapters off)"
+                batch["ref_logprobs"] = self.passes.logprobs(self.policy, batch, temperature, what)
         return metrics
-
-    def _forward(self, model, batch: Batch, component: str, one_pass: bool = False) -> torch.Tensor:
-        passes = None if one_pass else self.passes
-        temperature, layout = self.config.rollout.temperature, self.pass_layout
-        return batch_logprobs(model, batch, self.strategy, passes, temperature, component, self.ctx.device, **layout)
 
     def policy_tensors(self, weight_format: str | None = None):
         """The policy's full weights for the engine (LoRA: merged), in the format it loads
@@ -423,16 +441,8 @@ class Trainer:
 
     @property
     def share_prompts(self) -> bool:
-        """trainer.share_prompts, with 'auto' resolved for the policy's device (see docs/performance.md)."""
-        choice, pack = self.config.trainer.share_prompts, self.config.trainer.pack_sequences
-        return self.ctx.device.type == "cpu" and pack is not True if choice == "auto" else choice
-
-    @property
-    def pass_layout(self) -> dict[str, bool]:
-        """How the policy's and the reference's passes lay out their rows: trainer.share_prompts and
-        trainer.pack_sequences resolved (keywords of response_logprobs)."""
-        share, choice = self.share_prompts, self.config.trainer.pack_sequences
-        return {"share_prompts": share, "pack": not share if choice == "auto" else choice}
+        """Whether the passes share prompts: trainer.share_prompts as the pass planner resolved it."""
+        return self.passes.planner.share
 
     def _on_policy(self, batch_size: int) -> bool:
         t = self.config.trainer
@@ -464,24 +474,13 @@ class Trainer:
             mini_batch_size=t.mini_batch_size,
             max_grad_norm=t.max_grad_norm,
             scheduler=self.scheduler,
-            packed=self.pass_layout["pack"] and can_pack(self.policy),
         )
 
     def policy_loss(self, part: Batch):
-        """The algorithm's loss of a micro-batch, from the policy's logprobs and entropies."""
-        T = part["responses"].shape[1]
-        with model_device_errors("policy", self.policy, part.input_ids.device, self.ctx.device):
-            with self.strategy.autocast():
-                logprobs, entropy = response_logprobs(
-                    self.policy,
-                    part.input_ids,
-                    part.attention_mask,
-                    T,
-                    self.config.rollout.temperature,
-                    with_entropy=True,
-                    entropy_grad=self.algorithm.needs_entropy_grad,
-                    **self.pass_layout,
-                )
+        """The algorithm's loss of a micro-batch (the rows of a planned pass), from the policy's
+        logprobs and entropies."""
+        out = Outputs(self.config.rollout.temperature, entropy=True, entropy_grad=self.algorithm.needs_entropy_grad)
+        logprobs, entropy = self.passes.pass_logprobs(self.policy, part, out, "policy")
         mask = part["response_mask"]
         metrics = {"actor/entropy": F.masked_mean(entropy, mask).detach()}
         if "old_logprobs" not in part:  # one update: the sampling policy is the one being updated

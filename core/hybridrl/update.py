@@ -20,8 +20,9 @@ import torch
 from hybridrl import distributed
 from hybridrl.batch import Batch, real_rows
 from hybridrl.components import Trainable
-from hybridrl.memory import MicroBatches, consecutive, memory_errors, pass_fix, pass_sizes
+from hybridrl.memory import memory_errors, pass_fix, pass_sizes
 from hybridrl.metrics import WeightedStats
+from hybridrl.passes import Runner
 
 
 def raise_nonfinite(what: str) -> None:
@@ -40,16 +41,19 @@ def run_update(
     strategy,
     *,
     seed: int = 0,
-    passes: MicroBatches | None = None,
+    passes: Runner | None = None,
     on_nonfinite: Callable[[str], None] = raise_nonfinite,
 ) -> dict[str, float]:
     """Train ``t`` on ``batch``; every rank calls it with the same number of rows (collectives run in
-    each pass). The trainer's ``passes`` (its micro-batches) apply where ``t`` sets no micro-batch
-    size; without either, a mini-batch is one pass. ``on_nonfinite(message)`` raises to stop the
-    run, or returns to skip that optimizer step. Returns the metrics: the loss's, token-weighted
+    each pass). The trainer's pass runner ``passes`` plans each mini-batch's passes (``t``'s
+    micro-batch size, else the trainer's micro-batches); ``t.loss`` gets each pass's rows as a
+    :class:`hybridrl.passes.PassBatch` and runs the model's pass with the runner. Without a
+    runner, a mini-batch is one padded pass (or ``t``'s micro-batches). ``on_nonfinite(message)``
+    raises to stop the run, or returns to skip that optimizer step. Returns the metrics: the loss's, token-weighted
     over passes and ranks, and ``<name>/grad_norm``, ``<name>/lr`` and (when steps were skipped)
     ``<name>/skipped_updates``."""
     world = distributed.world_size()
+    runner = passes if passes is not None else Runner(strategy=strategy)
     mini = mini_batch_rows(t.mini_batch_size, len(batch))
     gen = torch.Generator().manual_seed(seed * 7919 + step)
     stats, norms, skipped = WeightedStats(), [], 0
@@ -62,9 +66,8 @@ def run_update(
             # the global normaliser: what the mini-batch of every rank divides its loss by
             total = distributed.sum_over_ranks(t.aggregation.normaliser(mb["response_mask"], real_rows(mb)))
             finite = True
-            own = t.micro_batch_size or passes is None  # the model's own micro-batch size, or none
-            size = t.micro_batch_size if own else passes.size
-            for part in (mb.select(g) for g in (consecutive(len(mb), size) if own else passes.groups(mb, t.packed))):
+            size = t.micro_batch_size or runner.planner.size  # for out-of-memory messages
+            for part in runner.parts(t.model, mb, size=t.micro_batch_size):
                 device = part["responses"].device
                 with memory_errors(f"the update of the {t.label}", device, pass_sizes(part), pass_fix(part, size)):
                     loss, metrics = t.loss(part)

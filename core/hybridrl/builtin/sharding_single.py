@@ -15,7 +15,6 @@ from hybridrl.models import (
     compute_dtype,
     enable_activation_checkpointing,
     find_blocks,
-    fuse_output_layer,
     master_weights,
 )
 
@@ -52,6 +51,10 @@ class SingleDevice(ShardingStrategy):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.compute_dtype = compute_dtype(options.mixed_precision, ctx.dtype, ctx.device, "sharding.mixed_precision")
+        #: with compile, the passes compute the output layer's logprobs and entropies with compiled, fused
+        #: kernels (hybridrl.forward.chunked_head_logprobs), keeping a pass's logits up to this many bytes
+        #: for the backward pass; the pass runner gives it to the handle of each model it runs
+        self.fused_head_bytes = int(options.keep_logits_gib * 2**30) if options.compile else None
 
     def wrap(self, model, trainable=True):
         model = (master_weights(model) if trainable else model).to(self.ctx.device)
@@ -61,7 +64,6 @@ class SingleDevice(ShardingStrategy):
             allow_recompiles()
             for block in find_blocks(model):
                 block.compile()
-            fuse_output_layer(model, int(self.options.keep_logits_gib * 2**30))
         return model
 
     def autocast(self):

@@ -15,16 +15,16 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from hybridrl import distributed
 from hybridrl import functional as F
-from hybridrl.components import Algorithm
+from hybridrl.components import INPUT_PATH, Algorithm, Trainable
 from hybridrl.hookspecs import hookimpl
-from hybridrl.memory import consecutive, per_pass
 from hybridrl.models import disable_dropout
 from hybridrl.objective import PolicyLossOptions, PolicyObjective
-from hybridrl.update import Trainable
+from hybridrl.passes import runner_of
 from hybridrl_algo_ppo import functional as PF
-from hybridrl_algo_ppo.critic import load_value_model, response_values
+from hybridrl_algo_ppo.critic import load_value_model
 
 KL_KIND = Literal["k1", "abs", "k2", "k3"]
+CRITIC = "critic (algorithm 'ppo')"  # how messages name it
 
 
 class PPO(Algorithm):
@@ -58,7 +58,9 @@ class PPO(Algorithm):
         # -- critic
         critic: bool = Field(True, description="Train a value model; false: REINFORCE++ advantages, no critic.")
         critic_path: str | None = Field(
-            None, description="HF folder to initialise the critic from; default: the policy's model."
+            None,
+            description="HF folder to initialise the critic from; default: the policy's model.",
+            json_schema_extra=INPUT_PATH,
         )
         critic_arch: Literal["value_head", "token_classification"] = Field(
             "value_head",
@@ -135,6 +137,7 @@ class PPO(Algorithm):
         if not ctx.dropout:  # as the policy's: dropout makes the update's values differ from the old ones
             disable_dropout(model)
         self.critic = ctx.strategy.wrap(model.train(), trainable=True)
+        runner_of(ctx).handle(self.critic, values=True)  # its passes pack like the policy's, never share prompts
         self.critic_optimizer = torch.optim.AdamW(
             [p for p in self.critic.parameters() if p.requires_grad], lr=o.critic_lr, weight_decay=o.critic_weight_decay
         )
@@ -199,18 +202,9 @@ class PPO(Algorithm):
 
     @torch.no_grad()
     def _values(self, batch) -> torch.Tensor:
+        """The critic's values (B, T) of the batch, in the passes the trainer's runner plans."""
         self.critic.eval()
-        T, size, passes = batch["responses"].shape[1], self.options.critic_micro_batch_size, self.ctx.passes
-        groups = consecutive(len(batch), size) if size or passes is None else passes.groups(batch)
-        with self.ctx.strategy.autocast():  # the policy's precision (e.g. bf16 autocast on a GPU)
-            values = per_pass(
-                batch,
-                groups,
-                "the values of the critic (algorithm 'ppo')",
-                batch["responses"].device,
-                size,
-                lambda mb: response_values(self.critic, mb.input_ids, mb.attention_mask, T),
-            )
+        values = runner_of(self.ctx).values(self.critic, batch, CRITIC, size=self.options.critic_micro_batch_size)
         self.critic.train()
         return values
 
@@ -230,7 +224,7 @@ class PPO(Algorithm):
         return [
             Trainable(
                 name="critic",
-                label="critic (algorithm 'ppo')",
+                label=CRITIC,
                 model=self.critic,
                 optimizer=self.critic_optimizer,
                 loss=self.value_loss,
@@ -243,10 +237,9 @@ class PPO(Algorithm):
         ]
 
     def value_loss(self, part):
-        """The clipped value loss of a micro-batch and its metrics."""
+        """The clipped value loss of a micro-batch (the rows of a planned pass) and its metrics."""
         mask = part["response_mask"]
-        with self.ctx.strategy.autocast():
-            vpreds = response_values(self.critic, part.input_ids, part.attention_mask, part["responses"].shape[1])
+        vpreds = runner_of(self.ctx).pass_values(self.critic, part, CRITIC)
         loss, clipfrac = PF.value_loss(
             vpreds, part["returns"], part["values"], mask, self.options.cliprange_value, self.value_aggregation
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.models import position_ids
+from hybridrl import models
 
 
 class ValueModel(torch.nn.Module):
@@ -32,26 +32,24 @@ class ValueModel(torch.nn.Module):
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    @property
+    def body(self) -> torch.nn.Module:
+        """The transformer whose last hidden states the values read: the pass runner probes it once
+        to see whether packed sequences stay apart in it (hybridrl.forward.ModelHandle)."""
+        return self.backbone if self.head is not None else self.backbone.base_model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Padded rows (B, L) with their mask, or packed rows with their positions and no mask
+        (:mod:`hybridrl.packing`) -> (B, L) values."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
+            position_ids=models.position_ids(attention_mask) if position_ids is None else position_ids,
             use_cache=False,
         )
         if self.head is None:
             return out.logits[..., 0]
         return self.head(out.last_hidden_state).squeeze(-1)
-
-
-def response_values(model: ValueModel, input_ids, attention_mask, response_len: int) -> torch.Tensor:
-    """Values (B, T) of the states before each response token, in float32.
-
-    Position P + t - 1 has read the prompt and response tokens before t, so its output is
-    V(s_t); like the policy's logprobs, the T outputs before the last are taken.
-    """
-    values = model(input_ids, attention_mask)
-    return values[:, -response_len - 1 : -1].float()
 
 
 def load_value_model(

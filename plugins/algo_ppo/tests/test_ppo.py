@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 from hybridrl_algo_ppo import PPO
-from hybridrl_algo_ppo.critic import response_values
 
 from hybridrl.batch import Batch
 from hybridrl.builtin.sharding_single import SingleDevice
 from hybridrl.components import RunContext
 from hybridrl.config import ConfigError, load_config
+from hybridrl.forward import padded_values
 from hybridrl.models import load_tokenizer
 
 
@@ -173,9 +173,9 @@ def test_critic_value_of_token_t_does_not_see_token_t(ctx, arch):
     T = b["responses"].shape[1]
     with torch.no_grad():
         torch.nn.init.normal_((algo.critic.head or algo.critic.backbone.score).weight)  # non-zero values
-        before = response_values(algo.critic, b.input_ids, b.attention_mask, T)
+        before = padded_values(algo.critic, b.input_ids, b.attention_mask, T)
         b["responses"][:, 2] = (b["responses"][:, 2] + 1) % 60 + 3
-        after = response_values(algo.critic, b.input_ids, b.attention_mask, T)
+        after = padded_values(algo.critic, b.input_ids, b.attention_mask, T)
     assert before.shape == (4, T)
     torch.testing.assert_close(after[:, :3], before[:, :3])  # V(s_t) reads tokens before t only
     assert (after[:, 3] - before[:, 3]).abs().max() > 1e-6
@@ -210,8 +210,8 @@ def test_critic_state_round_trip(ctx):
     with torch.no_grad():
         T = b["responses"].shape[1]
         torch.testing.assert_close(
-            response_values(restored.critic, b.input_ids, b.attention_mask, T),
-            response_values(algo.critic, b.input_ids, b.attention_mask, T),
+            padded_values(restored.critic, b.input_ids, b.attention_mask, T),
+            padded_values(algo.critic, b.input_ids, b.attention_mask, T),
         )
     assert restored.critic_optimizer.state_dict()["state"].keys() == algo.critic_optimizer.state_dict()["state"].keys()
     with pytest.raises(ValueError, match="no critic state"):
@@ -239,8 +239,8 @@ def test_critic_dropout_is_off_like_the_policys(ctx, tmp_path):
     T = b["responses"].shape[1]
     with torch.no_grad():
         torch.nn.init.normal_(algo.critic.head.weight)
-        train = response_values(algo.critic.train(), b.input_ids, b.attention_mask, T)
-        evaluated = response_values(algo.critic.eval(), b.input_ids, b.attention_mask, T)
+        train = padded_values(algo.critic.train(), b.input_ids, b.attention_mask, T)
+        evaluated = padded_values(algo.critic.eval(), b.input_ids, b.attention_mask, T)
     torch.testing.assert_close(train, evaluated)
 
 
@@ -270,3 +270,56 @@ def test_nonfinite_value_loss_follows_on_nonfinite(tiny_model, tmp_path, monkeyp
     metrics = trainer.train()
     assert metrics["critic/skipped_updates"] == 1.0
     assert all(torch.isfinite(p).all() for p in trainer.algorithm.critic.parameters())
+
+
+def ragged_batch():
+    """Left-padded prompts of 6, 2, 4, 1, 3, 5 tokens and right-padded responses of 8, 1, 3, 2, 1,
+    6 tokens: packed rows of 16 hold them in fewer tokens than the padded 6 x 14."""
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [6, 2, 4, 1, 3, 5], [8, 1, 3, 2, 1, 6]
+    b = Batch()
+    b["prompt_mask"] = torch.tensor([[0] * (6 - p) + [1] * p for p in prompts])
+    b["prompts"] = torch.randint(3, 60, (6, 6), generator=g) * b["prompt_mask"]
+    b["response_mask"] = torch.tensor([[1] * r + [0] * (8 - r) for r in responses])
+    b["responses"] = torch.randint(3, 60, (6, 8), generator=g) * b["response_mask"]
+    b["scores"] = torch.rand(6, generator=g)
+    b["group_ids"] = torch.arange(6) // 2
+    return b
+
+
+@pytest.mark.parametrize("arch", ["value_head", "token_classification"])
+def test_packed_critic_passes_give_the_padded_values_and_gradients(ctx, arch, monkeypatch):
+    """The critic's values pass and its value-loss pass run packed like the policy's (the trainer's
+    pass runner, trainer.pack_sequences): the padded passes' values and gradients from fewer tokens."""
+    import dataclasses
+
+    from hybridrl import packing
+    from hybridrl.passes import PACKED, PADDED, Planner, Runner
+    from hybridrl.testing import embedded_tokens
+
+    monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 4)
+    algo = make_ppo(ctx, critic_arch=arch)
+    with torch.no_grad():
+        torch.nn.init.normal_((algo.critic.head or algo.critic.backbone.score).weight)  # values that vary
+    b = ragged_batch()
+    algo.compute_advantages(b)  # values and returns, padded (no runner in this context)
+    mask = b["response_mask"].bool()
+    runs = {}
+    for pack in (False, True):
+        runner = Runner(Planner(pack_sequences=pack), ctx.strategy, ctx.device)
+        algo.ctx = dataclasses.replace(ctx, passes=runner)
+        runner.handle(algo.critic, values=True).can_pack()  # its probe, before the tokens are counted
+        values, tokens = embedded_tokens(algo.critic.backbone, lambda: algo._values(b))  # noqa: B023
+        (part,) = runner.parts(algo.critic, b)
+        assert part.planned.layout == (PACKED if pack else PADDED)
+        algo.critic.zero_grad()
+        loss, _ = algo.value_loss(part)
+        loss.backward()
+        runs[pack] = values, tokens, loss.detach(), {n: p.grad.clone() for n, p in algo.critic.named_parameters()}
+    (want, padded, want_loss, want_grad), (got, packed, got_loss, grad) = runs[False], runs[True]
+    assert packed < padded == 6 * 14
+    scale = want[mask].abs().max()  # float32 rounding, relative to the values' size
+    assert want[mask].std() > 0.01 and (got[mask] - want[mask]).abs().max() <= 1e-5 * scale
+    assert (got_loss - want_loss).abs() <= 1e-6 * want_loss.abs()
+    for n in want_grad:
+        assert (grad[n] - want_grad[n]).abs().max() <= 1e-5 * want_grad[n].abs().max().clamp(min=1e-12), n

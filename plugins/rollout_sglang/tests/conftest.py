@@ -483,7 +483,7 @@ def prompts(tiny_model):
 def logprob_gap():
     """Max |engine logprob - trainer logprob| over all response tokens, for a model's weights."""
     from hybridrl.batch import Batch
-    from hybridrl.models import response_logprobs
+    from hybridrl.passes import response_logprobs
 
     def gap(model, prompts, out, n, temperature):
         batch = Batch.from_rollout(prompts, out, n, pad_id=0)

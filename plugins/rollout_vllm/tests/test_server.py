@@ -20,7 +20,8 @@ from hybridrl.config import load_config
 from hybridrl.errors import Interrupted
 from hybridrl.hookspecs import hookimpl
 from hybridrl.http import ServiceError
-from hybridrl.models import load_causal_lm, load_tokenizer, response_logprobs
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 from hybridrl.testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
