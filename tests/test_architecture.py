@@ -84,4 +84,5 @@ def test_the_contract_stands_on_the_ground():
         "hybridrl.distributed",
         "hybridrl.functional",
         "hybridrl.options",
+        "hybridrl.sampling",
     }

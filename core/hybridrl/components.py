@@ -7,6 +7,7 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,21 @@ from pydantic import Field
 from hybridrl.batch import Batch, RolloutOutput  # noqa: F401 (RolloutOutput: part of the contract)
 from hybridrl.functional import LossAggregation
 from hybridrl.options import INPUT_PATH, ConfigModel, Options, literal_choices  # noqa: F401 (the contract's)
+from hybridrl.sampling import NEUTRAL_SAMPLING, Sampling, SamplingParams  # noqa: F401 (the contract's)
+
+
+class PassRunner(typing.Protocol):
+    """What components use of the trainer's pass runner (:class:`hybridrl.passes.Runner`): every
+    forward pass of a run goes through it, cut and laid out (padded, shared prompts, packed) by
+    its planner. A critic registers with ``handle(model, values=True)`` and computes its values."""
+
+    def handle(self, model: torch.nn.Module, values: bool = False) -> Any: ...
+
+    def values(self, model: torch.nn.Module, batch: Batch, component: str, size: int | None = None) -> torch.Tensor:
+        """(B, T) values of a value model before each response token, without gradients, in passes."""
+
+    def pass_values(self, model: torch.nn.Module, part: Batch, component: str = "critic") -> torch.Tensor:
+        """(b, T) values over the rows of one pass of the update, with gradients."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,7 @@ class RunContext:
     dropout: bool = False  # model.dropout: keep dropout active in the models that train
     response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
     responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
-    passes: Any = None  # the trainer's micro-batches (hybridrl.memory.MicroBatches): .groups(batch)
+    passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
 
     @property
     def is_main(self) -> bool:
@@ -61,56 +77,6 @@ class Component:
 
 
 # --- rollout -----------------------------------------------------------------------------
-
-
-class Sampling(ConfigModel):
-    """How responses are sampled: the sampling keys of the YAML ``rollout`` section, declared once.
-
-    The config validates them there; the trainer hands them to the engine as
-    :class:`SamplingParams`, with the step's seed. An engine samples from softmax(logits / T)
-    truncated only by ``top_p`` and ``top_k``, and by nothing a model folder's
-    ``generation_config.json`` says.
-    """
-
-    n: int = Field(8, gt=0, description="Samples per prompt.")
-    temperature: float = Field(
-        1.0, gt=0, description="Softmax temperature T; the trainer scores responses with softmax(logits / T) too."
-    )
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest top set of this mass.")
-    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0 disables top-k.")
-    max_tokens: int = Field(64, gt=0, description="Maximum response length.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    ignore_eos: bool = Field(False, description="Generate exactly max_tokens, past end-of-sequence (benchmarks).")
-
-
-#: the sampling settings that leave softmax(logits / T) as it is, which engines (vLLM, SGLang) and
-#: servers otherwise take from the model folder's generation_config.json: send them with every request
-NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-
-
-class SamplingParams(Sampling):
-    """What an engine's ``generate`` receives: :class:`Sampling` and the step's seed."""
-
-    seed: int | None = Field(None, description="Seed of this call's sampling; set by the trainer for each step.")
-    seeds: list[int] | None = Field(
-        None,
-        description="One seed per prompt of the call (sample j of prompt i: seeds[i] + j), instead of seed + i*n: "
-        "the agent loop seeds each trajectory's turn whatever call it lands in. Engines that seed each request "
-        "(vllm, sglang) honour it exactly; the hf engine seeds the call with the first.",
-    )
-
-    def prompt_seeds(self, prompts: int) -> list[int] | None:
-        """The seed of each of ``prompts`` prompts, its sample j seeded ``+ j`` (vLLM's rule for a
-        request of n samples): ``seeds`` when set, else ``seed + i·n``; None when unseeded."""
-        if self.seeds is not None:
-            return list(self.seeds)
-        return None if self.seed is None else [self.seed + i * self.n for i in range(prompts)]
-
-    def sample_seeds(self, prompts: int) -> list[int] | None:
-        """The seed of each of the ``prompts`` x n samples, grouped by prompt (:meth:`prompt_seeds` + j),
-        for engines that take one request per sample (SGLang)."""
-        seeds = self.prompt_seeds(prompts)
-        return None if seeds is None else [s + j for s in seeds for j in range(self.n)]
 
 
 class RolloutEngine(Component):
@@ -221,7 +187,6 @@ class Trainable:
     epochs: int = 1
     mini_batch_size: int | None = None  # responses per optimizer step over all ranks; None: the whole batch
     micro_batch_size: int | None = None  # responses per pass; None: the trainer's micro-batches
-    packed: bool = False  # the loss runs packed passes: the trainer's micro-batches cut for them
     max_grad_norm: float = 1.0
     scheduler: Any = None  # stepped once per update stage
 
@@ -323,6 +288,9 @@ class ShardingStrategy(Component):
 
     #: whether it trains one model across the processes of a torchrun launch (else: one process)
     multi_process: ClassVar[bool] = False
+    #: bytes of logits the output layer may hold at once when the pass runner computes it in compiled
+    #: chunks (the single strategy's ``compile``); None: the model's own output layer
+    fused_head_bytes: int | None = None
 
     def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         raise NotImplementedError

@@ -166,7 +166,7 @@ class Runner:
         when it builds it)."""
         found = self._handles.get(model)
         if found is None:
-            fused = getattr(self.strategy, "fused_head_bytes", None)  # sharding single's compile
+            fused = self.strategy.fused_head_bytes if self.strategy is not None else None  # single's compile
             found = self._handles[model] = ModelHandle(model, fused, values)
         return found
 
