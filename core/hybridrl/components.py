@@ -291,6 +291,13 @@ class ShardingStrategy(Component):
     #: bytes of logits the output layer may hold at once when the pass runner computes it in compiled
     #: chunks (the single strategy's ``compile``); None: the model's own output layer
     fused_head_bytes: int | None = None
+    #: the dtype passes compute in under :meth:`autocast` (mixed precision); None: the parameters'
+    compute_dtype: torch.dtype | None = None
+
+    def checkpoints_activations(self) -> bool:
+        """Whether trained models recompute their activations in the backward pass (activation
+        checkpointing): a pass then keeps a layer's input alone, and its token budget grows."""
+        return False
 
     def wrap(self, model: torch.nn.Module, trainable: bool = True) -> torch.nn.Module:
         raise NotImplementedError

@@ -81,8 +81,8 @@ class MicroBatches:
         return self.tokens
 
     def _auto(self, free: int) -> int:
-        compute = getattr(self.strategy, "compute_dtype", None) or self.strategy.ctx.dtype
-        checkpointing = bool(getattr(self.strategy.options, "activation_checkpointing", False))
+        compute = self.strategy.compute_dtype or self.strategy.ctx.dtype
+        checkpointing = self.strategy.checkpoints_activations()
         per_token = bytes_per_token(self.model_config, torch.empty(0, dtype=compute).element_size(), checkpointing)
         budget = int(distributed.all_reduce([AUTO_FRACTION * free / per_token], "min")[0])
         if distributed.is_main():

@@ -55,7 +55,7 @@ class PolicyLossOptions(RolloutCorrectionOptions):
     def aggregation(self, mode: str, ctx) -> F.LossAggregation:
         """The aggregation of ``mode``, its constant length ``loss_norm_length`` or else the run's
         longest response (``ctx.response_tokens``; none without a run context)."""
-        return F.LossAggregation(mode, self.loss_norm_length or getattr(ctx, "response_tokens", None))
+        return F.LossAggregation(mode, self.loss_norm_length or (ctx.response_tokens if ctx is not None else None))
 
 
 @dataclass(frozen=True)

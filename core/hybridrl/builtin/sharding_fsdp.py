@@ -121,6 +121,9 @@ class FSDPStrategy(ShardingStrategy):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         return kwargs
 
+    def checkpoints_activations(self) -> bool:
+        return self.options.activation_checkpointing
+
     def wrap(self, model, trainable=True):
         from torch.distributed.fsdp import fully_shard
 

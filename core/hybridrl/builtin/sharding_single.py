@@ -66,6 +66,9 @@ class SingleDevice(ShardingStrategy):
                 block.compile()
         return model
 
+    def checkpoints_activations(self) -> bool:
+        return self.options.activation_checkpointing
+
     def autocast(self):
         if self.compute_dtype is None:
             return contextlib.nullcontext()
