@@ -1,0 +1,437 @@
+"""verl's PPO trainer config (``python -m verl.trainer.main_ppo``) as a hybridrl config.
+
+verl's settings come nested (data, actor_rollout_ref{model, actor, rollout, ref}, critic,
+reward_model, algorithm, trainer) from a YAML file and Hydra overrides; a key the user leaves out
+takes verl's default (:data:`verl_keys.DEFAULTS`), so that the result trains what verl would, not
+what hybridrl's defaults say. The unit traps (docs/migrating.md):
+
+- ``data.train_batch_size`` counts prompts: ``trainer.prompts_per_step``;
+- ``ppo_mini_batch_size`` counts prompts and verl multiplies it by ``rollout.n``;
+  ``trainer.mini_batch_size`` counts responses (over all ranks);
+- ``ppo_micro_batch_size_per_gpu`` counts responses per GPU: ``trainer.micro_batch_size``
+  (per rank);
+- ``trainer.total_epochs`` counts passes over the data: ``trainer.steps`` = epochs x
+  (rows // train_batch_size), verl's dataloader dropping the last partial batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.errors import ConfigError
+from hybridrl.migrate.common import Source, Translation, has_eval
+from hybridrl.migrate.data_files import count_rows, data_section
+from hybridrl.migrate.verl_algorithm import VerlAlgorithm, expand
+from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, LOST, A, M, R
+
+ENGINES = {"vllm": "vllm", "sglang": "sglang", "hf": "hf"}
+LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard"}
+#: the rule of verl's GSM8K scorer (verl/utils/reward_score/gsm8k.py, strict): the last '#### N'
+GSM8K_PATTERN = r"#### (\-?[0-9\.\,]+)"
+
+
+def translate(given: dict[str, Any], train_rows: int | None = None) -> Translation:
+    """``given``: verl's settings as dotted keys (YAML flattened, overrides applied);
+    ``train_rows``: rows of the training data when known (else counted from local files)."""
+    return VerlTranslation(Source(given, DEFAULTS), train_rows).run()
+
+
+class VerlTranslation(VerlAlgorithm):
+    framework, IGNORED, LOST = "verl", IGNORED, LOST
+
+    def __init__(self, src: Source, train_rows: int | None):
+        super().__init__(src)
+        self.rows = train_rows
+
+    def run(self) -> Translation:
+        g = self.src.get
+        self.n = int(g(f"{R}.n"))
+        self.world = int(g("trainer.nnodes")) * int(g("trainer.n_gpus_per_node"))
+        self.model()
+        self.data()
+        self.rollout()
+        self.rewards()
+        self.algorithm()
+        self.sharding()
+        self.trainer()
+        self.evaluation()
+        self.logging()
+        return self.finish()
+
+    # -- sections ------------------------------------------------------------------------------
+
+    def model(self) -> None:
+        g = self.src.get
+        self.set("model.path", expand(g(f"{M}.path")))
+        self.set("model.trust_remote_code", bool(g(f"{M}.trust_remote_code")))
+        # verl keeps float32 master weights (fsdp_config.model_dtype fp32) and computes in bfloat16
+        dtype = str(g(f"{A}.fsdp_config.model_dtype"))
+        self.set("model.dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype))
+        rank = int(g(f"{M}.lora_rank"))
+        if rank > 0:
+            self.set(
+                "model.lora",
+                {"r": rank, "alpha": float(g(f"{M}.lora_alpha")), "target_modules": g(f"{M}.target_modules")},
+            )
+        else:
+            self.src.mark(f"{M}.lora_alpha", f"{M}.target_modules")
+
+    def data(self) -> None:
+        g = self.src.get
+        files = g("data.train_files")
+        files = [expand(f) for f in files] if isinstance(files, list) else expand(files)
+        section = data_section(files)
+        limit = int(g("data.train_max_samples"))
+        if limit > 0:
+            section["limit"] = limit
+        section |= {
+            "prompt_column": g("data.prompt_key"),
+            # verl's parquet files (examples/data_preprocess) keep the answer under reward_model
+            "answer_column": "reward_model.ground_truth",
+            "max_prompt_tokens": int(g("data.max_prompt_length")),
+            "shuffle": bool(g("data.shuffle")),
+        }
+        self.out["data"] = section
+        if self.rows is None:
+            self.rows = count_rows(files)
+        if self.rows is not None and limit > 0:
+            self.rows = min(self.rows, limit)
+        if g("data.truncation") != "error":
+            self.lost("data.truncation", "prompts longer than data.max_prompt_tokens are an error, never cut")
+        if g("data.filter_overlong_prompts"):
+            self.lost(
+                "data.filter_overlong_prompts",
+                "longer prompts are an error, not dropped: filter the data beforehand",
+            )
+        if g("data.reward_fn_key") != "data_source":
+            self.lost("data.reward_fn_key", "the python reward passes the row's data_source field")
+
+    def rollout(self) -> None:
+        g, src = self.src.get, self.src
+        name = g(f"{R}.name")
+        engine = ENGINES.get(name, "hf")
+        if name is None:
+            self.report.add("note", f"{R}.name", "not set (verl requires it): engine 'hf', the built-in one")
+        elif name not in ENGINES:
+            self.lost(f"{R}.name", "engines: hf, vllm, sglang ('hybridrl plugins' lists them); 'hf' used")
+        self.engine = engine
+        out = {"engine": engine, "n": self.n}
+        if g(f"{R}.do_sample"):
+            out["temperature"] = float(g(f"{R}.temperature"))
+        else:
+            self.lost(f"{R}.do_sample", "greedy decoding cannot train with sampled ratios; sampling kept")
+            src.mark(f"{R}.temperature")
+        out["top_p"] = float(g(f"{R}.top_p"))
+        out["top_k"] = max(0, int(g(f"{R}.top_k")))  # verl's -1 (off) is hybridrl's 0
+        out["max_tokens"] = int(g(f"{R}.response_length"))
+        src.mark("data.max_response_length")
+        if g(f"{R}.ignore_eos"):
+            out["ignore_eos"] = True
+        gpu, tp, dtype = g(f"{R}.gpu_memory_utilization"), int(g(f"{R}.tensor_model_parallel_size")), g(f"{R}.dtype")
+        if engine == "vllm":
+            out |= {"gpu_memory_utilization": float(gpu), "tensor_parallel_size": tp, "dtype": dtype}
+            out |= self.given_as(
+                {
+                    f"{R}.enforce_eager": "enforce_eager",
+                    f"{R}.max_model_len": "max_model_len",
+                    f"{R}.enable_prefix_caching": "prefix_caching",
+                }
+            )
+        elif engine == "sglang":
+            out |= {"mem_fraction_static": float(gpu), "tp_size": tp, "dtype": dtype}
+            out |= self.given_as({f"{R}.max_model_len": "context_length"})
+        elif tp > 1 and src.has(f"{R}.tensor_model_parallel_size"):
+            self.lost(f"{R}.tensor_model_parallel_size", "the hf engine runs on one device")
+        kwargs = {}
+        for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
+            if engine == "vllm" and src.has(f"{R}.{key}"):
+                kwargs[key] = g(f"{R}.{key}")
+        if engine in ("vllm", "sglang"):
+            extra = {
+                k.removeprefix(f"{R}.engine_kwargs.{engine}."): v
+                for k, v in src.given.items()
+                if k.startswith(f"{R}.engine_kwargs.{engine}.")
+            }
+            src.mark(f"{R}.engine_kwargs.{engine}")
+            kwargs |= extra
+            bucket = f"{R}.checkpoint_engine.update_weights_bucket_megabytes"
+            if src.has(bucket):
+                out["update_bucket_mb"] = float(g(bucket))
+        if kwargs:
+            out["engine_kwargs"] = kwargs
+        if g(f"{R}.multi_turn.enable"):
+            self.lost(f"{R}.multi_turn.enable", "multi-turn rollouts: set up rollout.agent by hand (docs/agents.md)")
+        self.out["rollout"] = out
+
+    def given_as(self, names: dict[str, str]) -> dict:
+        """The settings the user gave among ``names`` (verl key: hybridrl key)."""
+        given = {ours: self.src.get(key) for key, ours in names.items() if self.src.has(key)}
+        return {k: v for k, v in given.items() if v is not None}
+
+    def rewards(self) -> None:
+        g = self.src.get
+        if g("reward_model.enable"):
+            rm = {"function": "reward_model", "model": expand(g("reward_model.model.path"))}
+            rm["trust_remote_code"] = bool(g("reward_model.model.trust_remote_code"))
+            if g("reward_model.micro_batch_size_per_gpu"):
+                rm["batch_size"] = int(g("reward_model.micro_batch_size_per_gpu"))
+            if g("reward_model.max_length"):
+                rm["max_length"] = int(g("reward_model.max_length"))
+            self.out["rewards"] = [rm]
+            self.report.add(
+                "note",
+                "reward_model.enable",
+                "the reward model scores every response (hybridrl-reward-hf's reward_model, docs/rewards.md), as "
+                "verl's reward manager uses its scores when it is on; it runs on the policy's device unless "
+                "rewards[0].device says otherwise",
+                True,
+            )
+            self.skip("custom_reward_function", "reward_model.enable replaces the reward function")
+        else:
+            self.skip("reward_model.model", "reward_model.enable is false")
+            self.src.mark("reward_model.micro_batch_size_per_gpu", "reward_model.max_length")
+            self.out["rewards"] = [self.reward_function()]
+        self.src.mark("reward_model.enable")
+        manager = g("reward_model.reward_manager")
+        if manager not in ("naive", "dapo"):
+            self.lost("reward_model.reward_manager", "rewards are scored response by response, summed with weights")
+
+    def reward_function(self) -> dict:
+        g = self.src.get
+        path = g("custom_reward_function.path")
+        if path:
+            reward = {"function": "python", "path": expand(path), "function_name": g("custom_reward_function.name")}
+            if g("custom_reward_function.reward_kwargs"):
+                reward["kwargs"] = dict(g("custom_reward_function.reward_kwargs"))
+            self.report.add(
+                "note",
+                "custom_reward_function.path",
+                "your compute_score runs as it is: the python reward (docs/rewards.md) calls it with data_source, "
+                "solution_str, ground_truth and extra_info from each row",
+                path,
+            )
+            return reward
+        self.src.mark("custom_reward_function")
+        files = str(self.out["data"].get("data_files") or self.out["data"].get("path"))
+        if "gsm8k" in files.lower():
+            self.report.add(
+                "note",
+                "custom_reward_function.path",
+                "unset: verl scores GSM8K rows with its rule (the last '#### N' equals the answer); answer_match "
+                "with that pattern is the same rule, comparing numbers where verl compares text (verl's exact rule: "
+                "examples/verl_gsm8k_reward.py with function: python)",
+                None,
+            )
+            return {"function": "answer_match", "extract": "regex", "pattern": GSM8K_PATTERN, "compare": "numeric"}
+        self.report.add(
+            "lost",
+            "custom_reward_function.path",
+            "unset: verl picks a scorer by each row's data_source (default_compute_score); answer_match (boxed, "
+            "tag, 'answer is', last number) is used. To score as verl does, give a file that imports verl's "
+            "default_compute_score as compute_score to the python reward",
+            None,
+        )
+        return {"function": "answer_match"}
+
+    def sharding(self) -> None:
+        g = self.src.get
+        strategy = g(f"{A}.strategy")
+        if strategy not in ("fsdp", "fsdp2"):
+            self.lost(f"{A}.strategy", "sharding strategies: single, fsdp (FSDP2); fsdp used")
+        offload = bool(g(f"{A}.fsdp_config.param_offload")) or bool(g(f"{A}.fsdp_config.optimizer_offload"))
+        out: dict[str, Any] = {}
+        if self.world > 1:
+            out["strategy"] = "fsdp"
+            if not g(f"{A}.fsdp_config.reshard_after_forward"):
+                out["mode"] = "shard_grad_op"
+            size = int(g(f"{A}.fsdp_config.fsdp_size"))
+            if 0 < size < self.world:
+                out |= {"mode": "hybrid_shard", "shard_group_size": size}
+            if offload:
+                out["offload"] = True
+            nodes, per_node = int(g("trainer.nnodes")), int(g("trainer.n_gpus_per_node"))
+            launch = f"torchrun --nproc-per-node {per_node}" + (f" --nnodes {nodes} (and a rendezvous)" * (nodes > 1))
+            self.report.add(
+                "note",
+                "trainer.n_gpus_per_node / trainer.nnodes",
+                f"{self.world} GPUs: start it with '{launch} -m hybridrl.cli train CONFIG.yaml' "
+                "(docs/distributed.md); the engine runs on every rank",
+                {"n_gpus_per_node": per_node, "nnodes": nodes},
+            )
+        else:
+            out["strategy"] = "single"
+            self.src.mark(f"{A}.fsdp_config.reshard_after_forward", f"{A}.fsdp_config.fsdp_size")
+            if offload:
+                self.lost(f"{A}.fsdp_config.param_offload", "CPU offload needs sharding.strategy fsdp (torchrun)")
+        out["mixed_precision"] = "off" if g(f"{A}.fsdp_config.dtype") in ("fp32", "float32") else "bf16"
+        out["activation_checkpointing"] = bool(g(f"{M}.enable_gradient_checkpointing"))
+        self.out["sharding"] = out
+
+    def trainer(self) -> None:
+        g, src = self.src.get, self.src
+        prompts = int(g("data.train_batch_size"))
+        mini = int(g(f"{A}.ppo_mini_batch_size"))
+        if prompts % mini:
+            raise ConfigError(
+                f"data.train_batch_size={prompts} does not divide by {A}.ppo_mini_batch_size={mini} (both count "
+                "prompts); verl refuses it too."
+            )
+        out: dict[str, Any] = {"prompts_per_step": prompts, "mini_batch_size": mini * self.n}
+        self.report.add(
+            "units",
+            "data.train_batch_size",
+            f"prompts per step: trainer.prompts_per_step {prompts} ({prompts * self.n} responses at n={self.n})",
+            prompts,
+        )
+        self.report.add(
+            "units",
+            f"{A}.ppo_mini_batch_size",
+            f"prompts, multiplied by rollout.n={self.n} in verl: trainer.mini_batch_size {mini * self.n} responses",
+            mini,
+        )
+        micro = self.micro(A)
+        if micro == "tokens":
+            out["micro_batch_tokens"] = int(g(f"{A}.ppo_max_token_len_per_gpu"))
+            self.report.add(
+                "note",
+                f"{A}.ppo_max_token_len_per_gpu",
+                "use_dynamic_bsz: trainer.micro_batch_tokens, a token budget per forward/backward per rank",
+                out["micro_batch_tokens"],
+            )
+        elif micro:
+            out["micro_batch_size"] = micro
+        src.mark(f"{A}.ppo_max_token_len_per_gpu")
+        out["epochs"] = int(g(f"{A}.ppo_epochs"))
+        out["lr"] = float(g(f"{A}.optim.lr"))
+        out["weight_decay"] = float(g(f"{A}.optim.weight_decay"))
+        clip = g(f"{A}.grad_clip") if src.has(f"{A}.grad_clip") else g(f"{A}.optim.clip_grad", 1.0)
+        out["max_grad_norm"] = float(clip)
+        src.mark(f"{A}.grad_clip", f"{A}.optim.clip_grad", f"{A}.optim.grad_clip")
+        steps = self.steps(prompts)
+        if steps:
+            out["steps"] = steps
+        warmup = int(g(f"{A}.optim.lr_warmup_steps") or -1)
+        ratio = float(g(f"{A}.optim.lr_warmup_steps_ratio"))
+        if warmup > 0:
+            out["warmup_steps"] = warmup
+        elif ratio > 0 and steps:
+            out["warmup_steps"] = int(ratio * steps)
+        elif ratio > 0:
+            self.lost(f"{A}.optim.lr_warmup_steps_ratio", "a ratio of unknown steps: set trainer.warmup_steps")
+        schedule = g(f"{A}.optim.warmup_style") or g(f"{A}.optim.lr_scheduler_type")
+        if schedule != "constant":
+            self.lost(f"{A}.optim.lr_scheduler_type", "the learning rate is constant after the warm-up")
+        if list(g(f"{A}.optim.betas")) != [0.9, 0.999]:
+            self.lost(f"{A}.optim.betas", "AdamW keeps torch's betas (0.9, 0.999)")
+        if str(g(f"{A}.optim.optimizer")).lower() != "adamw":
+            self.lost(f"{A}.optim.optimizer", "the optimizer is AdamW")
+        if g("data.seed") is not None:
+            out["seed"] = int(g("data.seed"))
+        save = int(g("trainer.save_freq"))
+        if save > 0:
+            out["save_every"] = save
+        else:  # verl saves nothing, not even at the end
+            out["save_final"] = False
+        keep = g("trainer.max_actor_ckpt_to_keep")
+        if keep:
+            out["keep_last"] = int(keep)
+        elif save > 0:
+            self.report.add("note", "trainer.max_actor_ckpt_to_keep", "unset (verl keeps all): keep_last 2", keep)
+        self.checkpoint_dir(out)
+        device = g("trainer.device")
+        if device != "cuda":
+            self.lost("trainer.device", "devices: cuda or cpu (trainer.device auto)")
+        out["timeout_s"] = float(g("actor_rollout_ref.nccl_timeout"))
+        self.out["trainer"] = out
+
+    def steps(self, prompts: int) -> int | None:
+        g = self.src.get
+        total = g("trainer.total_training_steps")
+        epochs = int(g("trainer.total_epochs"))
+        if total:
+            return int(total)
+        if self.rows is not None:
+            steps = epochs * (self.rows // prompts)
+            self.report.add(
+                "units",
+                "trainer.total_epochs",
+                f"epochs over {self.rows} rows, {self.rows // prompts} steps each (verl drops the last partial "
+                f"batch): trainer.steps {steps}",
+                epochs,
+            )
+            return steps or None
+        self.report.add(
+            "lost",
+            "trainer.total_epochs",
+            f"the size of the training data is not known (give --train-rows N, or run where the files are): "
+            f"set trainer.steps to {epochs} x (rows // {prompts})",
+            epochs,
+        )
+        return None
+
+    def checkpoint_dir(self, out: dict) -> None:
+        g, src = self.src.get, self.src
+        if src.has("trainer.default_local_dir"):
+            out["run_dir"] = expand(g("trainer.default_local_dir"))
+            if g("trainer.resume_mode") == "auto":
+                out["resume"] = True
+        elif g("trainer.resume_mode") == "auto":
+            self.report.add(
+                "note",
+                "trainer.resume_mode",
+                "verl resumes from checkpoints/<project>/<experiment> by itself; hybridrl resumes with "
+                "trainer.run_dir set and --resume (or trainer.resume: true)",
+                "auto",
+            )
+        src.mark("trainer.resume_mode")
+
+    def evaluation(self) -> None:
+        """verl's validation (val_files every test_freq steps, before training, at the last step) as
+        a held-out set of data.eval, scored with the run's rewards."""
+        g, src = self.src.get, self.src
+        freq, before = int(g("trainer.test_freq")), bool(g("trainer.val_before_train"))
+        if not src.has("data.val_files"):
+            if freq > 0:
+                self.lost("trainer.test_freq", "data.val_files is not given: nothing to evaluate")
+            return
+        files = g("data.val_files")
+        if not has_eval():
+            self.report.add(
+                "lost",
+                "data.val_files / trainer.test_freq",
+                "no evaluation loop in this hybridrl: val/test_score is not computed",
+                {"val_files": files, "test_freq": freq},
+            )
+            src.mark("trainer.val_before_train")
+            return
+        files = [expand(f) for f in files] if isinstance(files, list) else expand(files)
+        s = {"name": "val", **data_section(files)}
+        if int(g("data.val_max_samples", -1)) > 0:
+            s["limit"] = int(g("data.val_max_samples"))
+        k = f"{R}.val_kwargs"
+        if g(f"{k}.do_sample", False):  # verl validates greedily unless do_sample
+            s |= {"greedy": False, "n": int(g(f"{k}.n", 1)), "temperature": float(g(f"{k}.temperature", 1.0))}
+            s |= {"top_p": float(g(f"{k}.top_p", 1.0)), "top_k": max(0, int(g(f"{k}.top_k", -1)))}
+        self.out["data"]["eval"] = [s]
+        self.out["trainer"] |= {"eval_every": max(freq, 0), "eval_before_train": before, "eval_after_train": freq > 0}
+        self.report.add(
+            "note",
+            "data.val_files",
+            "evaluated as data.eval set 'val' with the run's rewards (eval/val/... metrics, split by data_source as "
+            "verl's val/test_score/<data_source>)",
+            files,
+        )
+
+    def logging(self) -> None:
+        g = self.src.get
+        given = g("trainer.logger")
+        names = [given] if isinstance(given, str) else list(given)
+        loggers = [LOGGERS[n] for n in names if n in LOGGERS]
+        for other in [n for n in names if n not in LOGGERS]:
+            self.report.add("lost", "trainer.logger", "loggers: console, wandb, tensorboard (and jsonl)", other)
+        out: dict[str, Any] = {"loggers": [*dict.fromkeys([*loggers, "jsonl"])]}
+        if "wandb" in loggers:
+            out["wandb"] = {"project": g("trainer.project_name"), "name": g("trainer.experiment_name")}
+        else:
+            self.src.mark("trainer.project_name", "trainer.experiment_name")
+        self.out["logging"] = out
