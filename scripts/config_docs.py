@@ -12,6 +12,7 @@ from hybridrl import config, plugins
 SECTIONS = [
     ("model", config.ModelConfig, None),
     ("data", config.DataConfig, "dataset"),
+    ("data.eval[]", config.EvalSetConfig, None),
     ("rollout", config.RolloutConfig, "rollout engine"),
     ("rollout.agent", config.AgentConfig, "environment"),
     ("rollout.agent.tool_options.<tool>", None, "tool"),

@@ -1,4 +1,4 @@
-"""``hybridrl train | validate | serve | export | import | plugins``."""
+"""``hybridrl train | validate | eval | serve | export | import | plugins``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser(
+        "eval", help="Evaluate a checkpoint, a model folder or model.path on the data.eval sets (docs/evaluation.md)."
+    )
+    p.add_argument("config", help="YAML run config with data.eval sets.")
+    p.add_argument("overrides", nargs="*", help="Dotted overrides: data.eval.0.n=8")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", metavar="DIR", help="A checkpoint (RUN_DIR/checkpoints/step-N): its policy.")
+    model.add_argument("--model", metavar="DIR", help="A model folder (hybridrl export's output); default model.path.")
+    p.add_argument("-o", "--output", metavar="FILE", help="The JSON report; default RUN_DIR/report.json.")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="Write a checkpoint's policy as a plain Hugging Face model folder.")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step-N")
@@ -100,6 +111,25 @@ def cmd_train(args) -> int:
             f"done: {cfg.trainer.steps} steps, final reward {metrics.get('reward/mean', float('nan')):.3f}; "
             f"metrics in {trainer.run_dir / 'metrics.jsonl'}"
         )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from hybridrl import evaluation
+    from hybridrl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    model, step = evaluation.model_to_evaluate(cfg, args.checkpoint, args.model)
+    trainer = Trainer(cfg, name=f"eval-{Path(args.config).stem}")
+    results = trainer.evaluate_only(step)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 writes and speaks
+        for r in results:
+            evaluation.save_samples(r, trainer.run_dir / evaluation.EVAL_DIR, step)
+        out = Path(args.output) if args.output else trainer.run_dir / "report.json"
+        evaluation.write_report(out, evaluation.report(results, model, step))
+        print(f"{model}, step {step}:")
+        print(evaluation.table(results))
+        print(f"report: {out}; samples: {trainer.run_dir / evaluation.EVAL_DIR}")
     return 0
 
 

@@ -25,7 +25,7 @@ from hybridrl.config_files import (
     keys_of,
     options_error,
 )
-from hybridrl.config_sections import AgentConfig, LoraOptions, OnlineConfig, Section, Strict
+from hybridrl.config_sections import AgentConfig, EvalSet, LoraOptions, OnlineConfig, Section, Strict
 from hybridrl.errors import ConfigError
 from hybridrl.shaping import ShapingOptions
 
@@ -88,6 +88,11 @@ class DataConfig(Section):
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template.")
     max_prompt_tokens: int = Field(512, gt=0, description="Longer prompts are an error.")
     shuffle: bool = True
+    eval: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="Held-out sets evaluated before training, every trainer.eval_every steps and after the last "
+        "(docs/evaluation.md): each a name, a prompt source and its options, like this section.",
+    )
 
 
 class RolloutConfig(Section, Sampling):
@@ -146,6 +151,26 @@ class RewardConfig(Section):
     @property
     def label(self) -> str:
         return self.name or self.function
+
+
+class EvalSetConfig(EvalSet):
+    """A held-out set of ``data.eval``: :class:`~hybridrl.config_sections.EvalSet` and its rewards."""
+
+    rewards: list[RewardConfig] | None = Field(
+        None, description="The set's rewards; default: the run's (the same functions, their scores not shaped)."
+    )
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        labels = [r.label for r in self.rewards or []]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(
+                f"{where}.rewards (set '{self.name}'): two rewards share a name ({', '.join(labels)}); "
+                "set 'name' on each."
+            )
+
+
+DataConfig.model_rebuild()  # data.eval's sets, defined after the data section (they hold rewards)
 
 
 class AlgorithmConfig(Section):
@@ -230,6 +255,13 @@ class TrainerConfig(Strict):
         "wait for the other ranks. A rank that dies or stalls longer makes the others stop with an error naming "
         "the rank and the stage it was last seen in, instead of hanging.",
     )
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate the data.eval sets after every N steps (0: only before and after training)."
+    )
+    eval_before_train: bool = Field(
+        True, description="Evaluate the data.eval sets before the first step (not when resuming)."
+    )
+    eval_after_train: bool = Field(True, description="Evaluate the data.eval sets after the last step.")
     on_nonfinite: Literal["abort", "skip"] = Field(
         "abort",
         description="A NaN/Inf in rewards, advantages, "
@@ -355,6 +387,11 @@ def resolve(cfg: RunConfig) -> None:
     labels = [r.label for r in cfg.rewards]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"rewards: two rewards share a name ({', '.join(labels)}); set 'name' on each.")
+    names = [s.name for s in cfg.data.eval]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.eval: two sets share a name ({', '.join(names)}); give each its own.")
+    for i, s in enumerate(cfg.data.eval):
+        s.check(f"data.eval[{i}]")
     agent = cfg.rollout.agent
     if agent is not None:
         unknown = sorted(set(agent.tool_options) - set(agent.tools))
@@ -402,6 +439,10 @@ def component_sections(cfg: RunConfig):
                 yield kind, f"{k.section}[{i}]", item, getattr(item, k.key)
         else:
             yield kind, k.section, section, getattr(section, k.key)
+    for i, s in enumerate(cfg.data.eval):  # held-out sets: a prompt source each, and maybe rewards of their own
+        yield "dataset", f"data.eval[{i}]", s, s.source
+        for j, r in enumerate(s.rewards or []):
+            yield "reward function", f"data.eval[{i}].rewards[{j}]", r, r.function
 
 
 def _lookup(kind: str, name: str) -> type:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from hybridrl.components import ConfigModel
+from hybridrl.errors import ConfigError
 
 
 class Strict(ConfigModel):
@@ -38,6 +39,74 @@ class LoraOptions(Strict):
         description="Layers that get adapters: names (q_proj, v_proj, ...) or 'all-linear' (every linear layer "
         "but the output layer).",
     )
+
+
+class EvalSet(Section):
+    """A held-out set of ``data.eval``, but for its rewards (:class:`hybridrl.config.EvalSetConfig`): a
+    prompt source (its options beside these keys), how its prompts are built (default: as the data
+    section builds them), how it is sampled, and what counts as correct (docs/evaluation.md)."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", description="The set's name in metrics (eval/<name>/...) and file names."
+    )
+    source: str = Field("hf", description="Prompt source plugin.")
+    prompt_column: str | None = Field(None, description="Default: data.prompt_column.")
+    answer_column: str | None = Field(None, description="Default: data.answer_column.")
+    template: str | None = Field(None, description="Default: data.template.")
+    system_prompt: str | None = Field(None, description="Default: data.system_prompt ('' for none).")
+    chat_template: bool | None = Field(None, description="Default: data.chat_template.")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="Default: data.max_prompt_tokens.")
+    breakdown: str | None = Field(
+        "data_source",
+        description="Row field whose values split the metrics (eval/<name>/<value>/...) where the rows have it "
+        "(verl's data_source); null: none.",
+    )
+    greedy: bool = Field(
+        True,
+        description="One response per prompt, the most likely token at each position. Engines take temperature > 0 "
+        "only, so greedy decoding samples with top_k 1 (every engine then keeps only the most likely token). false: "
+        "n samples at temperature, top_p and top_k.",
+    )
+    n: int = Field(1, gt=0, description="Samples per prompt (greedy: 1).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (greedy: unused).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (greedy: unused).")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens; 0: all (greedy: unused).")
+    max_tokens: int | None = Field(None, gt=0, description="Longest response; default rollout.max_tokens.")
+    pass_k: list[int] = Field(
+        default_factory=list,
+        description="The k of each pass@k to report (each at most n), by the unbiased estimator of Chen et al. "
+        "2021; mean@n (the fraction of samples that are correct) is always reported.",
+    )
+    correct_at: float = Field(
+        1.0,
+        description="A sample counts as correct when its score (the weighted sum of the set's rewards) is at least "
+        "this.",
+    )
+    prompts_per_call: int | None = Field(
+        None,
+        gt=0,
+        description="Prompts per generate call on each rank; default: as many as make the responses of a training "
+        "call (trainer.prompts_per_step / ranks x rollout.n), over n.",
+    )
+
+    def check(self, where: str) -> None:
+        """Settings that contradict each other, as one error naming the set (``where``: data.eval[i])."""
+        where = f"{where} (set '{self.name}')"
+        if self.greedy and self.n > 1:
+            raise ConfigError(
+                f"{where}: n={self.n} with greedy decoding (greedy: true, the default), which gives one response "
+                "per prompt. Set greedy: false to sample n responses at a temperature."
+            )
+        fields = type(self).model_fields  # defaults: a run's config.yaml writes every key out
+        sampled = [k for k in ("temperature", "top_p", "top_k") if getattr(self, k) != fields[k].default]
+        if self.greedy and sampled:
+            raise ConfigError(f"{where}: {', '.join(sampled)} set with greedy: true; set greedy: false to sample.")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n]
+        if bad:
+            raise ConfigError(
+                f"{where}: pass_k has k={bad[0]} with n={self.n} samples per prompt; pass@k needs 1 <= k <= n. Raise n "
+                f"(with greedy: false) or drop k={bad[0]}."
+            )
 
 
 class AgentConfig(Section):

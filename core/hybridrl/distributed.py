@@ -176,6 +176,13 @@ def my_share(items: list) -> list:
     return items[r * k : (r + 1) * k]
 
 
+def my_range(count: int) -> range:
+    """This rank's contiguous part of ``count`` items that need not divide by the world size (an
+    evaluation set): the ranks' parts differ by at most one item, in rank order."""
+    world, r = world_size(), rank()
+    return range(r * count // world, (r + 1) * count // world)
+
+
 def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of ``values`` (B, T) over ``mask`` and over every rank: for
     whitening advantages over the global batch (REINFORCE++, PPO) rather than per rank."""

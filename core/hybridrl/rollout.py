@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hybridrl import distributed
 from hybridrl.batch import Batch
+from hybridrl.components import SamplingParams
 from hybridrl.prompts import PromptOrder, encode_prompt, prompt_messages, row_answer
 from hybridrl.session import EngineSession
 
@@ -24,19 +25,24 @@ class RolloutStage:
     def generate(self, step: int, round_: int = 0) -> Batch:
         """Draw ``trainer.prompts_per_step`` prompts, keep this rank's share, generate ``rollout.n``
         responses to each: the rollout batch, text columns included."""
-        cfg, n = self.config, self.config.rollout.n
         # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
-        rows = distributed.my_share([self.data[i] for i in self.order.take(cfg.trainer.prompts_per_step)])
+        rows = distributed.my_share([self.data[i] for i in self.order.take(self.config.trainer.prompts_per_step)])
+        rollout = self.respond(rows, self.session.sampling(step, round_))
+        first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
+        rollout["group_ids"] = rollout["group_ids"] + first
+        return rollout
+
+    def respond(self, rows: list[dict], sampling: SamplingParams) -> Batch:
+        """``sampling.n`` responses to each of ``rows`` (prompts built by the config's data section):
+        the batch, text columns included, groups numbered from 0. Evaluation answers its sets so too."""
+        cfg, n = self.config, sampling.n
         prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer, self.tools) for row in rows))
         chats = [prompt_messages(row, cfg.data) for row in rows]
-        sampling = self.session.sampling(step, round_)
         if self.agent is not None:
             out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling)
         else:
             out = self.session.generate(list(prompt_ids), sampling)
         rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
-        first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
-        rollout["group_ids"] = rollout["group_ids"] + first
         rollout["prompt_text"] = [prompt_texts[i // n] for i in range(len(rollout))]
         answers = [row_answer(row, cfg.data) for row in rows]
         rollout["answer"] = [answers[i // n] for i in range(len(rollout))]

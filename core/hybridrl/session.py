@@ -35,6 +35,9 @@ from hybridrl.memory import memory_errors
 
 SYNC_CHECK_FACTOR = 20  # after syncs, allow this many times the difference measured before the first
 PROBE_ROUND = 7  # the sync check's probe draws its own samples: a round no step reaches
+# evaluation set i (hybridrl.evaluation) draws round EVAL_ROUND + i of step 0, far from any step's rounds:
+# the same samples at every evaluation, so that two evaluations differ by the weights alone
+EVAL_ROUND = 1_000
 
 
 def rollout_seed(seed: int, step: int, round_: int = 0, first_prompt: int = 0, n: int = 1) -> int:

@@ -131,6 +131,53 @@ class Trainer:
         loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
         self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
 
+    def evaluate_only(self, step: int = 0) -> list:
+        """``hybridrl eval``: build what evaluation needs alone (the data.eval sets, the rewards, the
+        engine loaded from model.path and its session, the agent loop where the run has one; no
+        policy, no training data, any number of torchrun ranks), evaluate every set (``step`` names
+        the samples), release it all; returns the sets' :class:`~hybridrl.evaluation.SetResult`."""
+        cfg, t = self.config, self.config.trainer
+        ckpt.seed_everything(t.seed)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        try:
+            device = resolve_device(t.device, per_rank=True)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        distributed.setup(device, timeout_s=t.timeout_s)
+        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
+        try:
+            check_model_path(cfg.model.path, cfg.model.gguf_file)
+            with distributed.main_first():
+                model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
+            self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+            self.ctx = self.run_context(model_path, device)
+            model_config = load_model_config(model_path, cfg.model.trust_remote_code)
+            self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)
+            if not self.evaluation.sets:
+                raise ConfigError("data.eval holds no sets to evaluate; add one (docs/evaluation.md).")
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.rewards = Rewards(
+                [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
+            )
+            self.session = EngineSession(
+                self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options),
+                cfg.rollout,
+                t.seed,
+                t.prompts_per_step,
+                self.tokenizer.pad_token_id,
+            )
+            agent = build_agent(
+                self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer)
+            )
+            self.evaluation.connect(self.session, self.rewards, agent, self._build)
+            return self.evaluation.evaluate(step)
+        finally:
+            for part in ("evaluation", "rewards", "session"):
+                if hasattr(self, part):
+                    getattr(self, part).close()
+            distributed.teardown()
+
     def run_context(self, model_path: str, device: torch.device) -> RunContext:
         """What the components learn of the run; the strategy and the passes join it once built."""
         cfg, t = self.config, self.config.trainer

@@ -70,6 +70,10 @@ class AnswerMatch(RewardFunction):
         tolerance: float = Field(1e-6, ge=0)
         wrong: float = Field(0.0, description="Score of a wrong or missing answer.")
 
+    @classmethod
+    def needs(cls, options):
+        return {"answer"}
+
     def score(self, batch):
         o = self.options
         out = []
@@ -109,6 +113,10 @@ class ReasoningGymVerifier(RewardFunction):
         extract: Literal["auto", "boxed", "tag", "last_number", "none"] = Field(
             "auto", description="How to find the answer in the response; none: the whole response."
         )
+
+    @classmethod
+    def needs(cls, options):
+        return {"answer", "metadata"}
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
