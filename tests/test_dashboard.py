@@ -130,6 +130,16 @@ def test_endpoints_follow_the_files(tmp_path, dashboard):
     assert get(url + f"api/metrics?version={v}&after=2")["rows"] == []
     write_jsonl(run / "metrics.jsonl", [{"step": 3, "time": 2.0, "reward/mean": None}])
     assert get(url + f"api/metrics?version={v}&after=2")["rows"] == [{"step": 3, "time": 2.0, "reward/mean": None}]
+    # the row cursor: an evaluation's row of step 3, written after the page read step 3's row, still comes
+    assert get(url + f"api/metrics?version={v}&from=0")["next"] == 3
+    write_jsonl(run / "metrics.jsonl", [{"step": 3, "eval/held/score": 0.5}])
+    assert get(url + f"api/metrics?version={v}&from=3") | {"bad_lines": 0} == {
+        "version": v,
+        "reset": False,
+        "rows": [{"step": 3, "eval/held/score": 0.5}],
+        "next": 4,
+        "bad_lines": 0,
+    }
     write_jsonl(run / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}], mode="w")  # a rewritten file
     again = get(url + f"api/metrics?version={v}&after=3")
     assert again["reset"] is True and again["version"] != v and again["rows"] == [{"step": 1, "reward/mean": 0.5}]
@@ -389,6 +399,19 @@ def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(chromium, real_r
                 timeout=30_000,
             )
             assert chart(page, "chart-reward", "mean", "y")[-1] == pytest.approx(0.875)
+            # an evaluation's row, after its step's: merged into the step, drawn beside the reward
+            assert page.is_visible("#no-eval")
+            evaluated = {"step": 4, "time": new["time"], "eval/held/score": 0.5, "eval/held/mean@1": 0.25}
+            write_jsonl(real_run_dir / "metrics.jsonl", [evaluated])
+            page.wait_for_function(
+                "document.getElementById('chart-eval').data.some(t => t.name === 'held mean@1')", timeout=30_000
+            )
+            assert (chart(page, "chart-eval", "held mean@1"), chart(page, "chart-eval", "held mean@1", "y")) == (
+                [4],
+                [0.25],
+            )
+            assert chart(page, "chart-reward", "eval held", "y") == [0.5] and not page.is_visible("#no-eval")
+            assert chart(page, "chart-reward", "mean", "y")[-1] == pytest.approx(0.875)  # the step's own row stays
             page.wait_for_function("document.querySelector('#sample-step').value === '4'", timeout=30_000)
             page.wait_for_function(
                 "document.querySelector('#samples tbody').textContent.includes('appended 0')", timeout=30_000

@@ -5,8 +5,10 @@ the files since the last request, so the page follows a run that is still going.
 
 - ``GET /api/run``: ``{"name", "run_dir", "config": config.yaml text, its secrets redacted, or null,
   "total_steps"}``
-- ``GET /api/metrics?version=V&after=S``: metric rows with ``step > S``; when the file was
-  rewritten since version ``V`` (a resumed run trims it), all rows and ``"reset": true``.
+- ``GET /api/metrics?version=V&from=N``: the metric rows from the file's row N on, and ``next``, the
+  N of the next request (``after=S`` instead: the rows with ``step > S``); when the file was
+  rewritten since version ``V`` (a resumed run trims it), all rows and ``"reset": true``. A step may
+  have several rows (an evaluation's row follows its step's): the page merges them.
 - ``GET /api/distribution?version=V&after=S``: per step with samples, the list of each
   numeric sample field (``score``, ``reward/<name>``, ``advantage``).
 - ``GET /api/samples?step=S``: the sample rows of one step.
@@ -107,12 +109,23 @@ class RunFiles:
         self.metrics = JsonlTail(self.run_dir / "metrics.jsonl")
         self.samples = JsonlTail(self.run_dir / "samples.jsonl")
 
-    def metric_rows(self, version: int | None, after: int) -> dict:
+    def metric_rows(self, version: int | None, after: int, start: int | None = None) -> dict:
         self.metrics.refresh()
         tail = self.metrics
         reset = version != tail.version
-        rows = tail.rows if reset else [r for r in tail.rows if r["step"] > after]
-        return {"version": tail.version, "reset": reset, "rows": rows, "bad_lines": tail.bad_lines}
+        if reset:
+            rows = tail.rows
+        elif start is not None:
+            rows = tail.rows[start:]
+        else:
+            rows = [r for r in tail.rows if r["step"] > after]
+        return {
+            "version": tail.version,
+            "reset": reset,
+            "rows": rows,
+            "next": len(tail.rows),
+            "bad_lines": tail.bad_lines,
+        }
 
     def distribution(self, version: int | None, after: int) -> dict:
         self.samples.refresh()
@@ -193,7 +206,9 @@ def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = Non
         return JSONResponse(files.info())
 
     def metrics(request):
-        return JSONResponse(files.metric_rows(_int(request, "version"), _int(request, "after", 0)))
+        return JSONResponse(
+            files.metric_rows(_int(request, "version"), _int(request, "after", 0), _int(request, "from"))
+        )
 
     def distribution(request):
         return JSONResponse(files.distribution(_int(request, "version"), _int(request, "after", 0)))

@@ -3,7 +3,7 @@
 
 const POLL_MS = Number(document.body.dataset.pollMs) || 2000;
 const state = {
-  metrics: [], metricsVersion: null, lastStep: 0, lastRowTime: null,
+  metrics: [], metricsVersion: null, metricsNext: 0, lastStep: 0, lastRowTime: null,
   dist: new Map(), distVersion: null, lastDistStep: 0,
   sampleStep: null, sampleRows: [], sampleSort: null,
   totalSteps: null, polls: 0,
@@ -33,10 +33,22 @@ function layout(extra) {
   return { ...LAYOUT, ...extra, xaxis: { ...LAYOUT.xaxis, tick0: 0, dtick } };
 }
 
-function series(key) {
-  return state.metrics.map((row) => (row[key] === undefined ? null : row[key]));
+// the training steps' rows: an evaluation before training (step 0) has a row of eval/* alone
+function isEval(key) { return key.startsWith("eval/") || key === "timing/eval"; }
+function trained() {
+  return state.metrics.filter((row) => Object.keys(row).some((k) => k !== "step" && k !== "time" && !isEval(k)));
 }
-function steps() { return state.metrics.map((row) => row.step); }
+function series(key) {
+  return trained().map((row) => (row[key] === undefined ? null : row[key]));
+}
+function steps() { return trained().map((row) => row.step); }
+function points(key) {
+  // the steps that have the metric (an evaluation's metrics are at some steps only), and its values
+  const rows = state.metrics.filter((row) => row[key] !== undefined && row[key] !== null);
+  return { x: rows.map((row) => row.step), y: rows.map((row) => row[key]) };
+}
+// an evaluation set's metrics (docs/evaluation.md): eval/<set>/<metric>, eval/<set>/<source>/<metric>
+const EVAL_KEY = /^eval\/(.+)\/(score|mean@\d+|pass@\d+)$/;
 function has(key) { return state.metrics.some((row) => row[key] !== undefined && row[key] !== null); }
 function allKeys() {
   const keys = new Set();
@@ -66,7 +78,23 @@ function drawReward() {
     const m = key.match(/^reward\/(.+)\/mean$/);
     if (m) traces.push({ x, y: series(key), mode: "lines", name: m[1], line: { dash: "dot", width: 1.5 } });
   }
+  for (const key of allKeys()) {  // each held-out set's score, measured where it was evaluated
+    const m = key.match(EVAL_KEY);
+    if (m && m[2] === "score" && !m[1].includes("/")) {
+      traces.push({ ...points(key), mode: "lines+markers", name: `eval ${m[1]}`, line: { dash: "dash", width: 1.5 } });
+    }
+  }
   Plotly.react("chart-reward", traces, layout({ yaxis: { title: { text: "reward" } } }), CONFIG);
+}
+
+function drawEval() {
+  const traces = [];
+  for (const key of allKeys()) {
+    const m = key.match(EVAL_KEY);
+    if (m && m[2] !== "score") traces.push({ ...points(key), mode: "lines+markers", name: `${m[1]} ${m[2]}` });
+  }
+  $("no-eval").hidden = traces.length > 0;
+  Plotly.react("chart-eval", traces, layout({ yaxis: { title: { text: "fraction correct" }, range: [0, 1.02] } }), CONFIG);
 }
 
 function drawKL() {
@@ -111,7 +139,7 @@ function drawDist() {
 
 function drawMetric() {
   const key = $("metric-pick").value;
-  Plotly.react("chart-metric", key ? [{ x: steps(), y: series(key), mode: "lines+markers", name: key }] : [],
+  Plotly.react("chart-metric", key ? [{ ...points(key), mode: "lines+markers", name: key }] : [],
     layout({ showlegend: false, yaxis: { title: { text: key || "" } } }), CONFIG);
 }
 
@@ -201,12 +229,14 @@ async function loadSamples(step) {
 
 async function pollMetrics() {
   const v = state.metricsVersion === null ? "" : state.metricsVersion;
-  const data = await getJSON(`/api/metrics?version=${v}&after=${state.lastStep}`);
+  const data = await getJSON(`/api/metrics?version=${v}&from=${state.metricsNext}`);
   if (data.reset) state.metrics = [];
   state.metricsVersion = data.version;
+  state.metricsNext = data.next;
   if (!data.rows.length && !data.reset) return false;
+  // a step's rows merged: an evaluation's row follows the row of the step it was measured after
   const byStep = new Map(state.metrics.map((r) => [r.step, r]));
-  for (const row of data.rows) byStep.set(row.step, row);
+  for (const row of data.rows) byStep.set(row.step, { ...(byStep.get(row.step) || {}), ...row });
   state.metrics = [...byStep.values()].sort((a, b) => a.step - b.step);
   const last = state.metrics[state.metrics.length - 1];
   state.lastStep = last ? last.step : 0;
@@ -242,7 +272,7 @@ async function tick() {
     const newMetrics = await pollMetrics();
     const newDist = await pollDistribution();
     if (newMetrics) {
-      drawReward(); drawKL(); drawLength();
+      drawReward(); drawEval(); drawKL(); drawLength();
       fillSelect($("metric-pick"), allKeys(), "timing/step");
       drawMetric();
     }
