@@ -136,9 +136,9 @@ def test_two_sets_of_one_name_are_refused():
 
 
 def no_model_loads(monkeypatch):
-    import hybridrl.trainer
+    import hybridrl.setup
 
-    monkeypatch.setattr(hybridrl.trainer, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 def write_jsonl(path, rows):

@@ -48,9 +48,9 @@ def trainer_for(tiny_model, tmp_path, data=None, **rollout):
 
 
 def test_max_tokens_beyond_the_models_context_is_refused_before_it_loads(tiny_model, tmp_path, monkeypatch):
-    import hybridrl.trainer
+    import hybridrl.setup
 
-    monkeypatch.setattr(hybridrl.trainer, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match=r"rollout.max_tokens=1000000000 .* context of 256 tokens .* at most \d+"):
         trainer_for(tiny_model, tmp_path, max_tokens=10**9).setup()
 
@@ -102,7 +102,7 @@ def test_the_printed_resume_command_parses_as_printed():
 
 
 def test_a_runs_folder_and_config_are_the_owners_alone(tiny_model, tmp_path, monkeypatch):
-    import hybridrl.trainer
+    import hybridrl.setup
 
     class Loaded(Exception):
         pass
@@ -110,7 +110,7 @@ def test_a_runs_folder_and_config_are_the_owners_alone(tiny_model, tmp_path, mon
     def stop(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(hybridrl.trainer, "load_causal_lm", stop)  # stop once the run's files are written
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", stop)  # stop once the run's files are written
     with pytest.raises(Loaded):
         trainer_for(tiny_model, tmp_path).setup()
     run = tmp_path / "run"

@@ -219,10 +219,10 @@ def test_path_is_found_beside_the_config_file(rewards_file, tmp_path, monkeypatc
 def test_a_reward_that_cannot_load_stops_the_run_before_any_model_loads(
     rewards_file, tiny_model, tmp_path, monkeypatch
 ):
-    import hybridrl.trainer
+    import hybridrl.setup
     from hybridrl.trainer import Trainer
 
-    monkeypatch.setattr(hybridrl.trainer, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = {
         "model": {"path": tiny_model},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},

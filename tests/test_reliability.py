@@ -356,12 +356,12 @@ def test_empty_responses_do_not_break_a_step(tiny_model, tmp_path, register_plug
     ],
 )
 def test_bad_input_fails_before_any_model_is_loaded(tiny_model, tmp_path, monkeypatch, change, message):
-    import hybridrl.trainer
+    import hybridrl.setup
 
     def no_models(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(hybridrl.trainer, "load_causal_lm", no_models)
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", no_models)
     data = {**config(tiny_model, tmp_path / "run"), **change}
     with pytest.raises((ConfigError, FileNotFoundError), match=message):
         Trainer(load_config(data=data)).train()

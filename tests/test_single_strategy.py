@@ -124,7 +124,7 @@ def test_bfloat16_policy_trains_on_float32_master_weights(tiny_model, tmp_path, 
 
 
 def test_bfloat16_without_autocast_is_refused_before_the_model_loads(tiny_model, tmp_path, monkeypatch):
-    from hybridrl import trainer as trainer_module
+    from hybridrl import setup as trainer_module
     from hybridrl.config import ConfigError
     from hybridrl.trainer import Trainer
 

@@ -16,7 +16,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of LLMs from plugins.")
     parser.add_argument("--version", action="version", version=f"hybridrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_commands(sub)
+    plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after options (hybridrl train CFG --resume trainer.run_dir=DIR), which
+    # argparse leaves over once the positionals are filled
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from hybridrl.distributed import RankFailure
+    from hybridrl.errors import Interrupted, NonFiniteError, StageError
 
+    try:
+        return args.func(args) or 0
+    except (ConfigError, plugins.PluginError, FileNotFoundError, FileExistsError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (StageError, NonFiniteError, RankFailure) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; nothing was saved after the last checkpoint", file=sys.stderr)
+        return 130
+
+
+def add_commands(sub) -> None:
+    """The core's subcommands (plugins add theirs through ``register_commands``)."""
     p = sub.add_parser("train", help="Run a training job.")
     p.add_argument("config", help="YAML run config.")
     p.add_argument("overrides", nargs="*", help="Dotted overrides: trainer.steps=5 rollout.n=8")
@@ -68,32 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
     p.add_argument("--hook", help="Only the plugins that implement this hook (e.g. on_step_end).")
     p.set_defaults(func=cmd_plugins)
-
-    plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
-    args, extra = parser.parse_known_args(argv)
-    # overrides may come after options (hybridrl train CFG --resume trainer.run_dir=DIR), which
-    # argparse leaves over once the positionals are filled
-    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from hybridrl.distributed import RankFailure
-    from hybridrl.errors import Interrupted, NonFiniteError, StageError
-
-    try:
-        return args.func(args) or 0
-    except (ConfigError, plugins.PluginError, FileNotFoundError, FileExistsError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (StageError, NonFiniteError, RankFailure) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        print(str(e), file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted; nothing was saved after the last checkpoint", file=sys.stderr)
-        return 130
 
 
 def cmd_train(args) -> int:

@@ -8,7 +8,6 @@ responses), ``rewards`` (scores), ``update`` (the training loop of every trained
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -18,17 +17,12 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
-from hybridrl.agents import build_agent
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
-from hybridrl.components import RunContext, Trainable
-from hybridrl.config import RunConfig, check_world
-from hybridrl.config_files import write_config
-from hybridrl.devices import resolve_device
+from hybridrl.components import Trainable
+from hybridrl.config import RunConfig
 from hybridrl.engine_weights import engine_tensors
-from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite, stage_errors
-from hybridrl.evaluation import Evaluation
+from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite
 from hybridrl.forward import Outputs
-from hybridrl.memory import MicroBatches
 from hybridrl.metrics import (
     Timer,
     WeightedStats,
@@ -39,28 +33,14 @@ from hybridrl.metrics import (
     update_throughput,
 )
 from hybridrl.models import (
-    DTYPES,
-    check_context,
-    check_model_path,
-    disable_dropout,
-    end_token_ids,
     is_checkpointing,
-    load_causal_lm,
-    load_model_config,
-    load_tokenizer,
-    resolve_model_path,
 )
-from hybridrl.passes import Planner, Runner
-from hybridrl.prefetch import make_prefetcher
-from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
-from hybridrl.rewards import Rewards
-from hybridrl.rollout import RolloutStage
-from hybridrl.session import EngineSession
+from hybridrl.setup import TrainerSetup
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
 
 
-class Trainer:
+class Trainer(TrainerSetup):
     def __init__(self, config: RunConfig, name: str = "run"):
         self.config = config
         t = config.trainer
@@ -72,179 +52,6 @@ class Trainer:
         self.extra_state: dict = {}  # more objects whose state_dict goes into checkpoints (hybridrl serve's learner)
         self.signals = StopSignals()
         self.pm = plugins.get_plugin_manager()
-
-    # -- setup ------------------------------------------------------------------------------
-
-    def setup(self) -> None:
-        """Build every component. Checks that need no model run first, so bad input fails fast."""
-        cfg, t = self.config, self.config.trainer
-        ckpt.seed_everything(t.seed)
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        device = self.setup_distributed()
-        check_model_path(cfg.model.path, cfg.model.gguf_file)
-        if not t.resume and ckpt.list_checkpoints(self.run_dir):
-            raise ConfigError(
-                f"{self.run_dir} already holds checkpoints. Continue that run with --resume "
-                "(trainer.resume=true), or choose a new trainer.run_dir."
-            )
-        with distributed.main_first():  # one rank converts a GGUF file into the shared cache
-            model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
-        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        self.ctx = self.run_context(model_path, device)
-        self.data = self._build("dataset", cfg.data.source, cfg.data.options)
-        check_columns(self.data, cfg)
-        self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
-        model_config = load_model_config(model_path, cfg.model.trust_remote_code)
-        longest = 0  # prompt lengths, before any model is loaded
-        for i in range(min(len(self.data), 256)):
-            longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
-        check_context(model_config, longest, cfg.rollout.max_tokens)
-        self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)  # data.eval, checked
-        # created the owner's alone (configs, logs, samples, checkpoints); by every rank at once under torchrun
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.ctx.is_main:
-            write_config(self.run_dir / "config.yaml", cfg)
-        engine_cls = plugins.lookup("rollout engine", cfg.rollout.engine)
-        try:  # the engine is built after the policy (it takes a share of what memory is left)
-            engine_cls.check_launch(cfg.rollout.options, self.ctx)
-        except ValueError as e:
-            raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
-
-        self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
-        budget = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
-        self.passes = Runner(Planner(t.share_prompts, t.pack_sequences, budget, device), self.strategy, device)
-        # the context every later component gets: complete, with the run's services
-        self.ctx = dataclasses.replace(self.ctx, strategy=self.strategy, passes=self.passes)
-        self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)
-        self.rewards = Rewards(
-            [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
-        )
-        self.setup_models(model_path)
-        self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
-        pad = self.tokenizer.pad_token_id
-        self.session = EngineSession(self.engine, cfg.rollout, t.seed, t.prompts_per_step, pad)  # its only caller
-        agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
-        self.rollout = RolloutStage(self.session, self.data, self.prompts, self.tokenizer, cfg, agent)
-        self.prefetch = make_prefetcher(cfg, self.session, self.collect, self.ctx.is_main)
-        self.evaluation.connect(self.session, self.rewards, agent, self._build)
-        loggers = cfg.logging.loggers if self.ctx.is_main else []  # rank 0 writes the run's record
-        self.loggers = [self._build("logger", n, cfg.logging._options[n]) for n in loggers]
-
-    def evaluate_only(self, step: int = 0) -> list:
-        """``hybridrl eval``: build what evaluation needs alone (the data.eval sets, the rewards, the
-        engine loaded from model.path and its session, the agent loop where the run has one; no
-        policy, no training data, any number of torchrun ranks), evaluate every set (``step`` names
-        the samples), release it all; returns the sets' :class:`~hybridrl.evaluation.SetResult`."""
-        cfg, t = self.config, self.config.trainer
-        ckpt.seed_everything(t.seed)
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        try:
-            device = resolve_device(t.device, per_rank=True)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        distributed.setup(device, timeout_s=t.timeout_s)
-        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
-        try:
-            check_model_path(cfg.model.path, cfg.model.gguf_file)
-            with distributed.main_first():
-                model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
-            self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-            self.ctx = self.run_context(model_path, device)
-            model_config = load_model_config(model_path, cfg.model.trust_remote_code)
-            self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)
-            if not self.evaluation.sets:
-                raise ConfigError("data.eval holds no sets to evaluate; add one (docs/evaluation.md).")
-            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.rewards = Rewards(
-                [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
-            )
-            self.session = EngineSession(
-                self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options),
-                cfg.rollout,
-                t.seed,
-                t.prompts_per_step,
-                self.tokenizer.pad_token_id,
-            )
-            agent = build_agent(
-                self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer)
-            )
-            self.evaluation.connect(self.session, self.rewards, agent, self._build)
-            return self.evaluation.evaluate(step)
-        finally:
-            for part in ("evaluation", "rewards", "session"):
-                if hasattr(self, part):
-                    getattr(self, part).close()
-            distributed.teardown()
-
-    def run_context(self, model_path: str, device: torch.device) -> RunContext:
-        """What the components learn of the run; the strategy and the passes join it once built."""
-        cfg, t = self.config, self.config.trainer
-        return RunContext(
-            model_path=model_path,
-            tokenizer=self.tokenizer,
-            device=device,
-            dtype=DTYPES[cfg.model.dtype],
-            seed=t.seed,
-            run_dir=self.run_dir,
-            rank=distributed.rank(),
-            world_size=distributed.world_size(),
-            local_rank=distributed.env_world()[2],
-            trust_remote_code=cfg.model.trust_remote_code,
-            dropout=cfg.model.dropout,
-            response_tokens=cfg.rollout.max_tokens,
-            responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
-        )
-
-    def setup_models(self, model_path: str) -> None:
-        """The policy (with its LoRA adapters), the reference when the algorithm needs one, the
-        optimizer and its schedule, placed by the sharding strategy."""
-        cfg, t = self.config, self.config.trainer
-
-        def load(adapters=None):
-            model = load_causal_lm(
-                model_path,
-                self.ctx.dtype,
-                torch.device("cpu"),
-                cfg.model.trust_remote_code,
-                cfg.model.attn_implementation,
-            )
-            model = lora.apply_lora(model, adapters) if adapters else model
-            return model if cfg.model.dropout else disable_dropout(model)
-
-        self.policy = self.strategy.wrap(load(cfg.model.lora).train(), trainable=True)
-        self.ref = None  # with LoRA the reference is the policy with its adapters off
-        if self.algorithm.needs_reference and not cfg.model.lora:
-            self.ref = self.strategy.wrap_reference(load().eval().requires_grad_(False))
-        if cfg.model.lora and self.ctx.is_main:
-            print(lora.describe(self.policy, cfg.model.lora, self.algorithm.trained_models()), flush=True)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        # one fused kernel per step on a GPU (as transformers' Trainer defaults to); sharded
-        # parameters (DTensors) keep torch's default multi-tensor implementation
-        fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
-        warmup = max(1, t.warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-
-    def setup_distributed(self) -> torch.device:
-        """This process's device; under torchrun, check the config for N ranks, join the process
-        group, and take rank 0's run directory."""
-        cfg = self.config
-        try:
-            device = resolve_device(cfg.trainer.device, per_rank=True)
-            multi_process = plugins.lookup("sharding strategy", cfg.sharding.strategy).multi_process
-        except (ValueError, plugins.PluginError) as e:
-            raise ConfigError(str(e)) from None
-        check_world(cfg, distributed.env_world()[1], multi_process)
-        distributed.setup(device, timeout_s=cfg.trainer.timeout_s)
-        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
-        return device
-
-    def _build(self, kind: str, name: str, options):
-        cls = plugins.lookup(kind, name)
-        with stage_errors(f"{kind} '{name}'", "setup"):
-            return cls(options, self.ctx)
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
