@@ -214,7 +214,7 @@ class TrainerConfig(Strict):
     )
     pack_sequences: bool | Literal["auto"] = Field(
         "auto",
-        description="In the policy and reference passes, lay the sequences end to end in rows of the batch's "
+        description="In the policy, reference and critic passes, lay the sequences end to end in rows of the batch's "
         "width rounded up to 128 tokens instead of padding each to the longest, and cut the passes from those rows "
         "(verl's use_remove_padding, OpenRLHF's packing_samples): the same logprobs and gradients from fewer tokens "
         "and fewer shapes to compile where response lengths vary. 'auto': wherever "
