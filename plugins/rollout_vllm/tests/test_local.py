@@ -418,3 +418,31 @@ def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, registe
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     assert check.got == check.want
+
+
+def test_eval_through_vllm_answers_as_the_hf_engine_does_greedily(model_dir, tmp_path, register_plugin):
+    """A held-out set evaluated through the vllm engine (greedy: top_k 1) gives the hf engine's
+    answers, scores and metrics on the same weights; its sampled set, pass@k within bounds."""
+    register_plugin(SevensPlugin(), name="sevens")
+    held = {"name": "held", "source": "reasoning_gym", "task": "chain_sum", "size": 6, "seed": 1, "max_tokens": 8}
+    sampled = held | {"name": "sampled", "greedy": False, "n": 4, "pass_k": [1, 2, 4], "temperature": 0.7}
+
+    def evaluate(engine, **options):
+        cfg = load_config(
+            data={
+                "model": {"path": model_dir},
+                "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8, "eval": [held, sampled]},
+                "rollout": {"engine": engine, "n": 2, "max_tokens": 8, **options},
+                "rewards": [{"function": "sevens"}],
+                "trainer": {"run_dir": str(tmp_path / engine), "threads": 1},
+                "logging": {"loggers": ["jsonl"]},
+            }
+        )
+        return {r.name: r for r in Trainer(cfg).evaluate_only()}
+
+    vllm, hf = evaluate("vllm", max_model_len=256), evaluate("hf")
+    assert [s["response"] for s in vllm["held"].samples] == [s["response"] for s in hf["held"].samples]
+    assert vllm["held"].metrics == pytest.approx(hf["held"].metrics)
+    m = vllm["sampled"].metrics
+    assert len(vllm["sampled"].samples) == 6 * 4
+    assert 0 <= m["pass@1"] <= m["pass@2"] <= m["pass@4"] <= 1 and m["pass@1"] == pytest.approx(m["mean@4"])
