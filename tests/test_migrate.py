@@ -316,7 +316,8 @@ def test_trl_script_keyword_arguments():
     assert cfg.algorithm.options.kl_coef == 0.0 and cfg.algorithm.options.loss_agg_mode == "token-mean"
     assert cfg.data.path == "trl-lib/DeepMath-103K" and cfg.data.answer_column == "solution"
     lost = notes(t, "lost")
-    assert "math_verify" in lost["reward_funcs"] and "decays" in lost["lr_scheduler_type"]
+    assert "math_verify" in lost["reward_funcs"] and "lr_scheduler_type" not in lost
+    assert cfg.trainer.lr_schedule == "linear"  # TRL's default schedule, over the run's steps
     assert "rows // 8" in lost["num_train_epochs"]
     t = translate("trl", [*items, "num_train_epochs=2"], train_rows=1000, world_size=8)
     assert t.config["trainer"]["steps"] == 2 * (1000 // 8)
@@ -425,3 +426,17 @@ def test_cli_import_trl_prints_the_config(tmp_path):
 def test_verl_mini_batch_that_does_not_divide_the_batch_is_refused():
     with pytest.raises(ConfigError, match="verl refuses it too"):
         translate("verl", [*quickstart_items(), "actor_rollout_ref.actor.ppo_mini_batch_size=100"])
+
+
+def test_learning_rate_schedules_translate():
+    """verl's cosine (to min_lr_ratio) and TRL's linear default become trainer.lr_schedule; what has
+    no equivalent (verl's num_cycles other than half a period) is listed."""
+    a = "actor_rollout_ref.actor.optim"
+    t = translate("verl", [*quickstart_items(), f"{a}.lr_scheduler_type=cosine", f"{a}.min_lr_ratio=0.1"])
+    cfg = validate(t.config)
+    assert (cfg.trainer.lr_schedule, cfg.trainer.min_lr_ratio) == ("cosine", 0.1)
+    t = translate("verl", [*quickstart_items(), f"{a}.lr_scheduler_type=cosine", f"{a}.num_cycles=2"])
+    assert "half a period" in notes(t, "lost")[f"{a}.num_cycles"]
+    t = translate("trl", ["model=m", "lr_scheduler_type=cosine_with_min_lr", "lr_scheduler_kwargs.min_lr_rate=0.2"])
+    cfg = validate(t.config)
+    assert (cfg.trainer.lr_schedule, cfg.trainer.min_lr_ratio) == ("cosine", 0.2)

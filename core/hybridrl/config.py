@@ -224,7 +224,14 @@ class TrainerConfig(Strict):
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Steps over which the learning rate rises linearly to lr.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="The learning rate after the warm-up, over the run's steps: constant (verl's default), linear "
+        "decay (TRL's and transformers' default) or cosine decay, down to min_lr_ratio x lr at the last step "
+        "(transformers' get_linear/cosine_schedule_with_warmup; verl's cosine with min_lr_ratio).",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where linear and cosine decay end, as a share of lr.")
     max_grad_norm: float = Field(1.0, gt=0)
     seed: int = 0
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'...")

@@ -6,6 +6,8 @@ needs alone (:meth:`TrainerSetup.evaluate_only`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from pathlib import Path
 
 import torch
@@ -37,6 +39,20 @@ from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
 from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
 from hybridrl.session import EngineSession
+
+
+def lr_factor(warmup: int, steps: int, schedule: str, min_ratio: float, s: int) -> float:
+    """The learning rate's share of ``trainer.lr`` at the update of step ``s + 1`` of ``steps``: a
+    linear rise over ``warmup`` steps (from 1/warmup, never 0), then constant, or a linear or cosine
+    decay whose progress is (s - warmup) / (steps - warmup), as transformers' schedules with warm-up,
+    from 1 down towards ``min_ratio`` (reached after the last step)."""
+    if s + 1 < warmup:
+        return (s + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, max(0, s - warmup) / max(1, steps - warmup))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
 
 
 class TrainerSetup:
@@ -191,8 +207,8 @@ class TrainerSetup:
         # parameters (DTensors) keep torch's default multi-tensor implementation
         fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
-        warmup = max(1, t.warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        factor = functools.partial(lr_factor, t.warmup_steps, t.steps, t.lr_schedule, t.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def setup_distributed(self) -> torch.device:
         """This process's device; under torchrun, check the config for N ranks, join the process

@@ -262,8 +262,16 @@ class TrlTranslation(TrlAlgorithm):
             out["warmup_steps"] = math.ceil(warmup / self.per_step)
         elif ratio and steps:
             out["warmup_steps"] = math.ceil(ratio * steps)
-        if g("lr_scheduler_type") not in ("constant", "constant_with_warmup"):
-            self.lost("lr_scheduler_type", "the learning rate is constant after the warm-up (TRL's default decays it)")
+        schedule, kwargs = g("lr_scheduler_type"), g("lr_scheduler_kwargs", None) or {}
+        if schedule in ("linear", "cosine", "cosine_with_min_lr"):  # over the run's steps, as TRL's over its updates
+            out["lr_schedule"] = "linear" if schedule == "linear" else "cosine"
+            out["min_lr_ratio"] = float(kwargs.get("min_lr_rate", 0.0))
+            if set(kwargs) - {"num_cycles", "min_lr_rate"} or kwargs.get("num_cycles", 0.5) != 0.5:
+                self.lost("lr_scheduler_kwargs", "the decay ends at trainer.min_lr_ratio x lr, after half a cosine")
+            elif schedule == "cosine_with_min_lr" and "min_lr_rate" not in kwargs:
+                self.lost("lr_scheduler_type", "the decay ends at a share of lr: set trainer.min_lr_ratio")
+        elif schedule not in ("constant", "constant_with_warmup"):
+            self.lost("lr_scheduler_type", "the learning rate is constant, or decays linearly or by a cosine")
         if g("optim") not in ADAMW:
             self.lost("optim", "the optimizer is AdamW")
         if g("output_dir"):

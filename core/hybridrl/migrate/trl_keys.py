@@ -115,7 +115,7 @@ LOST = {
     "adam_beta1": (0.9, "AdamW keeps torch's betas (0.9, 0.999)"),
     "adam_beta2": (0.999, "AdamW keeps torch's betas (0.9, 0.999)"),
     "adam_epsilon": (1e-8, "AdamW keeps torch's eps (1e-8)"),
-    "lr_scheduler_kwargs": (None, "the learning rate is constant after the warm-up"),
+    "lr_scheduler_kwargs": (None, "read with lr_scheduler_type: min_lr_rate (trainer.min_lr_ratio)"),
     "resume_from_checkpoint": (None, "resume reads the newest checkpoint of trainer.run_dir (--resume)"),
     "push_to_hub": (False, "'hybridrl export' writes a Hugging Face folder to push"),
     "dataset_streaming": (False, "the data is read as a whole"),

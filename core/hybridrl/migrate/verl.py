@@ -319,8 +319,14 @@ class VerlTranslation(VerlAlgorithm):
         elif ratio > 0:
             self.lost(f"{A}.optim.lr_warmup_steps_ratio", "a ratio of unknown steps: set trainer.warmup_steps")
         schedule = g(f"{A}.optim.warmup_style") or g(f"{A}.optim.lr_scheduler_type")
-        if schedule != "constant":
-            self.lost(f"{A}.optim.lr_scheduler_type", "the learning rate is constant after the warm-up")
+        if schedule == "cosine":  # verl's cosine: down to min_lr_ratio x lr, num_cycles 0.5 (half a cosine)
+            out["lr_schedule"], out["min_lr_ratio"] = "cosine", float(g(f"{A}.optim.min_lr_ratio", 0.0) or 0.0)
+            if float(g(f"{A}.optim.num_cycles", 0.5)) != 0.5:
+                self.lost(f"{A}.optim.num_cycles", "the cosine decays once, over half a period")
+        elif schedule != "constant":
+            self.lost(
+                f"{A}.optim.lr_scheduler_type", "the learning rate is constant, or decays linearly or by a cosine"
+            )
         if list(g(f"{A}.optim.betas")) != [0.9, 0.999]:
             self.lost(f"{A}.optim.betas", "AdamW keeps torch's betas (0.9, 0.999)")
         if str(g(f"{A}.optim.optimizer")).lower() != "adamw":

@@ -22,6 +22,11 @@ LOCAL_LOGGERS = {"console", "jsonl", "tensorboard"}  # answers and ratings stay 
 
 def check_config(cfg) -> None:
     """What ``hybridrl serve`` needs of a run config, said before any model loads."""
+    if cfg.trainer.lr_schedule != "constant":
+        raise ConfigError(
+            "hybridrl serve trains for as long as it serves: set trainer.lr_schedule: constant "
+            f"(a {cfg.trainer.lr_schedule} decay needs a last step; trainer.warmup_steps still applies)."
+        )
     if [r.function for r in cfg.rewards] != ["user_rating"]:
         raise ConfigError(
             "hybridrl serve trains on users' ratings: set rewards: [{function: user_rating}] "
