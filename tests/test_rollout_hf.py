@@ -190,7 +190,7 @@ def test_compacted_decoding_gives_the_same_greedy_responses(untied_model, tmp_pa
 
 
 def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_path):
-    """compile 'on' on the CPU: each loop of fewer rows compiles its own step, and the greedy
+    """compile 'on' on the CPU: the loops of fewer rows take the compiled step too, and the greedy
     responses are those of the eager loop that keeps every row (the call of 64 rows goes down to
     8 and 4)."""
     eager = untied_engine(untied_model, tmp_path, compact_rows=False)
@@ -199,6 +199,31 @@ def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_p
     sp = SamplingParams(n=1, max_tokens=48, seed=0, top_k=1)
     assert_same_rollout(compiled.generate(p, sp), eager.generate(p, sp))
     assert sorted(compiled._loop_state.smaller) == [4, 8] and compiled._compiled_step is not None
+
+
+def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(untied_model, tmp_path):
+    """One compiled step serves the loops of every row count (rows and cache length dynamic) and
+    calls of shorter prompts (padded to the widest so far, from the data's longest): a run whose
+    response and prompt lengths vary compiles once, not at the step where a new shape first
+    appears. The time it took is reported (hf/compile_s); the responses are the eager loop's."""
+    from torch._dynamo.utils import counters
+
+    tok = load_tokenizer(untied_model)
+    long = [("x" * 70) + m for m in MANY]
+    width = max(len(p) for p in prompts(tok, long))
+    cls = plugins.lookup("rollout engine", "hf")
+    ctx = RunContext(untied_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path, prompt_tokens=width)
+    compiled = cls(cls.Options(cache="static", compile="on", batch_size=32), ctx)
+    eager = untied_engine(untied_model, tmp_path, compact_rows=False)
+    compiled.eos_ids = set(range(3, 30))
+    sp = SamplingParams(n=1, max_tokens=48, seed=0, top_k=1)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    for texts in (MANY, long, MANY[:20], long):  # rows 32 down to 2; two prompt buckets; a short call
+        assert_same_rollout(compiled.generate(prompts(tok, texts), sp), eager.generate(prompts(tok, texts), sp))
+    assert sorted(compiled._loop_state.smaller) == [2, 4]  # the compacted loops ran
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert compiled.metrics()["hf/compile_s"] > 0
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class RunContext:
     trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
     dropout: bool = False  # model.dropout: keep dropout active in the models that train
     response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
+    prompt_tokens: int | None = None  # the longest prompt of the data (its first 256 rows), for engines' buffers
     responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
     passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
 

@@ -83,6 +83,7 @@ class TrainerSetup:
         for i in range(min(len(self.data), 256)):
             longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
         check_context(model_config, longest, cfg.rollout.max_tokens)
+        self.ctx = dataclasses.replace(self.ctx, prompt_tokens=longest)
         self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)  # data.eval, checked
         # created the owner's alone (configs, logs, samples, checkpoints); by every rank at once under torchrun
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

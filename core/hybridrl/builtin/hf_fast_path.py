@@ -180,6 +180,20 @@ class DecodeState:
             getattr(self, name).copy_(getattr(other, name)[rows])
         self.at.copy_(other.at)
 
+    def mark_dynamic(self) -> None:
+        """Rows and cache length as dynamic dimensions for torch.compile (once the cache is filled), so
+        that one compiled step serves the loops of every row count: a loop of fewer rows (compact_rows)
+        or a call of another size then costs a CUDA graph capture, not a compilation."""
+        mark = torch._dynamo.maybe_mark_dynamic
+        for t in (self.tokens, self.logprobs, self.done, self.token, self.full, self.next_pos):
+            mark(t, 0)
+        mark(self.full, 1)
+        for layer in self.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    mark(t, 0)
+                    mark(t, 2)
+
     def can_move(self) -> bool:
         """Whether :meth:`take` knows this loop's cache: transformers' static layers, filled."""
         return all(

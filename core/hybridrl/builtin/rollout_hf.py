@@ -36,10 +36,12 @@ between 5.x releases.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
+from torch._dynamo.utils import counters
 
 from hybridrl.builtin.hf_fast_path import DecodeState, fuse_projections, use_grouped_decode_attention
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
@@ -192,6 +194,10 @@ class HFEngine(RolloutEngine):
         self._loop_key, self._loop_state = None, None
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
+        # compiled decoding pads every call's prompts to the widest bucket so far, from the data's longest
+        # prompt on: a cache of one length, so a call of shorter prompts compiles nothing new
+        self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self.compile else 0
+        self._compile_s = 0.0  # seconds of decoding calls that compiled a step, this run
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
@@ -214,7 +220,8 @@ class HFEngine(RolloutEngine):
 
     def _generate(self, prompts, sampling):
         m = self.pad_multiple
-        P = -(-max(len(p) for p in prompts) // m) * m
+        P = max(-(-max(len(p) for p in prompts) // m) * m, self._width)
+        self._width = P if self.compile else 0
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
@@ -305,8 +312,8 @@ class HFEngine(RolloutEngine):
             self._is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
             self._is_end[sorted(self.eos_ids)] = True
         if self.compile and self._compiled_step is None:
-            allow_recompiles()  # a static graph for each row count (compact_rows) and sampling setting
-            self._compiled_step = torch.compile(self._step, dynamic=False)  # CUDA graphs: _run_steps
+            allow_recompiles()  # a graph for each prompt width and sampling setting
+            self._compiled_step = torch.compile(self._step)  # rows dynamic (mark_dynamic); CUDA graphs: _run_steps
 
         inputs = model.prepare_inputs_for_generation(
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
@@ -365,8 +372,13 @@ class HFEngine(RolloutEngine):
         key = (steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         graphs = loop.graphs if self.compile and self.graph_tokens and loop.pool is not None else None
         if graphs is None or key not in graphs:
+            if self.compile:
+                loop.mark_dynamic()
+            graphs_before, start = counters["stats"]["unique_graphs"], time.perf_counter()
             for _ in range(steps):
                 step(loop, sampling, warpers)
+            if counters["stats"]["unique_graphs"] > graphs_before:  # this run of steps compiled one
+                self._compile_s += time.perf_counter() - start
             if graphs is not None:
                 graphs[key] = None
             return
@@ -458,7 +470,8 @@ class HFEngine(RolloutEngine):
         step's calls, over what it would have without ``compact_rows`` (1: nothing saved)."""
         decoded, whole = self._row_steps
         self._row_steps = [0, 0]
-        return {"hf/decoded_row_fraction": decoded / whole} if whole else {}
+        out = {"hf/compile_s": self._compile_s} if self.compile else {}  # the run's, so far
+        return out | ({"hf/decoded_row_fraction": decoded / whole} if whole else {})
 
     @torch.no_grad()
     def update_weights(self, named_tensors):
