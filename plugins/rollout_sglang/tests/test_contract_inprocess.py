@@ -7,12 +7,13 @@ requests, bucketed in-place updates, and the release/resume cycle around trainin
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from hybridrl_rollout_sglang.backends import SGLangUnavailableError, engine_kwargs
 
-from hybridrl.components import SamplingParams
+from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm
 
@@ -74,9 +75,7 @@ def test_engine_arguments_follow_the_options(make_engine, sglang_module, tiny_mo
 def test_engine_kwargs_may_not_override_what_the_plugin_sets(make_engine):
     from hybridrl_rollout_sglang import SGLangEngine
 
-    class Ctx:
-        model_path, seed, device, trust_remote_code = "/m", 0, torch.device("cuda:1"), False
-        world_size, local_rank = 1, 0
+    Ctx = RunContext("/m", None, torch.device("cuda:1"), torch.float32, 0, Path("/unused"))  # noqa: N806
 
     options = SGLangEngine.Options(engine_kwargs={"enable_deterministic_inference": True})
     assert engine_kwargs(options, Ctx)["base_gpu_id"] == 1  # colocated with the policy's GPU
