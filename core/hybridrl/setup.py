@@ -178,6 +178,7 @@ class TrainerSetup:
             trust_remote_code=cfg.model.trust_remote_code,
             dropout=cfg.model.dropout,
             response_tokens=cfg.rollout.max_tokens,
+            steps=t.steps,
             responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
         )
 

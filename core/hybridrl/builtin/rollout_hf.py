@@ -43,7 +43,15 @@ import torch
 from pydantic import Field, model_validator
 from torch._dynamo.utils import counters
 
-from hybridrl.builtin.hf_fast_path import DecodeState, fuse_projections, use_grouped_decode_attention
+from hybridrl.builtin.hf_fast_path import (
+    COMPILE_PAYS_TOKENS,
+    GPU_MIN_ROWS,
+    DecodeState,
+    compacted_rows,
+    compile_pays,
+    fuse_projections,
+    use_grouped_decode_attention,
+)
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
@@ -52,20 +60,6 @@ from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
-# compact_rows: a loop keeps at least a sixteenth of a call's rows, and on a GPU at least 64: there
-# a decoding step of 64 rows of the 0.5B shape took as long as one of fewer (H200), so a smaller
-# loop would only add a compiled step and its CUDA graphs
-COMPACT_FRACTION, GPU_MIN_ROWS = 16, 64
-
-
-def compacted_rows(rows: int, running: int, call_rows: int, floor: int) -> int:
-    """The rows of the loop to go on in when ``running`` rows of a loop of ``rows`` have not ended,
-    in a call of ``call_rows``: halved while the running rows fill at most half, and not below
-    ``call_rows`` / 16 or ``floor``; ``rows`` itself to stay."""
-    least = max(1, call_rows // COMPACT_FRACTION, floor)
-    while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= least:
-        rows //= 2
-    return rows
 
 
 class _LogprobRecorder:
@@ -124,16 +118,18 @@ class HFEngine(RolloutEngine):
             "auto",
             description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
             "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
-            "on CUDA, off elsewhere. The first steps are slower while it compiles.",
+            "on CUDA when the run plans at least a million response tokens (trainer.steps x responses x "
+            "max_tokens: what it takes to pay back about a minute of compiling), off elsewhere. It compiles once "
+            "(rows and prompt widths share the compiled step); the first step is slower while it does.",
         )
         compact_rows: bool = Field(
             True,
             description="Static cache: at each check of ended sequences (every graph_tokens tokens), once at "
             "least half of a call's rows have ended, move the rows still running to a loop of half as many "
             "rows (down to a sixteenth of the call's, and on a GPU to 64), so that decoding steps stop "
-            "computing finished ones. "
-            "Each row count keeps its own cache and compiled graphs. The logprobs are exact either way; the "
-            "random draws fall to other rows, so the samples differ from generate's for the same seed. "
+            "computing finished ones. Each row count keeps its own cache and CUDA graphs (the compiled step is "
+            "shared). The logprobs are exact either way; the random draws fall to other rows, so the samples "
+            "differ from generate's for the same seed. "
             "false: every row runs until the last one ends.",
         )
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -173,7 +169,15 @@ class HFEngine(RolloutEngine):
         super().__init__(options, ctx)
         o, cuda = options, ctx.device.type == "cuda"
         self.static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
-        self.compile = self.static and (o.compile == "on" or (o.compile == "auto" and cuda))
+        pays = compile_pays(ctx)
+        self.compile = self.static and (o.compile == "on" or (o.compile == "auto" and cuda and pays))
+        if o.compile == "auto" and cuda and self.static and not pays and ctx.is_main:
+            print(
+                "rollout engine 'hf': compile auto: off, as the run's planned response tokens (trainer.steps x "
+                f"responses x rollout.max_tokens) would not pay back its compilation (about {COMPILE_PAYS_TOKENS:,}); "
+                "set rollout.compile: on to compile anyway",
+                flush=True,
+            )
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
         self.model = load_causal_lm(ctx.model_path, dtype, ctx.device, ctx.trust_remote_code).eval()

@@ -310,23 +310,7 @@ class VerlTranslation(VerlAlgorithm):
         steps = self.steps(prompts)
         if steps:
             out["steps"] = steps
-        warmup = int(g(f"{A}.optim.lr_warmup_steps") or -1)
-        ratio = float(g(f"{A}.optim.lr_warmup_steps_ratio"))
-        if warmup > 0:
-            out["warmup_steps"] = warmup
-        elif ratio > 0 and steps:
-            out["warmup_steps"] = int(ratio * steps)
-        elif ratio > 0:
-            self.lost(f"{A}.optim.lr_warmup_steps_ratio", "a ratio of unknown steps: set trainer.warmup_steps")
-        schedule = g(f"{A}.optim.warmup_style") or g(f"{A}.optim.lr_scheduler_type")
-        if schedule == "cosine":  # verl's cosine: down to min_lr_ratio x lr, num_cycles 0.5 (half a cosine)
-            out["lr_schedule"], out["min_lr_ratio"] = "cosine", float(g(f"{A}.optim.min_lr_ratio", 0.0) or 0.0)
-            if float(g(f"{A}.optim.num_cycles", 0.5)) != 0.5:
-                self.lost(f"{A}.optim.num_cycles", "the cosine decays once, over half a period")
-        elif schedule != "constant":
-            self.lost(
-                f"{A}.optim.lr_scheduler_type", "the learning rate is constant, or decays linearly or by a cosine"
-            )
+        out |= self.schedule(steps)
         if list(g(f"{A}.optim.betas")) != [0.9, 0.999]:
             self.lost(f"{A}.optim.betas", "AdamW keeps torch's betas (0.9, 0.999)")
         if str(g(f"{A}.optim.optimizer")).lower() != "adamw":
@@ -349,6 +333,28 @@ class VerlTranslation(VerlAlgorithm):
             self.lost("trainer.device", "devices: cuda or cpu (trainer.device auto)")
         out["timeout_s"] = float(g("actor_rollout_ref.nccl_timeout"))
         self.out["trainer"] = out
+
+    def schedule(self, steps: int | None) -> dict[str, Any]:
+        """The actor's learning rate: its warm-up and what follows it."""
+        g, out = self.src.get, {}
+        warmup = int(g(f"{A}.optim.lr_warmup_steps") or -1)
+        ratio = float(g(f"{A}.optim.lr_warmup_steps_ratio"))
+        if warmup > 0:
+            out["warmup_steps"] = warmup
+        elif ratio > 0 and steps:
+            out["warmup_steps"] = int(ratio * steps)
+        elif ratio > 0:
+            self.lost(f"{A}.optim.lr_warmup_steps_ratio", "a ratio of unknown steps: set trainer.warmup_steps")
+        schedule = g(f"{A}.optim.warmup_style") or g(f"{A}.optim.lr_scheduler_type")
+        if schedule == "cosine":  # verl's cosine: down to min_lr_ratio x lr, num_cycles 0.5 (half a cosine)
+            out["lr_schedule"], out["min_lr_ratio"] = "cosine", float(g(f"{A}.optim.min_lr_ratio", 0.0) or 0.0)
+            if float(g(f"{A}.optim.num_cycles", 0.5)) != 0.5:
+                self.lost(f"{A}.optim.num_cycles", "the cosine decays once, over half a period")
+        elif schedule != "constant":
+            self.lost(
+                f"{A}.optim.lr_scheduler_type", "the learning rate is constant, or decays linearly or by a cosine"
+            )
+        return out
 
     def steps(self, prompts: int) -> int | None:
         g = self.src.get
