@@ -226,6 +226,19 @@ def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(un
     assert compiled.metrics()["hf/compile_s"] > 0
 
 
+def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):
+    """On CUDA, compile auto compiles decoding when the run plans a million response tokens or more:
+    a 40-step run of 256 responses of up to 32 tokens (328k) stays eager, as measured faster end to
+    end on an H200 (BENCHMARKS.md); 200 such steps, or a run with no planned end, compile."""
+    from hybridrl.builtin.hf_fast_path import compile_pays
+
+    def ctx(steps):
+        return RunContext("", None, torch.device("cuda"), torch.float32, 0, tmp_path, response_tokens=32,
+                          responses_per_call=256, steps=steps)  # fmt: skip
+
+    assert not compile_pays(ctx(40)) and compile_pays(ctx(200)) and compile_pays(ctx(None))
+
+
 @pytest.mark.parametrize(
     "rows, running, call_rows, floor, want",
     [
