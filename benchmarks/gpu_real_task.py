@@ -15,7 +15,8 @@ KL k3 0.01, lr 1e-5 constant after 2 warm-up steps, 40 steps; a held-out set of 
 evaluated greedily before the first step and after the last.
 
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
-GPU a compiled decoding loop) and ``hf-eager`` (``rollout.compile: off``, the baseline: it never
+GPU the static cache, and compiled decoding when the run plans a million response tokens),
+``hf-compiled`` (``rollout.compile: on``) and ``hf-eager`` (``rollout.compile: off``: it never
 compiles); ``vllm`` when the vllm plugin and vLLM are importable. Per side: wall-clock from the
 process's start (setup included), step time percentiles, the slowest step after the first against
 the median of the steps around it (a stall: a step that compiles again), ``hf/compile_s``, the
@@ -60,7 +61,12 @@ def prepare(folder: Path, rows: int = 4000, eval_rows: int = 128) -> None:
 
 
 def config(args, side: str, run_dir: Path) -> dict:
-    engine = {"hf": {"engine": "hf"}, "hf-eager": {"engine": "hf", "compile": "off"}, "vllm": {"engine": "vllm"}}
+    engine = {
+        "hf": {"engine": "hf"},
+        "hf-compiled": {"engine": "hf", "compile": "on"},
+        "hf-eager": {"engine": "hf", "compile": "off"},
+        "vllm": {"engine": "vllm"},
+    }
     model = {"path": args.model, "dtype": "float32"} | ({"gguf_file": args.gguf} if args.gguf else {})
     return {
         "model": model,

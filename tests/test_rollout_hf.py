@@ -116,7 +116,7 @@ def test_a_one_token_call_keeps_the_rollouts_decoding_state(make_engine):
 
 def test_compiled_decoding_equals_eager(make_engine):
     """compile 'on' on the CPU (inductor, no CUDA graphs); a short last chunk is filled up."""
-    eager, compiled = make_engine(batch_size=2), make_engine(batch_size=2, compile="on")
+    eager, compiled = make_engine(batch_size=2), make_engine(batch_size=2, compile="on", compile_after=1)
     assert compiled.static and compiled.compile
     p = prompts(eager.tokenizer, TEXTS)  # 3 prompts in chunks of 2: the second is filled with a copy
     sp = SamplingParams(n=2, max_tokens=16, top_k=1, seed=0)
@@ -194,7 +194,7 @@ def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_p
     responses are those of the eager loop that keeps every row (the call of 64 rows goes down to
     8 and 4)."""
     eager = untied_engine(untied_model, tmp_path, compact_rows=False)
-    compiled = untied_engine(untied_model, tmp_path, compile="on")
+    compiled = untied_engine(untied_model, tmp_path, compile="on", compile_after=1)
     p = prompts(eager.tokenizer, MANY)
     sp = SamplingParams(n=1, max_tokens=48, seed=0, top_k=1)
     assert_same_rollout(compiled.generate(p, sp), eager.generate(p, sp))
@@ -213,7 +213,7 @@ def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(un
     width = max(len(p) for p in prompts(tok, long))
     cls = plugins.lookup("rollout engine", "hf")
     ctx = RunContext(untied_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path, prompt_tokens=width)
-    compiled = cls(cls.Options(cache="static", compile="on", batch_size=32), ctx)
+    compiled = cls(cls.Options(cache="static", compile="on", batch_size=32, compile_after=1), ctx)
     eager = untied_engine(untied_model, tmp_path, compact_rows=False)
     compiled.eos_ids = set(range(3, 30))
     sp = SamplingParams(n=1, max_tokens=48, seed=0, top_k=1)
@@ -224,6 +224,26 @@ def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(un
     assert sorted(compiled._loop_state.smaller) == [2, 4]  # the compacted loops ran
     assert counters["stats"]["unique_graphs"] - before == 1
     assert compiled.metrics()["hf/compile_s"] > 0
+
+
+def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
+    """compile_after (3): a setting used once or twice (an evaluation's greedy decoding before and after
+    training) decodes eagerly and compiles nothing; the training's compiles at its third call. The
+    responses are the eager loop's every time."""
+    from torch._dynamo.utils import counters
+
+    compiled = untied_engine(untied_model, tmp_path, compile="on")
+    eager = untied_engine(untied_model, tmp_path, compact_rows=False)
+    p = prompts(compiled.tokenizer, MANY[:16])
+    greedy = SamplingParams(n=1, max_tokens=24, top_k=1)
+    training = SamplingParams(n=1, max_tokens=24, top_k=1, temperature=0.7, seed=0)  # another setting, exact tokens
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    graphs = []
+    for sampling in (greedy, training, training, greedy, training):
+        assert_same_rollout(compiled.generate(p, sampling), eager.generate(p, sampling))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs == [0, 0, 0, 0, 1]  # only the training setting's third call compiled
 
 
 def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):

@@ -232,3 +232,15 @@ class DecodeState:
             and all(hasattr(layer, a) for a in ("keys", "values", "cumulative_length", "lazy_initialization"))
             for layer in getattr(self.cache, "layers", [None])
         )
+
+
+def stopped_rows(tokenizer, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]) -> torch.Tensor:
+    """(B,) rows not yet done whose text so far (``tokens``, (B, t)) holds a stop string. Rows go on
+    sampling until this check sees them (the same random draws as ``generate``, which samples for
+    finished rows too); what follows the stop string is cut off after decoding."""
+    rows = (~done).nonzero().flatten().tolist()
+    texts = tokenizer.batch_decode(tokens[rows].tolist()) if rows else []
+    hit = [i for i, text in zip(rows, texts) if any(s in text for s in stops)]
+    stopped = torch.zeros_like(done)
+    stopped[hit] = True
+    return stopped

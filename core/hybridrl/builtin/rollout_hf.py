@@ -50,6 +50,7 @@ from hybridrl.builtin.hf_fast_path import (
     compacted_rows,
     compile_pays,
     fuse_projections,
+    stopped_rows,
     use_grouped_decode_attention,
 )
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
@@ -144,6 +145,13 @@ class HFEngine(RolloutEngine):
             "matrix multiplication each in the engine's copy (fewer, wider kernels per decoding step). "
             "'auto': on with the static cache.",
         )
+        compile_after: int = Field(
+            3,
+            ge=1,
+            description="Compiled decoding: a sampling setting decodes eagerly for its first calls and is compiled "
+            "at this one, so that settings used once or twice (an evaluation's greedy decoding, before training "
+            "and after) cost no compilation; the training's compiles at step 3. 1: at once.",
+        )
         graph_tokens: int = Field(
             FINISHED_CHECK_EVERY,
             ge=0,
@@ -202,6 +210,7 @@ class HFEngine(RolloutEngine):
         # prompt on: a cache of one length, so a call of shorter prompts compiles nothing new
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self.compile else 0
         self._compile_s = 0.0  # seconds of decoding calls that compiled a step, this run
+        self._uses: dict[tuple, int] = {}  # decoding calls of each sampling setting (compile_after)
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
@@ -325,17 +334,21 @@ class HFEngine(RolloutEngine):
         )  # fmt: skip
         token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
+        setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
+        self._uses[setting] = self._uses.get(setting, 0) + 1
+        compiled = self.compile and self._uses[setting] >= self.options.compile_after
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
         while recorded < T:
             steps = min(every - recorded % every, T - recorded)
-            self._run_steps(loop, steps, sampling, warpers)
+            self._run_steps(loop, steps, sampling, warpers, compiled)
             recorded += steps
             self._row_steps[0] += loop.rows * steps
             if ends and recorded % every == 0:
                 if sampling.stop:
-                    loop.done.logical_or_(self._stopped(loop.tokens[:, :recorded], loop.done, sampling.stop))
+                    hit = stopped_rows(self.tokenizer, loop.tokens[:, :recorded], loop.done, sampling.stop)
+                    loop.done.logical_or_(hit)
                 running = int((~loop.done).sum())
                 if running == 0:
                     break
@@ -367,16 +380,16 @@ class HFEngine(RolloutEngine):
         smaller.take(loop, order)
         return smaller, order
 
-    def _run_steps(self, loop, steps, sampling, warpers):
+    def _run_steps(self, loop, steps, sampling, warpers, compiled: bool):
         """``steps`` decoding steps. On CUDA with compile (and ``graph_tokens``), the first run of a
         number of steps and sampling settings runs them as they are (which compiles the step), the
         second captures them as one CUDA graph, and every run from then on replays it: the host
         launches one graph instead of each step's kernels, and keeps no per-step bookkeeping."""
-        step = self._compiled_step if self.compile else self._step
+        step = self._compiled_step if compiled else self._step
         key = (steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
-        graphs = loop.graphs if self.compile and self.graph_tokens and loop.pool is not None else None
+        graphs = loop.graphs if compiled and self.graph_tokens and loop.pool is not None else None
         if graphs is None or key not in graphs:
-            if self.compile:
+            if compiled:
                 loop.mark_dynamic()
             graphs_before, start = counters["stats"]["unique_graphs"], time.perf_counter()
             for _ in range(steps):
@@ -393,17 +406,6 @@ class HFEngine(RolloutEngine):
                     step(loop, sampling, warpers)
             graphs[key] = graph
         graphs[key].replay()
-
-    def _stopped(self, tokens, done, stops):
-        """Rows not yet done whose text so far holds a stop string. Rows go on sampling until this
-        check sees them (the same random draws as ``generate``, which samples for finished rows too);
-        what follows the stop string is cut off after decoding."""
-        rows = (~done).nonzero().flatten().tolist()
-        texts = self.tokenizer.batch_decode(tokens[rows].tolist()) if rows else []
-        hit = [i for i, text in zip(rows, texts) if any(s in text for s in stops)]
-        stopped = torch.zeros_like(done)
-        stopped[hit] = True
-        return stopped
 
     def _loop(self, batch, prompt, tokens, device) -> DecodeState:
         """The loop state of this shape, kept for the next call of the same shape (its captured graphs
