@@ -8,7 +8,7 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped_decode_attention
 from hybridrl.builtin.rollout_hf import compacted_rows
-from hybridrl.components import RunContext, SamplingParams
+from hybridrl.components import RunContext, Sampling, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
@@ -244,6 +244,16 @@ def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
         assert_same_rollout(compiled.generate(p, sampling), eager.generate(p, sampling))
         graphs.append(counters["stats"]["unique_graphs"] - before)
     assert graphs == [0, 0, 0, 0, 1]  # only the training setting's third call compiled
+    # the run's own setting (RunContext.sampling: the rollout section's) compiles at its first call
+    cls = plugins.lookup("rollout engine", "hf")
+    ctx = RunContext(untied_model, compiled.tokenizer, torch.device("cpu"), torch.float32, 0, tmp_path,
+                     sampling=Sampling(n=1, max_tokens=24, top_k=1, temperature=0.7))  # fmt: skip
+    run = cls(cls.Options(cache="static", compile="on"), ctx)
+    run.eos_ids = compiled.eos_ids
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    assert_same_rollout(run.generate(p, training), eager.generate(p, training))
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):

@@ -61,6 +61,7 @@ class RunContext:
     response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
     prompt_tokens: int | None = None  # the longest prompt of the data (its first 256 rows), for engines' buffers
     steps: int | None = None  # the run's RL steps (trainer.steps); None: no planned end
+    sampling: Sampling | None = None  # what the run's rollouts sample with (the rollout section's sampling keys)
     responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
     passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
 

@@ -15,7 +15,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
 from hybridrl.agents import build_agent
-from hybridrl.components import RunContext
+from hybridrl.components import RunContext, Sampling
 from hybridrl.config import check_world
 from hybridrl.config_files import write_config
 from hybridrl.devices import resolve_device
@@ -179,6 +179,7 @@ class TrainerSetup:
             dropout=cfg.model.dropout,
             response_tokens=cfg.rollout.max_tokens,
             steps=t.steps,
+            sampling=Sampling(**cfg.rollout.model_dump(include=set(Sampling.model_fields))),
             responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
         )
 

@@ -148,9 +148,10 @@ class HFEngine(RolloutEngine):
         compile_after: int = Field(
             3,
             ge=1,
-            description="Compiled decoding: a sampling setting decodes eagerly for its first calls and is compiled "
-            "at this one, so that settings used once or twice (an evaluation's greedy decoding, before training "
-            "and after) cost no compilation; the training's compiles at step 3. 1: at once.",
+            description="Compiled decoding: the run's own sampling setting (the rollout section's) compiles at its "
+            "first call; any other decodes eagerly for its first calls and is compiled at this one, so that "
+            "settings used once or twice (an evaluation's greedy decoding before and after training) cost no "
+            "compilation. 1: every setting at once.",
         )
         graph_tokens: int = Field(
             FINISHED_CHECK_EVERY,
@@ -211,6 +212,8 @@ class HFEngine(RolloutEngine):
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self.compile else 0
         self._compile_s = 0.0  # seconds of decoding calls that compiled a step, this run
         self._uses: dict[tuple, int] = {}  # decoding calls of each sampling setting (compile_after)
+        s = ctx.sampling  # the run's own setting compiles at its first call
+        self._run_setting = (s.temperature, s.top_k, s.top_p, s.ignore_eos) if s is not None else None
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}
 
@@ -336,7 +339,7 @@ class HFEngine(RolloutEngine):
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
-        compiled = self.compile and self._uses[setting] >= self.options.compile_after
+        compiled = self.compile and (setting == self._run_setting or self._uses[setting] >= self.options.compile_after)
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
