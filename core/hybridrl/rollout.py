@@ -3,6 +3,8 @@ through the run's engine session (:mod:`hybridrl.session`)."""
 
 from __future__ import annotations
 
+import functools
+
 from hybridrl import distributed
 from hybridrl.batch import Batch
 from hybridrl.components import SamplingParams
@@ -18,8 +20,9 @@ class RolloutStage:
         self.agent = agent  # a hybridrl.agents.AgentLoop with rollout.agent: multi-turn trajectories
         self.tools = agent.tools if agent is not None else None
 
+    @functools.cached_property
     def probe_prompt(self) -> list[int]:
-        """The sync check's prompt: the prompt source's first row."""
+        """The sync check's prompt: the prompt source's first row, encoded once."""
         return encode_prompt(self.data[0], self.config.data, self.tokenizer, self.tools)[0]
 
     def generate(self, step: int, round_: int = 0) -> Batch:

@@ -214,7 +214,7 @@ class Trainer(TrainerSetup):
     @property
     def probe_prompt(self) -> list[int]:
         """The sync check's prompt (:class:`hybridrl.session.SyncCheck`)."""
-        return self.rollout.probe_prompt()
+        return self.rollout.probe_prompt
 
     def probe_logprobs(self, probe: Batch) -> torch.Tensor:
         """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""
