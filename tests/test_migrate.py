@@ -15,7 +15,7 @@ from hybridrl import plugins
 from hybridrl.config import load_config
 from hybridrl.errors import ConfigError
 from hybridrl.migrate import translate
-from hybridrl.migrate.common import apply_items, has_eval, parse_value
+from hybridrl.migrate.common import apply_items, parse_value
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
 GSM8K_TRAIN_ROWS = 7473  # openai/gsm8k's train split, as verl's examples/data_preprocess/gsm8k.py writes it
@@ -70,12 +70,9 @@ def test_verl_quickstart_ppo_translates_with_its_units():
     assert cfg.rewards[0].function == "answer_match" and cfg.rewards[0].options.pattern.startswith("####")
     assert cfg.sharding.strategy == "single" and cfg.logging.loggers == ["console", "jsonl"]
     # verl's validation: the test file every test_freq steps and at the last step, not before (val_before_train)
-    if has_eval():
-        assert cfg.data.eval[0].name == "val" and cfg.data.eval[0].greedy  # verl validates greedily
-        assert cfg.data.eval[0].options.path == os.path.expandvars("$HOME/data/gsm8k/test.parquet")
-        assert (tr.eval_every, tr.eval_before_train, tr.eval_after_train) == (10, False, True)
-    else:
-        assert "evaluation" in notes(t, "lost")["data.val_files / trainer.test_freq"]
+    assert cfg.data.eval[0].name == "val" and cfg.data.eval[0].greedy  # verl validates greedily
+    assert cfg.data.eval[0].options.path == os.path.expandvars("$HOME/data/gsm8k/test.parquet")
+    assert (tr.eval_every, tr.eval_before_train, tr.eval_after_train) == (10, False, True)
     # what has no effect is listed with its reason
     ignored = notes(t, "ignored")
     assert "use_kl_in_reward" in ignored["algorithm.kl_ctrl.kl_coef"]  # current verl applies it only then
@@ -113,10 +110,7 @@ def test_verl_grpo_yaml_on_eight_gpus():
     assert cfg.logging._options["wandb"].name == "qwen2_7b_function_rm"
     lost = notes(t, "lost")
     assert "filter the data" in lost["data.filter_overlong_prompts"]
-    if has_eval():
-        assert (cfg.trainer.eval_every, cfg.trainer.eval_before_train) == (5, True)  # val_before_train's default
-    else:
-        assert "data.val_files / trainer.test_freq" in lost
+    assert (cfg.trainer.eval_every, cfg.trainer.eval_before_train) == (5, True)  # val_before_train's default
     assert "actor_rollout_ref.ref.fsdp_config.param_offload" in notes(t, "ignored")
     assert not t.report.of("unknown")
 
@@ -370,9 +364,6 @@ def test_trl_evaluation():
     items += ["eval_strategy=steps", "eval_steps=20", "num_generations_eval=4"]
     t = translate("trl", items)
     cfg = validate(t.config)
-    if not has_eval():
-        assert "eval_strategy" in notes(t, "lost")
-        return
     (s,) = cfg.data.eval
     assert (s.name, s.options.path, s.options.split, s.greedy, s.n) == ("test", "d", "test", False, 4)
     assert cfg.trainer.eval_every == 10  # 20 optimizer steps, 2 per generation batch

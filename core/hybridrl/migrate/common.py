@@ -307,13 +307,6 @@ def _matches(key: str, pattern: str) -> bool:
     return key == pattern or key.startswith(pattern + ".")
 
 
-def has_eval() -> bool:
-    """Whether this hybridrl evaluates held-out sets (``data.eval``, ``trainer.eval_every``)."""
-    from hybridrl.config import DataConfig, TrainerConfig
-
-    return "eval" in DataConfig.model_fields and "eval_every" in TrainerConfig.model_fields
-
-
 def set_path(config: dict, key: str, value: Any) -> None:
     """``config[a][b] = value`` for ``key`` 'a.b'."""
     *parents, last = key.split(".")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Source, Translation, has_eval
+from hybridrl.migrate.common import Source, Translation
 from hybridrl.migrate.data_files import count_rows, data_section
 from hybridrl.migrate.verl_algorithm import VerlAlgorithm, expand
 from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, LOST, A, M, R
@@ -407,15 +407,6 @@ class VerlTranslation(VerlAlgorithm):
                 self.lost("trainer.test_freq", "data.val_files is not given: nothing to evaluate")
             return
         files = g("data.val_files")
-        if not has_eval():
-            self.report.add(
-                "lost",
-                "data.val_files / trainer.test_freq",
-                "no evaluation loop in this hybridrl: val/test_score is not computed",
-                {"val_files": files, "test_freq": freq},
-            )
-            src.mark("trainer.val_before_train")
-            return
         files = [expand(f) for f in files] if isinstance(files, list) else expand(files)
         s = {"name": "val", **data_section(files)}
         if int(g("data.val_max_samples", -1)) > 0:
