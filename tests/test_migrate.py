@@ -123,6 +123,29 @@ def test_verl_unknown_and_unsupported_keys_are_listed_not_dropped():
     assert "# Unknown keys (not translated):" in t.yaml() and "made_up_knob=3" in t.yaml()
 
 
+def test_verl_09_reward_section_and_overrides_translate(tmp_path):
+    """verl 0.9 moved the reward function under ``reward.``: the side-by-side benchmark's own verl
+    command (benchmarks/gpu_vs_verl.py) translates with its reward file, attention and file logger."""
+    reward = tmp_path / "score.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    items = [
+        *quickstart_items(),
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.reward_manager.name=naive",
+        "reward.num_workers=8",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "trainer.logger=[console,file]",
+    ]
+    t = translate("verl", items, train_rows=GSM8K_TRAIN_ROWS)
+    assert t.config["rewards"] == [{"function": "python", "path": str(reward), "function_name": "compute_score"}]
+    assert t.config["model"]["attn_implementation"] == "sdpa"
+    assert t.config["logging"]["loggers"] == ["console", "jsonl"]
+    assert not t.report.of("unknown")
+    assert "reward.num_workers" in notes(t, "ignored")
+    validate(t.config)
+
+
 def test_verl_steps_from_total_training_steps_or_said_unknown():
     t = translate("verl", quickstart_items())  # the parquet file is not on this machine
     assert "steps" not in t.config["trainer"]

@@ -22,10 +22,10 @@ from hybridrl.errors import ConfigError
 from hybridrl.migrate.common import Source, Translation
 from hybridrl.migrate.data_files import count_rows, data_section
 from hybridrl.migrate.verl_algorithm import VerlAlgorithm, expand
-from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, LOST, A, M, R
+from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, LOST, MOVED, A, M, R
 
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "hf": "hf"}
-LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard"}
+LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"}
 #: the rule of verl's GSM8K scorer (verl/utils/reward_score/gsm8k.py, strict): the last '#### N'
 GSM8K_PATTERN = r"#### (\-?[0-9\.\,]+)"
 
@@ -33,6 +33,10 @@ GSM8K_PATTERN = r"#### (\-?[0-9\.\,]+)"
 def translate(given: dict[str, Any], train_rows: int | None = None) -> Translation:
     """``given``: verl's settings as dotted keys (YAML flattened, overrides applied);
     ``train_rows``: rows of the training data when known (else counted from local files)."""
+    given = dict(given)
+    for new, old in MOVED.items():  # verl 0.9's place wins over the older one
+        if new in given:
+            given[old] = given.pop(new)
     return VerlTranslation(Source(given, DEFAULTS), train_rows).run()
 
 
@@ -67,6 +71,8 @@ class VerlTranslation(VerlAlgorithm):
         # verl keeps float32 master weights (fsdp_config.model_dtype fp32) and computes in bfloat16
         dtype = str(g(f"{A}.fsdp_config.model_dtype"))
         self.set("model.dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype))
+        if self.src.has(f"{M}.override_config.attn_implementation"):
+            self.set("model.attn_implementation", g(f"{M}.override_config.attn_implementation"))
         rank = int(g(f"{M}.lora_rank"))
         if rank > 0:
             self.set(
@@ -431,7 +437,9 @@ class VerlTranslation(VerlAlgorithm):
         names = [given] if isinstance(given, str) else list(given)
         loggers = [LOGGERS[n] for n in names if n in LOGGERS]
         for other in [n for n in names if n not in LOGGERS]:
-            self.report.add("lost", "trainer.logger", "loggers: console, wandb, tensorboard (and jsonl)", other)
+            self.report.add(
+                "lost", "trainer.logger", "loggers: console, wandb, tensorboard and file (jsonl, always on)", other
+            )
         out: dict[str, Any] = {"loggers": [*dict.fromkeys([*loggers, "jsonl"])]}
         if "wandb" in loggers:
             out["wandb"] = {"project": g("trainer.project_name"), "name": g("trainer.experiment_name")}

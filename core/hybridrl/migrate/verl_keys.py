@@ -134,6 +134,16 @@ DEFAULTS = {
     "actor_rollout_ref.nccl_timeout": 600,
 }
 
+#: where verl 0.9 moved the keys the translator reads (its ``reward`` section): new key: the key above
+MOVED = {
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+}
+
 #: settings with no equivalent: (verl's default, why); reported when the value differs
 LOST = {
     f"{A}.ulysses_sequence_parallel_size": (1, "sequence parallelism (Ulysses) is not available"),
@@ -212,6 +222,9 @@ IGNORED = {
     "transfer_queue": MACHINERY,
     "ray_kwargs": MACHINERY,
     "reward_manager": MACHINERY,
+    "reward.num_workers": MACHINERY,
+    "reward.reward_manager.source": MACHINERY,
+    "reward.sandbox_fusion": UNUSED,
     "actor_rollout_ref.hybrid_engine": "the engine always shares the policy's GPUs (hybrid engine)",
     f"{R}.mode": MACHINERY,
     f"{R}.agent": MACHINERY,
