@@ -57,6 +57,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SIDES = ["trl-hf", "hybridrl-hf", "hybridrl-vllm", "trl-vllm"]
 LONG_TAIL_LR = 1e-9  # the default --lr with long-tail lengths
+# KL loss k3 with beta 0.04 against a reference on both; ppo (hybridrl sides only): GAE with a critic
+ALGORITHMS = {
+    "grpo": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
+    "ppo": {"name": "ppo", "use_kl_loss": True, "kl_loss_coef": 0.04, "kl_loss_type": "k3", "critic": True},
+}
 
 
 # -- hybridrl ------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         "data": {"source": "bench_prompts", "chat_template": False, "answer_column": None},
         "rollout": rollout,
         "rewards": [{"function": "even_bytes"}],
-        "algorithm": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
+        "algorithm": ALGORITHMS[args.algorithm],
         "sharding": {"strategy": "single", **json.loads(args.sharding)},
         "trainer": {
             "steps": args.warmup + args.steps,
@@ -282,6 +287,8 @@ def run_trl(args, vllm: bool, result: dict) -> None:
     from trl import GRPOTrainer
 
     result["versions"]["trl"] = trl.__version__
+    if args.algorithm != "grpo":
+        raise SystemExit(f"TRL's GRPOTrainer runs --algorithm grpo only, not {args.algorithm}")
     data = Dataset.from_list([{"prompt": common.prompt(i)} for i in range(1024)])
 
     def even_bytes(completions, **_):
@@ -446,7 +453,7 @@ def print_table(summary: dict) -> None:
         print(" | ".join(cells))
 
 
-FORWARD = ("prompts", "n", "max_tokens", "lr", "warmup", "steps", "gpu_memory_utilization", "sharding",
+FORWARD = ("algorithm", "prompts", "n", "max_tokens", "lr", "warmup", "steps", "gpu_memory_utilization", "sharding",
            "engine_options", "vllm_options", "trainer_options", "trl_options", "lengths")  # fmt: skip
 
 
@@ -511,6 +518,7 @@ def parse_args(argv=None):
     p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
     p.add_argument("--trl-options", default='{"gradient_checkpointing": false}', help="JSON over TRL's GRPOConfig")
     p.add_argument("--shape", choices=["0.5b", "3b"], default="0.5b")
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="grpo", help="ppo: hybridrl sides only")
     p.add_argument("--lengths", choices=["fixed", "long-tail"], default="fixed")
     p.add_argument("--lr", type=float, default=None, help="both sides; default 1e-6, 1e-9 with long-tail lengths")
     p.add_argument("--bare", action="store_true", help="vllm side: also time the bare engine, profile a call")
