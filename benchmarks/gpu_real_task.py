@@ -15,7 +15,7 @@ KL k3 0.01, lr 1e-5 constant after 2 warm-up steps, 40 steps; a held-out set of 
 evaluated greedily before the first step and after the last.
 
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
-GPU the static cache, and compiled decoding when the run plans a million response tokens),
+GPU the static cache, and compiled decoding when the run plans two million response tokens),
 ``hf-compiled`` (``rollout.compile: on``) and ``hf-eager`` (``rollout.compile: off``: it never
 compiles); ``vllm`` when the vllm plugin and vLLM are importable. Per side: wall-clock from the
 process's start (setup included), step time percentiles, the slowest step after the first against

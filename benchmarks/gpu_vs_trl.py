@@ -105,8 +105,8 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 0}),
         }
     if engine == "hf" and not args.smoke:
-        # the timed steps stand for those of a long run: compile auto compiles from a million planned
-        # response tokens (61 steps of the reference configuration), not for these few steps
+        # the timed steps stand for those of a long run: compile auto compiles from two million planned
+        # response tokens (123 steps of the reference configuration), not for these few steps
         rollout["compile"] = "on"
     rollout |= json.loads(args.engine_options) | (json.loads(args.vllm_options) if engine == "vllm" else {})
     cfg = {

@@ -126,6 +126,43 @@ def test_compiled_decoding_equals_eager(make_engine):
     assert compiled._compiled_step is not None  # the decoding loop took the compiled step
 
 
+def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engine, monkeypatch, capsys):
+    """Contract test (no CUDA here): on CUDA the static cache captures eager decoding steps as CUDA
+    graphs too. Where a capture fails (a forward that syncs with the host, which capturing does not
+    permit), torch.cuda.graph raises: the steps then run eagerly, the same tokens as without graphs,
+    and the run decodes without them from then on, said once."""
+    import contextlib
+
+    reference = make_engine(cache="static", pad_prompts_to_multiple=16, graph_tokens=0)
+    engine = make_engine(cache="static", pad_prompts_to_multiple=16)
+    loop = engine._loop
+
+    def loop_with_a_pool(*args):  # a CUDA loop's graph pool, which DecodeState takes on CUDA only
+        state = loop(*args)
+        state.pool = "pool"
+        return state
+
+    captures = []
+
+    @contextlib.contextmanager
+    def failing_capture(graph, pool=None):
+        captures.append(pool)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        yield
+
+    monkeypatch.setattr(engine, "_loop", loop_with_a_pool)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    p = prompts(engine.tokenizer, TEXTS)
+    sp = SamplingParams(n=2, max_tokens=40, seed=5, ignore_eos=True)  # runs of 16, 16 and 7 steps
+    for _ in range(2):
+        assert_same_rollout(engine.generate(p, sp), reference.generate(p, sp))
+    assert captures == ["pool"] and not engine._eager_graphs  # the second run of 16 steps tried, once
+    said = capsys.readouterr().out
+    assert said.count("eager decoding cannot be captured as CUDA graphs") == 1
+    assert "operation not permitted when stream is capturing)" in said
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_responses_end_at_the_first_eos_or_at_max_tokens(make_engine, cache):
     engine = make_engine(cache=cache)
@@ -257,16 +294,18 @@ def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
 
 
 def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):
-    """On CUDA, compile auto compiles decoding when the run plans a million response tokens or more:
-    a 40-step run of 256 responses of up to 32 tokens (328k) stays eager, as measured faster end to
-    end on an H200 (BENCHMARKS.md); 200 such steps, or a run with no planned end, compile."""
+    """On CUDA, compile auto compiles decoding when the run plans two million response tokens or
+    more: a 40-step run of 256 responses of up to 32 tokens (328k) stays eager, as measured faster
+    end to end on an H200 (BENCHMARKS.md), and so do 200 such steps (1.6M); 300 (2.5M), or a run
+    with no planned end, compile."""
     from hybridrl.builtin.hf_fast_path import compile_pays
 
     def ctx(steps):
         return RunContext("", None, torch.device("cuda"), torch.float32, 0, tmp_path, response_tokens=32,
                           responses_per_call=256, steps=steps)  # fmt: skip
 
-    assert not compile_pays(ctx(40)) and compile_pays(ctx(200)) and compile_pays(ctx(None))
+    assert not compile_pays(ctx(40)) and not compile_pays(ctx(200))
+    assert compile_pays(ctx(300)) and compile_pays(ctx(None))
 
 
 @pytest.mark.parametrize(

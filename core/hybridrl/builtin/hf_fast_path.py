@@ -9,10 +9,11 @@ import torch
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 # compile: auto compiles decoding on CUDA when the run plans at least this many response tokens (steps x
-# responses x max_tokens). On an H200 with SmolLM2-135M (32 x 8 responses of up to 32 tokens a step), compiled
-# decoding saved 1.16 s a step (0.41 s against 1.57 s) and took 70 s to compile, 125 s with an evaluation's
-# greedy variant: it paid back after about 500k-900k planned tokens; a 40-step run there was 2.4x faster eager
-COMPILE_PAYS_TOKENS = 1_000_000
+# responses x max_tokens). Eager decoding replays CUDA graphs too (2026-12-03, H200, the 0.5B shape, 64 x 256
+# tokens a step: a 0.90 s rollout, 8.33 s without graphs); compiled, that rollout took 0.47 s (2026-11-30), so
+# about a minute of compiling pays back after some 140 such steps, 2.3M tokens. (Before eager graphs, with
+# SmolLM2-135M at 32 x 8 x 32 tokens, compiling saved 1.16 s a step and paid back after 500k-900k tokens.)
+COMPILE_PAYS_TOKENS = 2_000_000
 
 
 def compile_pays(ctx) -> bool:
@@ -22,6 +23,19 @@ def compile_pays(ctx) -> bool:
     if not ctx.steps:
         return True
     return ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) >= COMPILE_PAYS_TOKENS
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the engine's copy: ``choice``, or for 'auto' bfloat16 on a CUDA GPU that
+    supports it when the policy is float32, else the policy's."""
+    if choice != "auto":
+        return DTYPES[choice]
+    if policy_dtype == torch.float32 and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return policy_dtype
 
 
 # compact_rows: a loop keeps at least a sixteenth of a call's rows, and on a GPU at least 64: there
@@ -232,6 +246,29 @@ class DecodeState:
             and all(hasattr(layer, a) for a in ("keys", "values", "cumulative_length", "lazy_initialization"))
             for layer in getattr(self.cache, "layers", [None])
         )
+
+
+def sampling_warpers(sampling):
+    """generate's own sampling processors: temperature, then top-k, then top-p."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
+
+
+def sample_token(logits, sampling, warpers):
+    """A token as ``generate`` samples it (warped scores, softmax, ``torch.multinomial``), and its
+    logprob under the temperature-scaled distribution the trainer scores."""
+    scores = logits.float()
+    logp = torch.log_softmax(scores / sampling.temperature, dim=-1)
+    token = torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), num_samples=1).squeeze(1)
+    return token, logp.gather(-1, token[:, None]).squeeze(1)
 
 
 def stopped_rows(tokenizer, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]) -> torch.Tensor:

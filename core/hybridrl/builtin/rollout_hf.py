@@ -4,10 +4,10 @@ Fast path (the default on CUDA): the engine's copy in bfloat16, a static KV cach
 values preallocated for prompt + ``max_tokens``) and our own decoding loop (``_decode``). The
 loop samples exactly as ``generate`` does (its temperature/top-k/top-p processors, softmax,
 ``torch.multinomial``: the same tokens for the same seed) and records each token's logprob
-under the temperature-scaled distribution the trainer scores. Compiled, one decoding step (the
-attention mask, the forward, the sampling, the bookkeeping of tokens and ended rows) is one
-graph, whose state lives on the device (``DecodeState``); on CUDA ``graph_tokens`` steps (16)
-are captured as one CUDA graph and replayed as one launch, and the host waits for the device
+under the temperature-scaled distribution the trainer scores. One decoding step (the attention
+mask, the forward, the sampling, the bookkeeping of tokens and ended rows) keeps its state on
+the device (``DecodeState``) and, compiled, is one graph; on CUDA ``graph_tokens`` steps (16),
+compiled or eager, are captured as one CUDA graph and replayed as one launch, and the host waits for the device
 only between two such runs, to see whether every sequence has ended (at an end token, or with
 a stop string in its decoded text); the prefill runs eagerly, and a call for one token (the
 sync check's probe) is the prefill alone. At those checks, once at least half of the rows have
@@ -49,7 +49,10 @@ from hybridrl.builtin.hf_fast_path import (
     DecodeState,
     compacted_rows,
     compile_pays,
+    engine_dtype,
     fuse_projections,
+    sample_token,
+    sampling_warpers,
     stopped_rows,
     use_grouped_decode_attention,
 )
@@ -58,7 +61,6 @@ from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
 
@@ -86,24 +88,13 @@ class _LogprobRecorder:
             self.prev = None
 
 
-def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of the engine's copy: ``choice``, or for 'auto' bfloat16 on a CUDA GPU that
-    supports it when the policy is float32, else the policy's."""
-    if choice != "auto":
-        return DTYPES[choice]
-    if policy_dtype == torch.float32 and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return policy_dtype
-
-
 class HFEngine(RolloutEngine):
     """A transformers copy of the policy, with the logprob of each sampled token.
-    Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a compiled decoding
-    loop (a CUDA graph per 16 tokens), with prompts padded to a multiple of 64 tokens so that the
-    compiled graphs serve every step; the first steps are slower while it compiles (set compile: off for short
-    runs). On the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's
-    dtype. On a GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give
-    the plain path."""
+    Fast path, the default on CUDA: a bfloat16 copy, a static KV cache and a decoding loop replayed
+    as CUDA graphs (16 tokens each), compiled when the run is long enough to pay it back (compile:
+    auto), with prompts padded to a multiple of 64 tokens so that the graphs serve every step. On
+    the CPU the defaults keep the plain path: dynamic cache, no compile, the policy's dtype. On a
+    GPU, cache: dynamic (compile then stays off) and dtype set to model.dtype give the plain path."""
 
     weight_format = "transformers"  # its model is a transformers copy of the policy
 
@@ -119,7 +110,7 @@ class HFEngine(RolloutEngine):
             "auto",
             description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
             "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
-            "on CUDA when the run plans at least a million response tokens (trainer.steps x responses x "
+            "on CUDA when the run plans at least two million response tokens (trainer.steps x responses x "
             "max_tokens: what it takes to pay back about a minute of compiling), off elsewhere. It compiles once "
             "(rows and prompt widths share the compiled step); the first step is slower while it does.",
         )
@@ -156,10 +147,11 @@ class HFEngine(RolloutEngine):
         graph_tokens: int = Field(
             FINISHED_CHECK_EVERY,
             ge=0,
-            description="Compiled decoding on CUDA: this many decoding steps are captured as one CUDA "
-            "graph and launched as one, and the host checks whether every sequence has ended between two "
-            "of them. 0: no CUDA graphs (each step's compiled kernels launched one by one, the check every "
-            f"{FINISHED_CHECK_EVERY} tokens).",
+            description="Decoding on the static cache on CUDA, compiled or not: this many decoding steps are "
+            "captured as one CUDA graph and launched as one, and the host checks whether every sequence has "
+            "ended between two of them. An eager step that cannot be captured (a model whose forward waits for "
+            "the device) decodes without graphs, said once. 0: no CUDA graphs (each step's kernels launched one "
+            f"by one, the check every {FINISHED_CHECK_EVERY} tokens).",
         )
         pad_prompts_to_multiple: int = Field(
             0,
@@ -207,6 +199,7 @@ class HFEngine(RolloutEngine):
         self._loop_key, self._loop_state = None, None
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
+        self._eager_graphs = True  # eager decoding steps captured as CUDA graphs, until a capture fails
         # compiled decoding pads every call's prompts to the widest bucket so far, from the data's longest
         # prompt on: a cache of one length, so a call of shorter prompts compiles nothing new
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self.compile else 0
@@ -259,27 +252,6 @@ class HFEngine(RolloutEngine):
             out.finish_reasons.append("stop" if end is not None else "length")
         return out
 
-    def _warpers(self, sampling):
-        """generate's own sampling processors: temperature, then top-k, then top-p."""
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        warpers = LogitsProcessorList()
-        if sampling.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k > 0:
-            warpers.append(TopKLogitsWarper(sampling.top_k))
-        if sampling.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(sampling.top_p))
-        return warpers
-
-    def _sample(self, logits, sampling, warpers):
-        """A token as ``generate`` samples it (warped scores, softmax, ``torch.multinomial``), and its
-        logprob under the temperature-scaled distribution the trainer scores."""
-        scores = logits.float()
-        logp = torch.log_softmax(scores / sampling.temperature, dim=-1)
-        token = torch.multinomial(torch.softmax(warpers(None, scores), dim=-1), num_samples=1).squeeze(1)
-        return token, logp.gather(-1, token[:, None]).squeeze(1)
-
     def _record(self, loop, token, logprob, sampling):
         """Write the token and logprob of every row at ``loop.at`` (padding and 0 where the row has
         ended), then mark the rows whose token ends them."""
@@ -300,7 +272,7 @@ class HFEngine(RolloutEngine):
             position_ids=loop.next_pos + loop.at,
             use_cache=True,
         )
-        token, logprob = self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
+        token, logprob = sample_token(self.model(**inputs).logits[:, -1], sampling, warpers)
         loop.at.add_(1)
         self._record(loop, token, logprob, sampling)
 
@@ -314,10 +286,10 @@ class HFEngine(RolloutEngine):
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         (B, P), device = ids.shape, ids.device
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        warpers = self._warpers(sampling)
+        warpers = sampling_warpers(sampling)
         if T == 1:  # one token (the sync check's probe): the prefill alone, the rollout's loop kept
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **self._last_logits_only).logits
-            token, logprob = self._sample(logits[:, -1], sampling, warpers)
+            token, logprob = sample_token(logits[:, -1], sampling, warpers)
             return token[:, None], logprob[:, None]
         loop = self._loop(B, P, T, device)
         loop.reset(mask, self.pad_id)
@@ -335,7 +307,7 @@ class HFEngine(RolloutEngine):
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
         )  # fmt: skip
-        token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
+        token, logprob = sample_token(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
@@ -384,13 +356,16 @@ class HFEngine(RolloutEngine):
         return smaller, order
 
     def _run_steps(self, loop, steps, sampling, warpers, compiled: bool):
-        """``steps`` decoding steps. On CUDA with compile (and ``graph_tokens``), the first run of a
-        number of steps and sampling settings runs them as they are (which compiles the step), the
-        second captures them as one CUDA graph, and every run from then on replays it: the host
-        launches one graph instead of each step's kernels, and keeps no per-step bookkeeping."""
+        """``steps`` decoding steps. On CUDA (with ``graph_tokens``), the first run of a number of
+        steps and sampling settings runs them as they are (which compiles the step, if compiled, and
+        warms up its kernels), the second captures them as one CUDA graph, and every run from then on
+        replays it: the host launches one graph instead of each step's kernels, and keeps no per-step
+        bookkeeping. Eager steps are captured too (their many small kernels cost more to launch than
+        to run), unless a capture failed once (:meth:`_capture`)."""
         step = self._compiled_step if compiled else self._step
-        key = (steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
-        graphs = loop.graphs if compiled and self.graph_tokens and loop.pool is not None else None
+        key = (compiled, steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
+        captures = self.graph_tokens and (compiled or self._eager_graphs)
+        graphs = loop.graphs if captures and loop.pool is not None else None
         if graphs is None or key not in graphs:
             if compiled:
                 loop.mark_dynamic()
@@ -403,12 +378,33 @@ class HFEngine(RolloutEngine):
                 graphs[key] = None
             return
         if graphs[key] is None:
-            graph = torch.cuda.CUDAGraph()
+            graphs[key] = self._capture(loop, steps, step, sampling, warpers, compiled)
+            if graphs[key] is None:
+                del graphs[key]
+                for _ in range(steps):
+                    step(loop, sampling, warpers)
+                return
+        graphs[key].replay()
+
+    def _capture(self, loop, steps, step, sampling, warpers, compiled: bool):
+        """``steps`` decoding steps captured as one CUDA graph (nothing runs until it is replayed); None
+        where an eager step cannot be captured, a forward that waits for the device (a host sync,
+        which a capture does not permit): eager decoding then goes on without graphs for the run."""
+        graph = torch.cuda.CUDAGraph()
+        try:
             with torch.cuda.graph(graph, pool=loop.pool):
                 for _ in range(steps):
                     step(loop, sampling, warpers)
-            graphs[key] = graph
-        graphs[key].replay()
+        except RuntimeError as e:
+            if compiled:
+                raise
+            self._eager_graphs = False
+            if self.ctx.is_main:
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(f"rollout engine 'hf': eager decoding cannot be captured as CUDA graphs ({reason}); decoding "
+                      "without them (rollout.compile: on compiles the step, which can be)", flush=True)  # fmt: skip
+            return None
+        return graph
 
     def _loop(self, batch, prompt, tokens, device) -> DecodeState:
         """The loop state of this shape, kept for the next call of the same shape (its captured graphs
