@@ -1,7 +1,6 @@
 """The service client against a real HTTP server on localhost, and what hybridrl's servers check
 (Host and Origin, Content-Length, the token before the body, throttled guesses, timeouts)."""
 
-import http.client
 import json
 import socket
 import threading
@@ -22,6 +21,7 @@ from hybridrl.http import (
     post_json,
     split_port,
 )
+from hybridrl.testing import raw_request
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -143,21 +143,11 @@ def echo(monkeypatch):
 
 
 def call(port, method, path, body=None, headers=None):
-    """(status, decoded reply, response): ``headers`` override the defaults; a None value leaves one out."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    """(status, decoded reply, response headers) of a JSON request: ``headers`` override the
+    defaults; a None value leaves one out."""
     data = None if body is None else json.dumps(body).encode()
-    sent = {"Host": f"127.0.0.1:{port}"}
-    if data is not None:
-        sent |= {"Content-Type": "application/json", "Content-Length": str(len(data))}
-    conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-    for key, value in (sent | (headers or {})).items():
-        if value is not None:
-            conn.putheader(key, value)
-    conn.endheaders(data)
-    response = conn.getresponse()
-    reply = json.loads(response.read())
-    conn.close()
-    return response.status, reply, response
+    sent = {} if data is None else {"Content-Type": "application/json", "Content-Length": str(len(data))}
+    return raw_request(f"http://127.0.0.1:{port}", method, path, data, sent | (headers or {}))
 
 
 def test_content_length_is_checked_before_any_body_is_read(echo):
@@ -172,10 +162,10 @@ def test_content_length_is_checked_before_any_body_is_read(echo):
         ({"Content-Length": str(8 * 2**20)}, 413, "body of 8388608 bytes is over the limit of 1024 bytes"),
     ]
     for headers, code, message in cases:  # no body is sent: a server that tried to read it would hang
-        status, reply, response = call(port, "POST", "/echo", headers=json_type | headers)
+        status, reply, replied = call(port, "POST", "/echo", headers=json_type | headers)
         assert status == code and message in reply["error"], headers
         announced = headers.get("Content-Length") or headers.get("Transfer-Encoding")
-        assert response.getheader("Connection") == ("close" if announced else None)  # the rest is no request
+        assert replied.get("Connection") == ("close" if announced else None)  # the rest is no request
     status, reply, _ = call(port, "POST", "/echo", {"a": 1}, {"Content-Type": "text/plain"})
     assert status == 415 and "application/json" in reply["error"]
     assert call(port, "POST", "/echo", {"a": [1, 2]})[:2] == (200, {"echo": {"a": [1, 2]}})
@@ -227,8 +217,8 @@ def test_the_token_is_checked_before_the_body_and_guesses_are_throttled(echo):
     port = echo(token="s3cret")
     # a body is announced and never sent: the wrong token is answered without waiting for it
     announced = {"Content-Type": "application/json", "Content-Length": "1000"}
-    status, reply, response = call(port, "POST", "/echo", headers=announced)
-    assert status == 401 and "Bearer" in reply["error"] and response.getheader("Connection") == "close"
+    status, reply, headers = call(port, "POST", "/echo", headers=announced)
+    assert status == 401 and "Bearer" in reply["error"] and headers.get("Connection") == "close"
     good = {"Authorization": "Bearer s3cret"}
     assert call(port, "POST", "/echo", {"x": 1}, good)[:2] == (200, {"echo": {"x": 1}})
     assert call(port, "GET", "/open")[0] == 200  # an endpoint the server made public
@@ -236,9 +226,9 @@ def test_the_token_is_checked_before_the_body_and_guesses_are_throttled(echo):
         assert call(port, "GET", "/health", headers={"Authorization": variant})[0] == 401, variant
     for i in range(FailedTokens().limit - 6):  # 6 failures above
         assert call(port, "GET", "/health", headers={"Authorization": f"Bearer guess{i}"})[0] == 401
-    status, reply, response = call(port, "GET", "/health", headers=good)  # the right token, too late
+    status, reply, headers = call(port, "GET", "/health", headers=good)  # the right token, too late
     assert status == 429 and "too many wrong tokens" in reply["error"]
-    assert 0 < int(response.getheader("Retry-After")) <= 60
+    assert 0 < int(headers.get("Retry-After")) <= 60
     other = echo(token="s3cret")  # another server, its own count
     assert call(other, "GET", "/health", headers=good)[0] == 200
 

@@ -426,9 +426,9 @@ def test_web_pages_and_bad_lengths_are_refused_before_the_body_is_read(serving, 
         (None, sized | {"Content-Length": str(2**23)}, 413, "over online.max_request_bytes=65536"),
     ]
     for body, headers, code, message in cases:
-        status, reply = send(s.url, "POST", "/v1/chat/completions", body, headers)
+        status, reply, _ = send(s.url, "POST", "/v1/chat/completions", body, headers)
         assert status == code and message in reply["error"], (headers, status, reply)
-    status, reply = send(s.url, "GET", "/v1/status", headers={"Host": f"attacker.example:{port}"})
+    status, reply, _ = send(s.url, "GET", "/v1/status", headers={"Host": f"attacker.example:{port}"})
     assert status == 403  # a rebound page cannot read the status either
     assert rows(tmp_path / "run", "answers") == 0
     assert send(s.url, "POST", "/v1/chat/completions", chat, sized | {"Origin": f"http://localhost:{port}"})[0] == 200

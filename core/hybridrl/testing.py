@@ -377,8 +377,8 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 600, cwd=None, en
 
 
 def raw_request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """(status, decoded JSON reply) of a request to a server of ours at ``url`` with exactly these
-    headers beside Host (a None value leaves one out), for tests of what servers refuse."""
+    """(status, decoded JSON reply, response headers) of a request to a server of ours at ``url`` with
+    exactly these headers beside Host (a None value leaves one out), for tests of what servers refuse."""
     import http.client
     import json
 
@@ -392,4 +392,4 @@ def raw_request(url: str, method: str, path: str, body: bytes | None = None, hea
     response = conn.getresponse()
     reply = json.loads(response.read())
     conn.close()
-    return response.status, reply
+    return response.status, reply, response.headers

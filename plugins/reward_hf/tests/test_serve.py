@@ -194,13 +194,13 @@ def test_the_token_and_the_host_are_checked_before_the_body_is_read(tiny_model, 
     with serving(run_config(tiny_model, [{"function": "format", "pattern": "7"}]), token="s3cret") as (url, rewards):
         port = url.rsplit(":", 1)[1]
         huge = {"Content-Type": "application/json", "Content-Length": str(60 * 2**20)}  # announced, never sent
-        status, reply = send(url, "POST", "/score", None, huge)
+        status, reply, _ = send(url, "POST", "/score", None, huge)
         assert status == 401 and "Bearer" in reply["error"]
         good = {"Authorization": "Bearer s3cret"}
         assert send(url, "POST", "/score", None, huge | good | {"Content-Length": "-1"})[0] == 400
-        status, reply = send(url, "POST", "/score", None, huge | good | {"Content-Length": str(65 * 2**20)})
+        status, reply, _ = send(url, "POST", "/score", None, huge | good | {"Content-Length": str(65 * 2**20)})
         assert status == 413 and "64 MiB" in reply["error"]
-        status, reply = send(url, "GET", "/health", headers={"Host": f"attacker.example:{port}"})
+        status, reply, _ = send(url, "GET", "/health", headers={"Host": f"attacker.example:{port}"})
         assert status == 403 and "--allow-host" in reply["error"]
         body = json.dumps({"prompts": ["q"], "responses": ["7"]}).encode()
         sized = {"Content-Type": "application/json", "Content-Length": str(len(body))}
@@ -210,7 +210,7 @@ def test_the_token_and_the_host_are_checked_before_the_body_is_read(tiny_model, 
             raise RuntimeError("reward model at /home/alice/rm failed")
 
         rewards.score = broken
-        status, reply = send(url, "POST", "/score", body, sized | good)
+        status, reply, _ = send(url, "POST", "/score", body, sized | good)
         assert status == 500 and "alice" not in json.dumps(reply) and reply["error_id"] in capfd.readouterr().err
 
 
