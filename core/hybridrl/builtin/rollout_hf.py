@@ -252,6 +252,10 @@ class HFEngine(RolloutEngine):
             out.finish_reasons.append("stop" if end is not None else "length")
         return out
 
+    def _sample(self, logits, sampling, warpers):
+        """The next token and its logprob (:func:`sample_token`, as ``generate`` samples)."""
+        return sample_token(logits, sampling, warpers)
+
     def _record(self, loop, token, logprob, sampling):
         """Write the token and logprob of every row at ``loop.at`` (padding and 0 where the row has
         ended), then mark the rows whose token ends them."""
@@ -272,7 +276,7 @@ class HFEngine(RolloutEngine):
             position_ids=loop.next_pos + loop.at,
             use_cache=True,
         )
-        token, logprob = sample_token(self.model(**inputs).logits[:, -1], sampling, warpers)
+        token, logprob = self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
         loop.at.add_(1)
         self._record(loop, token, logprob, sampling)
 
@@ -289,7 +293,7 @@ class HFEngine(RolloutEngine):
         warpers = sampling_warpers(sampling)
         if T == 1:  # one token (the sync check's probe): the prefill alone, the rollout's loop kept
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **self._last_logits_only).logits
-            token, logprob = sample_token(logits[:, -1], sampling, warpers)
+            token, logprob = self._sample(logits[:, -1], sampling, warpers)
             return token[:, None], logprob[:, None]
         loop = self._loop(B, P, T, device)
         loop.reset(mask, self.pad_id)
@@ -307,7 +311,7 @@ class HFEngine(RolloutEngine):
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
         )  # fmt: skip
-        token, logprob = sample_token(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
+        token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
