@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.models import DTYPES
+
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
 
 # compile: auto compiles decoding on CUDA when the run plans at least this many response tokens (steps x
@@ -23,9 +25,6 @@ def compile_pays(ctx) -> bool:
     if not ctx.steps:
         return True
     return ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) >= COMPILE_PAYS_TOKENS
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:
