@@ -501,3 +501,21 @@ if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:4])
 if __name__ == "__main__" and sys.argv[1:2] == ["metrics"]:
     metrics_worker(sys.argv[2])
+
+
+def test_ranks_that_finished_leave_the_process_group_together(monkeypatch):
+    """A run that ended normally waits for every rank before destroying the group (a rank that left
+    while rank 0 still wrote the final checkpoint was seen to abort at its exit); a failed run does not
+    wait, since the other ranks may never come."""
+    calls = []
+    monkeypatch.setattr(distributed, "_owned", True)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    distributed.teardown(together=True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    monkeypatch.setattr(distributed, "_owned", True)
+    distributed.teardown()
+    assert calls == ["destroy"]

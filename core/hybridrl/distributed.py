@@ -63,10 +63,15 @@ def setup(device: torch.device, need_group: bool = False, timeout_s: float = 180
     _owned = True
 
 
-def teardown() -> None:
-    """Leave the process group if :func:`setup` created it."""
+def teardown(together: bool = False) -> None:
+    """Leave the process group if :func:`setup` created it. ``together``: the run ended normally on
+    every rank, so each waits for the others first and none tears its connections down while another
+    still works (a rank that left while rank 0 was still writing the final checkpoint was seen to abort
+    at its exit under torchrun with gloo: SIGABRT, 'terminate called without an active exception')."""
     global _owned
     if _owned and dist.is_initialized():
+        if together:
+            barrier()
         dist.destroy_process_group()
     _owned = False
 

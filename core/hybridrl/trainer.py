@@ -68,6 +68,7 @@ class Trainer(TrainerSetup):
             self.resume()
         self.open(t.steps)
         metrics: dict[str, float] = {}
+        finished = False
         try:
             with self.signals.catch():
                 if t.eval_before_train and self.start_step == 0:
@@ -91,8 +92,9 @@ class Trainer(TrainerSetup):
                             f"Continue with: hybridrl train CONFIG --resume trainer.run_dir={self.run_dir}",
                             self.signals.exit_code,
                         )
+            finished = True
         finally:
-            self.close(metrics)
+            self.close(metrics, finished)
         return metrics
 
     def open(self, steps: int = 0) -> None:
@@ -102,9 +104,10 @@ class Trainer(TrainerSetup):
             logger.open(steps, self.start_step)
         self.pm.hook.on_train_start(trainer=self)
 
-    def close(self, metrics: dict[str, float] | None = None) -> None:
+    def close(self, metrics: dict[str, float] | None = None, finished: bool = False) -> None:
         """End the run: ``on_train_end`` with the last metrics, then the loggers, the rewards, the
-        prefetcher, the engine and the process group are released."""
+        prefetcher, the engine and the process group are released; ``finished``: the run ended
+        normally on every rank, which then leave the process group together."""
         self.pm.hook.on_train_end(trainer=self, metrics=metrics or {})
         for logger in self.loggers:
             logger.close()
@@ -113,7 +116,7 @@ class Trainer(TrainerSetup):
         if self.prefetch is not None:
             self.prefetch.close()
         self.session.close()
-        distributed.teardown()
+        distributed.teardown(together=finished)
 
     def save(self, step: int, weights_only: bool = False) -> Path:
         path = ckpt.save_checkpoint(self, step, weights_only)

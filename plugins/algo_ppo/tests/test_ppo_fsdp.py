@@ -96,7 +96,7 @@ def worker(model: str, out: str) -> None:
     result = one_step(model, Path(out).parent / "run", "fsdp")
     if distributed.is_main():
         torch.save(result, out)
-    distributed.teardown()
+    distributed.teardown(together=True)
 
 
 def test_one_ppo_step_on_two_fsdp_ranks_equals_single(tiny_model, tmp_path):
