@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, on this machine, the wheels verl 0.9.1 needs on the GPU machine (beside the vLLM
-# payload of ../vllm recipe) and split them into parts that each fit one GPU-machine call.
+# vLLM payload) and split them into parts of at most 50 MB, for machines that take files in small transfers.
 # Run from anywhere inside the checkout. Result in the checkout root (kept out of git):
 # .verl1, .verl2, ... (one part each) and .verl_run/ (the scripts and checksums).
 set -euo pipefail
@@ -24,6 +24,6 @@ split -b 50M -a 2 "$W/wheels.tar" "$W/parts/wheels.tar.part"
 k=0
 for f in "$W"/parts/wheels.tar.part*; do k=$((k+1)); mkdir -p "$top/.verl$k"; cp "$f" "$top/.verl$k/"; done
 cp "$here/stash.sh" "$top/.verl_run/"
-echo "$k parts ready; in GPU-machine calls back to back:"
-for i in $(seq 1 "$k"); do echo "  bash .verl_run/stash.sh $i     carry: [\".verl$i\", \".verl_run\"]"; done
+echo "$k parts ready; on the GPU machine, one after the other:"
+for i in $(seq 1 "$k"); do echo "  bash .verl_run/stash.sh $i     (with .verl$i and .verl_run in the checkout there)"; done
 echo "the last one installs them into /root/verlsite"

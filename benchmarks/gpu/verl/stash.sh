@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine: keep part K of the verl wheels outside the work tree (it survives between
-# calls while the machine is held); once every part is there, install them into /root/verlsite.
+# On the GPU machine: keep part K of the verl wheels outside the checkout; once every part is
+# there, check them and install them into /root/verlsite.
 #   usage: bash .verl_run/stash.sh K [COMMAND ...]   (COMMAND runs afterwards, if given)
 set -o pipefail
 K=$1; shift
