@@ -400,6 +400,17 @@ def print_row(row: dict, columns: list[tuple[str, str, str]]) -> None:
     print(" | ".join(cells), flush=True)
 
 
+def print_sides(summary: dict[str, dict], columns: list[tuple[str, str | None, str]]) -> None:
+    """One table row per side of ``summary`` (side: its figures): the first column the side's
+    name, the others (header, key in the figures, format); '-' where a side lacks a figure."""
+    print(" | ".join(name for name, _, _ in columns))
+    for side, s in summary.items():
+        cells = [columns[0][2].format(side)]
+        for name, key, fmt in columns[1:]:
+            cells.append(fmt.format(s[key]) if s.get(key) is not None else f"{'-':>{len(name)}}")
+        print(" | ".join(cells))
+
+
 def run_and_exit(main: Callable, args, result: dict, path: Path) -> NoReturn:
     """Run ``main(args)``, record in ``result`` what failed, write it to ``path``, print its summary
     and exit without waiting for the engine's threads and child processes."""

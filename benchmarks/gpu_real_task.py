@@ -140,7 +140,7 @@ def run_side(args, side: str, workdir: Path) -> dict:
     if side.startswith("trl"):
         cmd = [sys.executable, __file__, "--trl-side", side, "--data", args.data, "--model", args.model,
                "--gguf", args.gguf or "", "--steps", str(args.steps), "--prompts", str(args.prompts),
-               "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--out", str(run_dir)]  # fmt: skip
+               "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--run-dir", str(run_dir)]  # fmt: skip
         proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
     else:
         path = workdir / f"{side}.json"
@@ -157,14 +157,14 @@ def run_side(args, side: str, workdir: Path) -> dict:
 
 def trl_side(args) -> None:
     """One TRL side in this process: the model saved as a float32 folder, then GRPOTrainer with the
-    hybridrl sides' hyper-parameters; each step's time and mean reward go to OUT/metrics.jsonl under
+    hybridrl sides' hyper-parameters; each step's time and mean reward go to RUN_DIR/metrics.jsonl under
     hybridrl's metric names, so that summarize reads both alike."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    run_dir = Path(args.out)
+    run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     folder = run_dir / "model"
     gguf = {"gguf_file": args.gguf} if args.gguf else {}
@@ -253,6 +253,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
     p.add_argument("--trl-side", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_side:
         trl_side(args)

@@ -444,15 +444,6 @@ COLUMNS = [
 ]
 
 
-def print_table(summary: dict) -> None:
-    print(" | ".join(name for name, _, _ in COLUMNS))
-    for side, s in summary.items():
-        cells = [COLUMNS[0][2].format(side)]
-        for name, key, fmt in COLUMNS[1:]:
-            cells.append(fmt.format(s[key]) if s.get(key) is not None else f"{'-':>{len(name)}}")
-        print(" | ".join(cells))
-
-
 FORWARD = ("algorithm", "prompts", "n", "max_tokens", "lr", "warmup", "steps", "gpu_memory_utilization", "sharding",
            "engine_options", "vllm_options", "trainer_options", "trl_options", "lengths")  # fmt: skip
 
@@ -496,7 +487,7 @@ def main(args) -> int:
         R["ratios"] = ratios(R["summary"])
         out.write_text(json.dumps(R, indent=1, default=str) + "\n")
     print()
-    print_table(R["summary"])
+    common.print_sides(R["summary"], COLUMNS)
     for k, v in R["ratios"].items():
         print(f"{k}: {v:.2f}x")
     print(f"wrote {out}")

@@ -269,15 +269,6 @@ COLUMNS = [
 ]
 
 
-def print_table(summary: dict) -> None:
-    print(" | ".join(name for name, _, _ in COLUMNS))
-    for side, s in summary.items():
-        cells = [COLUMNS[0][2].format(side)]
-        for name, key, fmt in COLUMNS[1:]:
-            cells.append(fmt.format(s[key]) if s.get(key) is not None else f"{'-':>{len(name)}}")
-        print(" | ".join(cells))
-
-
 def main(args) -> int:
     import torch
 
@@ -311,7 +302,7 @@ def main(args) -> int:
         R["ratios"] = {f"verl_over_{k}": s["verl"] / v for k, v in s.items() if k != "verl" and "verl" in s}
         common.write_json(R, out)
     print()
-    print_table(R["summary"])
+    common.print_sides(R["summary"], COLUMNS)
     for k, v in R["ratios"].items():
         print(f"{k}: {v:.2f}x")
     print(f"wrote {out}")

@@ -1,6 +1,7 @@
-"""The ``hf`` engine's fast path on the static KV cache: what it changes in its copy of the model
-(attention that reads a grouped-query cache in place, projections that read one input fused into
-one matrix multiplication) and the decoding loop's state on the device (:class:`DecodeState`)."""
+"""The ``hf`` engine's fast path on the static KV cache: the engine copy's dtype, what it changes in
+that copy (attention that reads a grouped-query cache in place, projections that read one input
+fused into one matrix multiplication), the decoding loop's state on the device
+(:class:`DecodeState`) and how it samples a token as ``generate`` does."""
 
 from __future__ import annotations
 
