@@ -400,15 +400,20 @@ def print_row(row: dict, columns: list[tuple[str, str, str]]) -> None:
     print(" | ".join(cells), flush=True)
 
 
-def print_sides(summary: dict[str, dict], columns: list[tuple[str, str | None, str]]) -> None:
-    """One table row per side of ``summary`` (side: its figures): the first column the side's
-    name, the others (header, key in the figures, format); '-' where a side lacks a figure."""
+def print_sides(result: dict, columns: list[tuple[str, str | None, str]], path: Path) -> None:
+    """The comparison's table, a row per side of ``result["summary"]`` (side: its figures; the first
+    column the side's name, the others (header, key in the figures, format), '-' where a side lacks
+    a figure), then ``result["ratios"]`` and where the JSON went."""
+    print()
     print(" | ".join(name for name, _, _ in columns))
-    for side, s in summary.items():
+    for side, s in result["summary"].items():
         cells = [columns[0][2].format(side)]
         for name, key, fmt in columns[1:]:
             cells.append(fmt.format(s[key]) if s.get(key) is not None else f"{'-':>{len(name)}}")
         print(" | ".join(cells))
+    for k, v in result["ratios"].items():
+        print(f"{k}: {v:.2f}x")
+    print(f"wrote {path}")
 
 
 def run_and_exit(main: Callable, args, result: dict, path: Path) -> NoReturn:

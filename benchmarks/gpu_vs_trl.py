@@ -486,11 +486,7 @@ def main(args) -> int:
         R["summary"] = {k: v["summary"] for k, v in R["sides"].items() if v["summary"]}
         R["ratios"] = ratios(R["summary"])
         out.write_text(json.dumps(R, indent=1, default=str) + "\n")
-    print()
-    common.print_sides(R["summary"], COLUMNS)
-    for k, v in R["ratios"].items():
-        print(f"{k}: {v:.2f}x")
-    print(f"wrote {out}")
+    common.print_sides(R, COLUMNS, out)
     return 0
 
 

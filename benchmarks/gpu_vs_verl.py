@@ -301,11 +301,7 @@ def main(args) -> int:
         s = {k: v["step_s"] for k, v in R["summary"].items()}
         R["ratios"] = {f"verl_over_{k}": s["verl"] / v for k, v in s.items() if k != "verl" and "verl" in s}
         common.write_json(R, out)
-    print()
-    common.print_sides(R["summary"], COLUMNS)
-    for k, v in R["ratios"].items():
-        print(f"{k}: {v:.2f}x")
-    print(f"wrote {out}")
+    common.print_sides(R, COLUMNS, out)
     return 0
 
 
