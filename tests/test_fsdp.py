@@ -519,3 +519,20 @@ def test_ranks_that_finished_leave_the_process_group_together(monkeypatch):
     monkeypatch.setattr(distributed, "_owned", True)
     distributed.teardown()
     assert calls == ["destroy"]
+
+
+def test_train_leaves_together_only_when_the_run_finished(tiny_model, tmp_path, monkeypatch):
+    """Trainer.train asks the ranks to leave together after its last step, not after a failure."""
+    from hybridrl.config import load_config
+    from hybridrl.trainer import Trainer
+
+    left = []
+    monkeypatch.setattr(distributed, "teardown", lambda together=False: left.append(together))
+    cfg = config(tiny_model, tmp_path / "ok", trainer={"save_final": False, "eval_before_train": False})
+    Trainer(load_config(data=cfg)).train()
+    assert left == [True]
+    failing = Trainer(load_config(data=config(tiny_model, tmp_path / "failed", trainer={"save_final": False})))
+    monkeypatch.setattr(failing, "step", lambda step: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.train()
+    assert left == [True, False]
