@@ -21,8 +21,8 @@ Sides, each its own process, back to back: ``verl`` (``python -m verl.trainer.ma
 trainer, FSDP and a colocated vLLM server on the one GPU, with the overrides of
 :func:`verl_overrides` and ``--verl-options``), ``hybridrl-vllm`` and ``hybridrl-hf``
 (gpu_vs_trl.py's sides with hybridrl's defaults: the vllm engine sleeps between rollouts as verl's
-does, the hf engine compiles only when the run is long enough; ``--vllm-options``, ``--hf-options``
-and ``--trainer-options`` change them).
+does, the hf engine and the single strategy compile only when the run is long enough; ``--vllm-options``,
+``--hf-options``, ``--sharding`` and ``--trainer-options`` change them).
 verl runs without flash-attn (not installable there): sdpa attention and no remove-padding path.
 Step times are each framework's own step timer, over the steps after ``--warmup``; the peak is the
 GPU's memory in use by all processes (nvidia-smi, sampled every 0.5 s); MFU is counted the same
@@ -178,6 +178,7 @@ def run_hybridrl(args, side: str, model: str, workdir: Path) -> dict:
                 "lengths", "trainer_options"):  # fmt: skip
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     cmd += ["--vllm-options", args.vllm_options] if side == "hybridrl-vllm" else ["--engine-options", args.hf_options]
+    cmd += ["--sharding", args.sharding]
     try:
         code = subprocess.run(cmd, timeout=args.side_timeout).returncode
     except subprocess.TimeoutExpired:
@@ -321,6 +322,7 @@ def parse_args(argv=None):
     p.add_argument("--vllm-options", default='{"sleep_level": 1}', help="JSON of hybridrl-vllm's rollout options")
     p.add_argument("--hf-options", default='{"compile": "auto"}', help="JSON of hybridrl-hf's rollout options")
     p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
+    p.add_argument("--sharding", default='{"compile": "auto"}', help="JSON of hybridrl's sharding options (single)")
     p.add_argument("--side-timeout", type=float, default=540)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)

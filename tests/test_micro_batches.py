@@ -260,12 +260,14 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
     cfg = config(tiny_model, tmp_path, pack_sequences=True, micro_batch_tokens=96) | {"sharding": {"compile": True}}
     frames = torch._dynamo.utils.counters["frames"]  # the process's: earlier tests' frames count too
     skipped = frames["total"] - frames["ok"]
+    graphs = torch._dynamo.utils.counters["stats"]
     rng = random.Random(0)
     with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored afterwards
         t = Trainer(load_config(data=cfg))
         t.setup()
         assert t.passes.handle(t.policy).fused_head_bytes == 8 * 2**30  # the compiled, fused output layer
-        for step in (1, 2, 3):
+        assert t.passes.planner.width == t.strategy.pack_width == packing.pack_width(t.ctx.prompt_tokens + 16)
+        for step in (1, 2, 3, 4, 5):
             lengths = [[min(16, 1 + int(rng.expovariate(1 / 4))) for _ in range(4)] for _ in range(4)]
             batch = fixed_batch(t.tokenizer, lengths)
             t.compute_logprobs(batch)
@@ -273,3 +275,7 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
             t.update(batch, step)
             ran_eagerly = frames["total"] - frames["ok"] - skipped
             assert ran_eagerly == 0, f"step {step}: {ran_eagerly} variant(s) ran eagerly (torch.compile's limit)"
+            if step == 1:
+                after_first = graphs["unique_graphs"]
+            # no stall: steps of new lengths and row counts reuse the first step's graphs
+            assert graphs["unique_graphs"] == after_first, f"step {step} compiled again"

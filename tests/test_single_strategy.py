@@ -67,7 +67,7 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
     lp, grads = loss_and_grads(plain.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))), plain)
     compiled = strategy(tiny_model, tmp_path, compile=True)
     model = compiled.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers)
+    assert all("forward" in vars(b) for b in model.model.layers)  # each block's forward compiled
     assert compiled.fused_head_bytes == 8 * 2**30  # the output layer's compiled chunk, keep_logits_gib 8
     handle = ModelHandle(model, compiled.fused_head_bytes)  # as the pass runner makes it
     torch._dynamo.reset()  # no compiled code of earlier tests to reuse (the counters run on)
@@ -131,3 +131,51 @@ def test_bfloat16_without_autocast_is_refused_before_the_model_loads(tiny_model,
     monkeypatch.setattr(trainer_module, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match="mixed_precision: off.*no float32 master copy.*mixed_precision: auto"):
         Trainer(bf16_run(tiny_model, tmp_path / "run", mixed_precision="off")).setup()
+
+
+@pytest.mark.parametrize(
+    "device, steps, want",
+    [
+        ("cpu", None, False),  # compiling the passes pays on a GPU only
+        ("cuda", None, True),  # no planned end
+        ("cuda", 1000, True),  # 1000 x 32 x (100 + 256) = 11.4M tokens
+        ("cuda", 300, False),  # 3.4M tokens: under the 4M that pay back ~30 s of compiling
+    ],
+)
+def test_compile_auto_compiles_on_a_gpu_when_the_run_trains_enough_tokens(
+    tiny_model, tmp_path, capsys, device, steps, want
+):
+    import dataclasses
+
+    from hybridrl.builtin.sharding_single import COMPILE_PAYS_TOKENS, compiles
+
+    ctx = RunContext(tiny_model, None, torch.device(device), torch.float32, 0, tmp_path)
+    ctx = dataclasses.replace(ctx, steps=steps, responses_per_call=32, prompt_tokens=100, response_tokens=256)
+    assert compiles("auto", ctx) is want
+    said = capsys.readouterr().out
+    assert ("compile auto: off" in said) is (device == "cuda" and not want)  # said once, with the way out
+    assert ("sharding.compile: on" in said) is (device == "cuda" and not want)
+    assert compiles("on", ctx) and not compiles("off", ctx)
+    assert 300 * 32 * 356 < COMPILE_PAYS_TOKENS < 1000 * 32 * 356
+
+
+def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_model, tmp_path):
+    """With compiled blocks every packed pass has the run's width and two rows or more, so that one
+    graph (rows dynamic) serves them all; without, each batch's own width, packed only where that
+    saves tokens."""
+    import dataclasses
+
+    from hybridrl.passes import Planner
+    from hybridrl.testing import fixed_batch
+
+    cls = plugins.lookup("sharding strategy", "single")
+    ctx = RunContext(tiny_model, load_tokenizer(tiny_model), torch.device("cpu"), torch.float32, 0, tmp_path)
+    ctx = dataclasses.replace(ctx, prompt_tokens=300, response_tokens=200)
+    assert cls(cls.Options(compile="on"), ctx).pack_width == 512
+    assert cls(cls.Options(compile="off"), ctx).pack_width is None
+    batch = fixed_batch(ctx.tokenizer, [[3, 5]])  # two short sequences: one packed row of their own
+    handle = ModelHandle(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
+    (p,) = Planner(pack_sequences=True, width=512).plan(handle, batch)
+    assert p.layout == "packed" and (p.placement.width, p.placement.rows) == (512, 2)
+    (p,) = Planner(pack_sequences=True).plan(handle, batch)  # one row of 128 holds more than the padded pass
+    assert p.layout == "padded"

@@ -296,6 +296,9 @@ class ShardingStrategy(Component):
     fused_head_bytes: int | None = None
     #: the dtype passes compute in under :meth:`autocast` (mixed precision); None: the parameters'
     compute_dtype: torch.dtype | None = None
+    #: tokens of every packed row of the run (the longest prompt and response, rounded up), where the
+    #: strategy compiles its models' blocks for one width; None: each batch's own width
+    pack_width: int | None = None
 
     def checkpoints_activations(self) -> bool:
         """Whether trained models recompute their activations in the backward pass (activation

@@ -282,6 +282,9 @@ def chunked_head_logprobs(
     logprobs, entropies = [], []
     for start in range(0, B * T, size):
         args = (flat[start : start + size], targets[start : start + size], head.weight, head.bias)
+        if fused and len(args[1]) > 1:  # one compiled graph for every number of tokens (but one)
+            for x in args[:2]:
+                torch._dynamo.maybe_mark_dynamic(x, 0)
         fn = functools.partial(step, temperature, with_entropy, entropy_grad and torch.is_grad_enabled())
         lp, ent = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
         logprobs.append(lp)
@@ -312,8 +315,8 @@ def _head_chunk(temperature: float, with_entropy: bool, entropy_grad: bool, hidd
 
 @functools.cache
 def _fused_chunk():
-    # dynamic=None: the first shape compiles as it is, a second one compiles a dynamic graph
-    return torch.compile(_head_chunk, dynamic=None)
+    # its callers mark the number of tokens dynamic; the vocabulary and hidden size stay static
+    return torch.compile(_head_chunk)
 
 
 # -- what a model allows: probed once per handle --------------------------------------------

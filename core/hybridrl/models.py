@@ -309,6 +309,41 @@ def is_checkpointing(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block of ``model``, one compiled graph for every number of rows.
+
+    The first dimension of a block's inputs (the rows of a pass: packed rows, or responses) is
+    dynamic from the first call, so passes of other row counts reuse the graph instead of compiling
+    again mid-run; the others stay static, as the pass runner keeps a run's packed rows one width
+    (:attr:`hybridrl.components.ShardingStrategy.pack_width`): graphs of a dynamic width ran 1.6x
+    slower on an H200 (BENCHMARKS.md). A pass of one row compiles a graph of its own (torch.compile
+    specialises sizes 0 and 1)."""
+    allow_recompiles()
+    for block in find_blocks(model):
+        block.forward = _rows_dynamic(torch.compile(block.forward))
+
+
+def _rows_dynamic(compiled):
+    def forward(*args, **kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) for t in (t if isinstance(t, tuple) else (t,))]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim()]
+        rows = tensors[0].shape[0] if tensors else 0
+        if rows > 1:
+            for t in tensors:
+                if t.shape[0] == rows:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far: tracing and compiling forward graphs,
+    and their backward graphs (compiled at their first backward pass)."""
+    times = torch._dynamo.utils.compilation_time_metrics
+    return float(sum(times.get("_compile.compile_inner", ())) + sum(times.get("compile_fx.<locals>.bw_compiler", ())))
+
+
 RECOMPILE_LIMIT = 64  # graphs torch.compile keeps for one function once hybridrl compiles
 
 

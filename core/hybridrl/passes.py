@@ -12,7 +12,8 @@ Where the passes cut:
      consecutive rows a pass. The sync check's probe: all rows in one pass.
   2. Else a token budget (``trainer.micro_batch_tokens``: a number, or ``auto`` measured at the
      first pass): if the passes pack, the batch's sequences are placed once by first-fit in packed
-     rows of the batch's width (rounded up to 128) and each pass takes ``budget // width``
+     rows of the batch's width (rounded up to 128; at least the run's longest prompt and response
+     where the strategy compiles, so that compiled blocks see one width) and each pass takes ``budget // width``
      consecutive packed rows; else rows longest first are cut with the least padding
      (:func:`hybridrl.batch.token_budget_split`). Under torchrun each rank then splits its most
      padded passes until it has as many as the rank with the most (each pass is collective).
@@ -38,6 +39,7 @@ Both are resolved in :class:`Planner` and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +77,9 @@ class Planner:
         pack_sequences: bool | str = False,
         budget: MicroBatches | None = None,
         device: torch.device | None = None,
+        width: int | None = None,
     ):
+        self.width = width  # packed rows' least width (the strategy's pack_width), else each batch's own
         on_cpu = device is None or device.type == "cpu"
         self.share = on_cpu and pack_sequences is not True if share_prompts == "auto" else bool(share_prompts)
         self.pack = not self.share and (pack_sequences == "auto" or bool(pack_sequences))
@@ -102,7 +106,8 @@ class Planner:
             return [(g, None) for g in consecutive(len(batch), size)]
         if pack:
             mask = batch.attention_mask
-            cut = packing.cut(mask.sum(1).tolist(), packing.pack_width(mask.shape[1]), tokens)
+            cut = packing.cut(mask.sum(1).tolist(), self.pack_width(mask.shape[1]), tokens)
+            cut = [(g, self._rows(p)) for g, p in cut]
         else:
             cut = [(g, None) for g in token_budget_split(batch, tokens)]
         if distributed.world_size() > 1:  # every rank the same number of passes, each cut by its own lengths
@@ -111,11 +116,20 @@ class Planner:
             cut = [(g, placed.get(tuple(g))) for g in split_widest(batch, [g for g, _ in cut], passes)]
         return cut
 
+    def pack_width(self, tokens: int) -> int:
+        """Tokens of the packed rows of a batch whose rows are ``tokens`` wide."""
+        return max(packing.pack_width(tokens), self.width or 0)
+
+    def _rows(self, placement: Placement) -> Placement:
+        """At least two packed rows where the width is the run's (compiled blocks, whose one graph
+        serves any number of rows but one: torch.compile specialises a size of 1)."""
+        return dataclasses.replace(placement, rows=2) if self.width and placement.rows == 1 else placement
+
     def _pass(self, handle: ModelHandle, ids, mask, T: int, rows: list[int], placement, pack: bool) -> Pass:
         """How the pass of ``rows`` (``ids`` and ``mask`` (b, P + T)) runs."""
         if pack and bool(mask[:, ids.shape[1] - T :].any()):
-            placement = placement or packing.place(mask.sum(1).tolist(), packing.pack_width(ids.shape[1]))
-            if packing.saves(placement, mask, T):
+            placement = placement or self._rows(packing.place(mask.sum(1).tolist(), self.pack_width(ids.shape[1])))
+            if self.width or packing.saves(placement, mask, T):  # compiled blocks: packed rows of one width
                 return Pass(rows, PACKED, placement=placement)
         if self.share and not handle.values and not handle.checkpointing():
             prompts = forward.distinct_prompts(ids, mask, T)

@@ -97,7 +97,8 @@ class TrainerSetup:
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         budget = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
-        self.passes = Runner(Planner(t.share_prompts, t.pack_sequences, budget, device), self.strategy, device)
+        planner = Planner(t.share_prompts, t.pack_sequences, budget, device, self.strategy.pack_width)
+        self.passes = Runner(planner, self.strategy, device)
         # the context every later component gets: complete, with the run's services
         self.ctx = dataclasses.replace(self.ctx, strategy=self.strategy, passes=self.passes)
         self.algorithm = self._build("algorithm", cfg.algorithm.name, cfg.algorithm.options)

@@ -32,9 +32,7 @@ from hybridrl.metrics import (
     sample_rows,
     update_throughput,
 )
-from hybridrl.models import (
-    is_checkpointing,
-)
+from hybridrl.models import compile_seconds, is_checkpointing
 from hybridrl.setup import TrainerSetup
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
@@ -160,6 +158,7 @@ class Trainer(TrainerSetup):
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
+        compiled = compile_seconds()
         check, first = self.session.check, step == self.start_step + 1
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
         if first:
@@ -183,6 +182,7 @@ class Trainer(TrainerSetup):
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
+        metrics["compile/seconds"] = compile_seconds() - compiled  # torch.compile's, within the stages above
         if batch is not None:
             t = self.config.trainer
             seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)

@@ -10,13 +10,8 @@ from pydantic import Field
 
 from hybridrl.components import ShardingOptions, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import (
-    allow_recompiles,
-    compute_dtype,
-    enable_activation_checkpointing,
-    find_blocks,
-    master_weights,
-)
+from hybridrl.models import compile_blocks, compute_dtype, enable_activation_checkpointing, master_weights
+from hybridrl.packing import pack_width
 
 
 class SingleDevice(ShardingStrategy):
@@ -33,12 +28,15 @@ class SingleDevice(ShardingStrategy):
             description="Recompute each block's activations in the backward pass instead of keeping them "
             "(the model's own gradient checkpointing, non-reentrant): less memory, about a third more compute.",
         )
-        compile: bool = Field(
-            False,
+        compile: Literal["auto", "on", "off"] = Field(
+            "auto",
             description="torch.compile each transformer block of the policy and the reference model (fuses "
-            "norms, rotary embeddings and activations) and fuse the output layer's log-softmax, gather and "
-            "entropy; the first steps compile, new lengths may recompile (torch.compile's recompile_limit is raised "
-            "to 64 for the process, so that every variant of a pass keeps a compiled graph).",
+            "norms, rotary embeddings and activations; one graph for every number of rows, packed rows kept "
+            "one width) and fuse the output layer's log-softmax, gather and entropy. The first step compiles "
+            "(about 30 s for a 0.5B model on an H200; a second run on the machine reuses torch's cache). "
+            "'auto': on a CUDA GPU when the run trains enough tokens to pay that back (trainer.steps x "
+            "responses a step x (longest prompt + rollout.max_tokens) of at least 4M, or no trainer.steps), "
+            "off elsewhere.",
         )
         keep_logits_gib: float = Field(
             8.0,
@@ -51,19 +49,20 @@ class SingleDevice(ShardingStrategy):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.compute_dtype = compute_dtype(options.mixed_precision, ctx.dtype, ctx.device, "sharding.mixed_precision")
+        self.compiles = compiles(options.compile, ctx)
         #: with compile, the passes compute the output layer's logprobs and entropies with compiled, fused
         #: kernels (hybridrl.forward.chunked_head_logprobs), keeping a pass's logits up to this many bytes
         #: for the backward pass; the pass runner gives it to the handle of each model it runs
-        self.fused_head_bytes = int(options.keep_logits_gib * 2**30) if options.compile else None
+        self.fused_head_bytes = int(options.keep_logits_gib * 2**30) if self.compiles else None
+        if self.compiles and ctx.prompt_tokens and ctx.response_tokens:
+            self.pack_width = pack_width(ctx.prompt_tokens + ctx.response_tokens)
 
     def wrap(self, model, trainable=True):
         model = (master_weights(model) if trainable else model).to(self.ctx.device)
         if trainable and self.options.activation_checkpointing:
             enable_activation_checkpointing(model, "sharding.activation_checkpointing")
-        if self.options.compile:  # the reference model too: its forward pass is half of the logprobs stage
-            allow_recompiles()
-            for block in find_blocks(model):
-                block.compile()
+        if self.compiles:  # the reference model too: its forward pass is half of the logprobs stage
+            compile_blocks(model)
         return model
 
     def checkpoints_activations(self) -> bool:
@@ -77,6 +76,31 @@ class SingleDevice(ShardingStrategy):
     def full_tensors(self, model):
         # tied weights appear once, under the name the HF state dict uses
         yield from model.state_dict().items()
+
+
+# sharding.compile auto: the update and logprob passes compiled took 0.70 s a step against 0.93 s at 64 x 384
+# tokens (0.5B shape, H200, 2026-12-01), and 3.09 s against 5.11 s at 512 x 384: about 10 us a trained token,
+# so the first step's ~30 s of compiling pays back after some 3M tokens
+COMPILE_PAYS_TOKENS = 4_000_000
+
+
+def compiles(choice: str, ctx) -> bool:
+    """Whether sharding.compile ``choice`` compiles the run's blocks (see the option); 'auto' says so once."""
+    if choice != "auto":
+        return choice == "on"
+    if ctx.device.type != "cuda":
+        return False
+    tokens = (ctx.prompt_tokens or 0) + (ctx.response_tokens or 0)  # the longest sequence
+    planned = ctx.steps and ctx.steps * (ctx.responses_per_call or 0) * tokens
+    pays = not ctx.steps or planned >= COMPILE_PAYS_TOKENS
+    if not pays and ctx.is_main:
+        print(
+            f"sharding 'single': compile auto: off, as the run trains about {planned:,} tokens (trainer.steps x "
+            f"responses x (prompt + max_tokens)), under the {COMPILE_PAYS_TOKENS:,} that pay back compiling; "
+            "set sharding.compile: on to compile anyway",
+            flush=True,
+        )
+    return pays
 
 
 @hookimpl
