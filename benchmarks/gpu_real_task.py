@@ -101,7 +101,7 @@ def config(args, side: str, run_dir: Path) -> dict:
     } | sharding
 
 
-def summarize(side: str, rows: list[dict], wall: float) -> dict:
+def summarize(side: str, rows: list[dict], wall: float, started: float | None = None) -> dict:
     steps = [r for r in rows if "timing/step" in r or "reward/mean" in r]
     times = [r.get("timing/step", 0.0) for r in steps]
     rewards = [r["reward/mean"] for r in steps]
@@ -114,9 +114,12 @@ def summarize(side: str, rows: list[dict], wall: float) -> dict:
     q = statistics.quantiles(times[1:], n=10) if len(times) > 2 else [0.0] * 9
     rolling = [sum(rewards[max(0, i - 4) : i + 1]) / min(5, i + 1) for i in range(len(rewards))]
     reached = {}  # seconds from the first step's start until the 5-step mean reward reached a level
-    for level in (0.2, 0.3, 0.4):
+    reached_wall = {}  # the same from the process's start (setup included), by the step's log time
+    for level in (0.2, 0.25, 0.3, 0.35, 0.4):
         i = next((i for i, r in enumerate(rolling) if r >= level), None)
         reached[str(level)] = sum(times[: i + 1]) if i is not None else None
+        at = steps[i].get("time") if i is not None else None
+        reached_wall[str(level)] = at - started if at is not None and started is not None else None
     return {
         "side": side,
         "wall_s": wall,
@@ -136,12 +139,15 @@ def summarize(side: str, rows: list[dict], wall: float) -> dict:
         "eval_before": evals.get(0),
         "eval_after": evals.get(max(evals)) if evals else None,
         "seconds_to_reward_5step_mean": reached,
+        "wall_s_to_reward_5step_mean": reached_wall,
+        "rolling_reward": rolling,
+        "setup_s": wall - sum(times),  # setup, evaluations and exit: all but the steps
     }
 
 
 def run_side(args, side: str, workdir: Path) -> dict:
     run_dir = workdir / side
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     if side.startswith("trl"):
         cmd = [sys.executable, __file__, "--trl-side", side, "--data", args.data, "--model", args.model,
                "--gguf", args.gguf or "", "--steps", str(args.steps), "--prompts", str(args.prompts),
@@ -157,7 +163,7 @@ def run_side(args, side: str, workdir: Path) -> dict:
     if proc.returncode != 0:
         return {"side": side, "error": proc.stderr[-3000:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summarize(side, rows, wall)
+    return summarize(side, rows, wall, started)
 
 
 def trl_side(args) -> None:
@@ -214,7 +220,7 @@ def trl_side(args) -> None:
         def on_step_end(self, a, state, control, **kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.row = {"step": state.global_step, "timing/step": time.perf_counter() - self.start}
+            self.row = {"step": state.global_step, "time": time.time(), "timing/step": time.perf_counter() - self.start}
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs and getattr(self, "row", None):
