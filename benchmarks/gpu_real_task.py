@@ -180,6 +180,8 @@ def trl_side(args) -> None:
     folder = run_dir / "model"
     gguf = {"gguf_file": args.gguf} if args.gguf else {}
     loaded = AutoModelForCausalLM.from_pretrained(args.model, **gguf)
+    if hasattr(loaded.config, "quantization_config"):  # dequantised: else TRL refuses to train it
+        del loaded.config.quantization_config
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)  # a GGUF model does not save
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(folder)

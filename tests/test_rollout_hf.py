@@ -238,6 +238,40 @@ def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_p
     assert sorted(compiled._loop_state.smaller) == [4, 8] and compiled._compiled_step is not None
 
 
+def test_decoding_in_cuda_graphs_keeps_one_prompt_width_and_its_loop(untied_model, tmp_path):
+    """Contract test (no CUDA here): a loop's captured CUDA graphs hold the addresses of its cache, so
+    a call of another prompt width rebuilt the loop, and each of its sizes ran once without graphs and
+    captured them again (steps of 1.3-3.9 s against a median of 0.48 s on a real task, H200). Eager
+    decoding in CUDA graphs therefore pads prompts to the widest bucket from the data's longest on,
+    as compiled decoding does: calls of short and long prompts keep one loop (and its graphs), and
+    the responses are those of a loop padded for each call."""
+    from hybridrl.builtin.hf_fast_path import keeps_prompt_width
+
+    assert keeps_prompt_width(False, True, True, 16)  # eager, static cache, CUDA graphs
+    assert keeps_prompt_width(True, True, False, 0)  # compiled: one width, graphs or not
+    assert not keeps_prompt_width(False, True, True, 0) and not keeps_prompt_width(False, True, False, 16)
+    assert not keeps_prompt_width(False, False, True, 16)  # generate's dynamic cache: nothing kept
+
+    tok = load_tokenizer(untied_model)
+    long = [("x" * 70) + m for m in MANY[:8]]
+    cls = plugins.lookup("rollout engine", "hf")
+    width = max(len(p) for p in prompts(tok, long))
+    ctx = RunContext(untied_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path, prompt_tokens=width)
+    kept = cls(cls.Options(cache="static", pad_prompts_to_multiple=16), ctx)
+    assert not kept._keeps_width and kept._width == 0  # on the CPU, no graphs: each call its own width
+    kept._keeps_width = True  # as on CUDA with graph_tokens (keeps_prompt_width above)
+    kept._width = -(-width // 16) * 16
+    kept.eos_ids = set(range(3, 30))
+    per_call = untied_engine(untied_model, tmp_path, pad_prompts_to_multiple=16)
+    sp = SamplingParams(n=2, max_tokens=24, seed=0, top_k=1)
+    loops = set()
+    for texts in (MANY[:8], long, MANY[:8]):  # short prompts, long ones (the data's longest), short again
+        assert_same_rollout(kept.generate(prompts(tok, texts), sp), per_call.generate(prompts(tok, texts), sp))
+        loops.add(id(kept._loop_state))
+        assert kept._loop_key[1] == kept._width  # the cache of the data's longest prompt, every call
+    assert len(loops) == 1  # one loop, whose graphs a CUDA run keeps
+
+
 def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(untied_model, tmp_path):
     """One compiled step serves the loops of every row count (rows and cache length dynamic) and
     calls of shorter prompts (padded to the widest so far, from the data's longest): a run whose

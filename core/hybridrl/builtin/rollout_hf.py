@@ -51,6 +51,7 @@ from hybridrl.builtin.hf_fast_path import (
     compile_pays,
     engine_dtype,
     fuse_projections,
+    keeps_prompt_width,
     sample_token,
     sampling_warpers,
     stopped_rows,
@@ -200,9 +201,9 @@ class HFEngine(RolloutEngine):
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         self._eager_graphs = True  # eager decoding steps captured as CUDA graphs, until a capture fails
-        # compiled decoding pads every call's prompts to the widest bucket so far, from the data's longest
-        # prompt on: a cache of one length, so a call of shorter prompts compiles nothing new
-        self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self.compile else 0
+        # prompts padded to the widest bucket so far, from the data's longest on (keeps_prompt_width)
+        self._keeps_width = keeps_prompt_width(self.compile, self.static, cuda, o.graph_tokens)
+        self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self._keeps_width else 0
         self._compile_s = 0.0  # seconds of decoding calls that compiled a step, this run
         self._uses: dict[tuple, int] = {}  # decoding calls of each sampling setting (compile_after)
         s = ctx.sampling  # the run's own setting compiles at its first call
@@ -219,7 +220,7 @@ class HFEngine(RolloutEngine):
         out = RolloutOutput([], [], [])
         for start in range(0, len(prompts), size):
             chunk = prompts[start : start + size]
-            filler = [chunk[-1]] * (size - len(chunk)) if self.compile else []  # same shapes every call
+            filler = [chunk[-1]] * (size - len(chunk)) if self._keeps_width else []  # same shapes every call
             part = self._generate(chunk + filler, sampling)
             keep = len(chunk) * sampling.n
             out.token_ids += part.token_ids[:keep]
@@ -230,7 +231,7 @@ class HFEngine(RolloutEngine):
     def _generate(self, prompts, sampling):
         m = self.pad_multiple
         P = max(-(-max(len(p) for p in prompts) // m) * m, self._width)
-        self._width = P if self.compile else 0
+        self._width = P if self._keeps_width else 0
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
