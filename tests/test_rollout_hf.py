@@ -6,6 +6,7 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
+from hybridrl.builtin import hf_fast_path
 from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped_decode_attention
 from hybridrl.builtin.rollout_hf import compacted_rows
 from hybridrl.components import RunContext, Sampling, SamplingParams
@@ -126,11 +127,13 @@ def test_compiled_decoding_equals_eager(make_engine):
     assert compiled._compiled_step is not None  # the decoding loop took the compiled step
 
 
-def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engine, monkeypatch, capsys):
+@pytest.mark.parametrize("fails_at", ["begin", "step"])
+def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engine, monkeypatch, capsys, fails_at):
     """Contract test (no CUDA here): on CUDA the static cache captures eager decoding steps as CUDA
-    graphs too. Where a capture fails (a forward that syncs with the host, which capturing does not
-    permit), torch.cuda.graph raises: the steps then run eagerly, the same tokens as without graphs,
-    and the run decodes without them from then on, said once."""
+    graphs too, on a side stream, without emptying torch's memory caches first (as torch.cuda.graph
+    does). Where a capture fails (a forward that syncs with the host, which capturing does not
+    permit), the capture raises: the steps then run eagerly, the same tokens as without graphs, and
+    the run decodes without them from then on, said once."""
     import contextlib
 
     reference = make_engine(cache="static", pad_prompts_to_multiple=16, graph_tokens=0)
@@ -144,15 +147,37 @@ def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make
 
     captures = []
 
-    @contextlib.contextmanager
-    def failing_capture(graph, pool=None):
-        captures.append(pool)
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-        yield
+    error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    step, capturing = engine._step, []
+
+    class FailingGraph:  # a capture that fails: at its start, or at a step that syncs with the host
+        def capture_begin(self, pool=None):
+            captures.append(pool)
+            if fails_at == "begin":
+                raise error
+            capturing.append(True)
+
+        def capture_end(self):
+            capturing.clear()
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def syncing_step(*args):  # raises before it changes anything, as the device would refuse the sync
+        if capturing:
+            raise error
+        return step(*args)
+
+    class Stream:  # the capture's side stream, waited on both ways
+        def wait_stream(self, other):
+            pass
 
     monkeypatch.setattr(engine, "_loop", loop_with_a_pool)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    monkeypatch.setattr(engine, "_step", syncing_step)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FailingGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(hf_fast_path, "_capture_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("a capture emptied the allocator's cache"))
     p = prompts(engine.tokenizer, TEXTS)
     sp = SamplingParams(n=2, max_tokens=40, seed=5, ignore_eos=True)  # runs of 16, 16 and 7 steps
     for _ in range(2):
@@ -240,9 +265,9 @@ def test_compiled_compacted_decoding_equals_eager_whole_rows(untied_model, tmp_p
 
 def test_decoding_in_cuda_graphs_keeps_one_prompt_width_and_its_loop(untied_model, tmp_path):
     """Contract test (no CUDA here): a loop's captured CUDA graphs hold the addresses of its cache, so
-    a call of another prompt width rebuilt the loop, and each of its sizes ran once without graphs and
-    captured them again (steps of 1.3-3.9 s against a median of 0.48 s on a real task, H200). Eager
-    decoding in CUDA graphs therefore pads prompts to the widest bucket from the data's longest on,
+    a call of another prompt width would rebuild the loop, and each of its sizes would run once
+    without graphs and capture them again. Eager decoding in CUDA graphs therefore pads prompts to
+    the widest bucket from the data's longest on,
     as compiled decoding does: calls of short and long prompts keep one loop (and its graphs), and
     the responses are those of a loop padded for each call."""
     from hybridrl.builtin.hf_fast_path import keeps_prompt_width

@@ -5,6 +5,9 @@ fused into one matrix multiplication), the decoding loop's state on the device
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from hybridrl.models import DTYPES
@@ -32,9 +35,34 @@ def keeps_prompt_width(compiled: bool, static: bool, cuda: bool, graph_tokens: i
     """Whether decoding pads every call's prompts to the widest bucket so far (from the data's longest
     prompt on): compiled decoding, so that shorter prompts compile nothing new, and eager decoding in
     CUDA graphs, whose loop keeps its graphs only while the cache keeps its length (a new width
-    rebuilds the loop: each of its sizes runs once without graphs and captures them again, steps
-    of 1.3-3.9 s against a median of 0.48 s on SmolLM2-135M with varying prompts, H200, 2026-12-03)."""
+    rebuilds the loop: each of its sizes runs once without graphs and captures them again)."""
     return compiled or (static and cuda and graph_tokens > 0)
+
+
+@contextlib.contextmanager
+def capturing(graph, pool):
+    """The work queued inside captured into ``graph`` in the memory ``pool``, on a side stream: what
+    ``torch.cuda.graph`` does without emptying torch's caches of device and pinned host memory
+    first (and, where configured, collecting garbage), which a capture of a few decoding steps
+    does not need and which made the next passes allocate their memory again."""
+    stream = _capture_stream()
+    torch.cuda.synchronize()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield graph
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # ends the failed capture; the body's error says why
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+@functools.cache
+def _capture_stream():
+    return torch.cuda.Stream()
 
 
 def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -> torch.dtype:

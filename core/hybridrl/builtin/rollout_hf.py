@@ -47,6 +47,7 @@ from hybridrl.builtin.hf_fast_path import (
     COMPILE_PAYS_TOKENS,
     GPU_MIN_ROWS,
     DecodeState,
+    capturing,
     compacted_rows,
     compile_pays,
     engine_dtype,
@@ -397,7 +398,7 @@ class HFEngine(RolloutEngine):
         which a capture does not permit): eager decoding then goes on without graphs for the run."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=loop.pool):
+            with capturing(graph, loop.pool):
                 for _ in range(steps):
                     step(loop, sampling, warpers)
         except RuntimeError as e:
@@ -412,8 +413,7 @@ class HFEngine(RolloutEngine):
         return graph
 
     def _loop(self, batch, prompt, tokens, device) -> DecodeState:
-        """The loop state of this shape, kept for the next call of the same shape (its captured graphs
-        hold its addresses); another shape frees it first."""
+        """The loop of this shape, kept for the next call of the same shape; another shape frees it first."""
         key = (batch, prompt, tokens)
         if self._loop_key != key:
             self._loop_state = None
