@@ -34,6 +34,7 @@ the bf16 peak), verl's own figure beside it. Prints a table and writes JSON (``-
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -115,7 +116,36 @@ def verl_overrides(args, model: str, data: Path, reward: Path) -> list[str]:
               "+critic.model.override_config.attn_implementation=sdpa",
               "critic.model.enable_gradient_checkpointing=False", "critic.optim.lr=1e-5",
               f"critic.ppo_max_token_len_per_gpu={tokens}"]  # fmt: skip
+    if args.profile_step:  # verl's own torch profiler, one trace per stage of that step
+        o += ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
+              f"global_profiler.save_path={Path(args.workdir_abs) / 'verl_profile'}",
+              "actor_rollout_ref.actor.profiler.enable=True",
+              "actor_rollout_ref.actor.profiler.tool_config.torch.discrete=True",
+              "actor_rollout_ref.rollout.profiler.enable=False"]  # fmt: skip
     return o + shlex.split(args.verl_options)
+
+
+def trace_summary(folder: Path, top: int = 25) -> dict:
+    """Each torch-profiler trace under ``folder`` (verl's, one a stage): the span it covers and the
+    operators and kernels that took the most time, summed by name (milliseconds)."""
+    out = {}
+    for path in sorted(folder.rglob("*.json*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+        if not events:
+            continue
+        start, end = min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events)
+        by = {}
+        for e in events:
+            key = f"{e.get('cat', '?')}: {e.get('name', '?')[:120]}"
+            by[key] = by.get(key, 0.0) + e["dur"] / 1000
+        kinds = {}
+        for e in events:
+            kinds[e.get("cat", "?")] = kinds.get(e.get("cat", "?"), 0) + 1
+        ranked = sorted(by.items(), key=lambda kv: -kv[1])[:top]
+        out[path.name] = {"span_ms": (end - start) / 1000, "events": kinds, "top_ms": dict(ranked)}
+    return out
 
 
 def run_verl(args, model: str, workdir: Path) -> dict:
@@ -138,6 +168,8 @@ def run_verl(args, model: str, workdir: Path) -> dict:
     lines = log.read_text().splitlines() if log.is_file() else []
     result["steps"] = [verl_row(json.loads(line)) for line in lines if line.strip()]
     result["ok"] = result["exit"] == 0 and len(result["steps"]) == args.warmup + args.steps
+    if args.profile_step:
+        result["profile"] = trace_summary(workdir / "verl_profile")
     return result
 
 
@@ -274,7 +306,7 @@ def main(args) -> int:
     import torch
 
     out = common.out_path(args.out, "vs_verl_gpu.json")
-    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-verl").absolute()
+    workdir = Path(args.workdir_abs)
     workdir.mkdir(parents=True, exist_ok=True)
     rate = 0.0 if args.lengths == "fixed" else 4 / args.max_tokens
     name = "qwen2.5-0.5b-shaped-content-template" + (f"-end-rate-{rate:.4g}" if rate else "")
@@ -323,12 +355,20 @@ def parse_args(argv=None):
     p.add_argument("--hf-options", default='{"compile": "auto"}', help="JSON of hybridrl-hf's rollout options")
     p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
     p.add_argument("--sharding", default='{"compile": "auto"}', help="JSON of hybridrl's sharding options (single)")
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        help="verl: take a torch profile of this step, "
+        "summarised into the JSON (its step times are inflated: time another run)",
+    )
     p.add_argument("--side-timeout", type=float, default=540)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = 1e-9 if args.lengths == "long-tail" else 1e-6
+    args.workdir_abs = str(Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-verl").absolute())
     return args
 
 
