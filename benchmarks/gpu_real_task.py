@@ -141,6 +141,8 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "seconds_to_reward_5step_mean": reached,
         "wall_s_to_reward_5step_mean": reached_wall,
         "rolling_reward": rolling,
+        # each step's stages and decoding work besides replaying graphs: where a slow step went
+        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_", "compile/"))} for r in steps],
         "setup_s": wall - sum(times),  # setup, evaluations and exit: all but the steps
     }
 

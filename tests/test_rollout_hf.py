@@ -183,6 +183,10 @@ def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make
     for _ in range(2):
         assert_same_rollout(engine.generate(p, sp), reference.generate(p, sp))
     assert captures == ["pool"] and not engine._eager_graphs  # the second run of 16 steps tried, once
+    graphs = engine._graphs.metrics()  # hf/graph_* (reported on CUDA): the warm-up runs, the capture tried
+    assert graphs["hf/graph_warmups"] == 3 and graphs["hf/graph_captures"] == 1  # 3 numbers of steps a run
+    assert graphs["hf/graph_new_loops"] == 0 and graphs["hf/graph_capture_s"] >= 0
+    assert engine._graphs.metrics()["hf/graph_captures"] == 0  # read once per step
     said = capsys.readouterr().out
     assert said.count("eager decoding cannot be captured as CUDA graphs") == 1
     assert "operation not permitted when stream is capturing)" in said

@@ -1,12 +1,14 @@
 """The ``hf`` engine's fast path on the static KV cache: the engine copy's dtype, what it changes in
 that copy (attention that reads a grouped-query cache in place, projections that read one input
 fused into one matrix multiplication), the decoding loop's state on the device
-(:class:`DecodeState`) and how it samples a token as ``generate`` does."""
+(:class:`DecodeState`), its CUDA graphs (:func:`capturing`, :class:`GraphStats`) and how it samples
+a token as ``generate`` does; and the logprob recorder of the plain ``generate`` path."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
 
@@ -206,6 +208,50 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 setattr(module, name, FusedPart(lin, group, i))
             fused += 1
     return fused
+
+
+class LogprobRecorder:
+    """Logits processor that records the logprob of each sampled token.
+
+    It sees the raw logits of step t, and at step t + 1 the token sampled from them; so only
+    one (B, V) vector is kept at a time, never the logits of the whole generation.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.collect(input_ids[:, -1])
+        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def collect(self, tokens: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1))
+            self.prev = None
+
+
+class GraphStats:
+    """What a step's decoding did besides replaying CUDA graphs, for ``hf/graph_*``: loops of a new
+    number of rows made (``compact_rows``), first runs of a number of steps (no graph yet: warm-up)
+    and captures, with the host's seconds in each, so that a slow step says where it went."""
+
+    def __init__(self):
+        self.loops, self.warm, self.captures, self.warm_s, self.capture_s = 0, 0, 0, 0.0, 0.0
+
+    def warmed(self, start: float) -> None:
+        self.warm, self.warm_s = self.warm + 1, self.warm_s + time.perf_counter() - start
+
+    def captured(self, start: float) -> None:
+        self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        out = {"hf/graph_new_loops": self.loops, "hf/graph_warmups": self.warm, "hf/graph_captures": self.captures}
+        out |= {"hf/graph_warmup_s": self.warm_s, "hf/graph_capture_s": self.capture_s}
+        self.__init__()
+        return out
 
 
 class DecodeState:

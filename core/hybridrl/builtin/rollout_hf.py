@@ -47,6 +47,8 @@ from hybridrl.builtin.hf_fast_path import (
     COMPILE_PAYS_TOKENS,
     GPU_MIN_ROWS,
     DecodeState,
+    GraphStats,
+    LogprobRecorder,
     capturing,
     compacted_rows,
     compile_pays,
@@ -65,29 +67,6 @@ from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
 
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
-
-
-class _LogprobRecorder:
-    """Logits processor that records the logprob of each sampled token.
-
-    It sees the raw logits of step t, and at step t + 1 the token sampled from them; so only
-    one (B, V) vector is kept at a time, never the logits of the whole generation.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.prev: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.collect(input_ids[:, -1])
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def collect(self, tokens: torch.Tensor) -> None:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1))
-            self.prev = None
 
 
 class HFEngine(RolloutEngine):
@@ -202,6 +181,7 @@ class HFEngine(RolloutEngine):
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         self._eager_graphs = True  # eager decoding steps captured as CUDA graphs, until a capture fails
+        self._graphs = GraphStats()  # this step's new loops, warm-up runs and captures (hf/graph_*)
         # prompts padded to the widest bucket so far, from the data's longest on (keeps_prompt_width)
         self._keeps_width = keeps_prompt_width(self.compile, self.static, cuda, o.graph_tokens)
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self._keeps_width else 0
@@ -356,6 +336,7 @@ class HFEngine(RolloutEngine):
             return None, None
         if rows not in first.smaller:
             first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, loop.done.device)
+            self._graphs.loops += 1
         smaller = first.smaller[rows]
         order = torch.sort(loop.done.to(torch.uint8), stable=True).indices[:rows]  # running, then ended rows
         smaller.take(loop, order)
@@ -380,11 +361,14 @@ class HFEngine(RolloutEngine):
                 step(loop, sampling, warpers)
             if counters["stats"]["unique_graphs"] > graphs_before:  # this run of steps compiled one
                 self._compile_s += time.perf_counter() - start
-            if graphs is not None:
+            if graphs is not None:  # warmed up: the next run captures
                 graphs[key] = None
+                self._graphs.warmed(start)
             return
         if graphs[key] is None:
+            start = time.perf_counter()
             graphs[key] = self._capture(loop, steps, step, sampling, warpers, compiled)
+            self._graphs.captured(start)
             if graphs[key] is None:
                 del graphs[key]
                 for _ in range(steps):
@@ -438,7 +422,7 @@ class HFEngine(RolloutEngine):
             stop_strings=sampling.stop or None,
             disable_compile=True,  # compiled decoding is the static cache's loop
         )
-        recorder = _LogprobRecorder(sampling.temperature)
+        recorder = LogprobRecorder(sampling.temperature)
         ids, mask, cache = self._shared_prefill(ids, mask, sampling.n)
         if cache is not None:
             gen.num_return_sequences = 1  # the rows are already repeated
@@ -481,6 +465,7 @@ class HFEngine(RolloutEngine):
         decoded, whole = self._row_steps
         self._row_steps = [0, 0]
         out = {"hf/compile_s": self._compile_s} if self.compile else {}  # the run's, so far
+        out |= self._graphs.metrics() if self.static and self.graph_tokens and self.ctx.device.type == "cuda" else {}
         return out | ({"hf/decoded_row_fraction": decoded / whole} if whole else {})
 
     @torch.no_grad()
