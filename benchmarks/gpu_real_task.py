@@ -131,7 +131,7 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "max_after_first_s": max(times[1:]) if len(times) > 1 else None,
         "worst_step_over_median": stall,
         # torch.compile's seconds in the run (decoding and passes); before that metric, the engine's own
-        "compile_s": sum(r.get("compile/seconds", 0.0) for r in rows)
+        "compile_s": sum(r.get("timing/compile", 0.0) for r in rows)
         or max((r.get("hf/compile_s", 0.0) for r in rows), default=0.0),
         "reward": rewards,
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
@@ -142,7 +142,7 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "wall_s_to_reward_5step_mean": reached_wall,
         "rolling_reward": rolling,
         # each step's stages and decoding work besides replaying graphs: where a slow step went
-        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_", "compile/"))} for r in steps],
+        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_"))} for r in steps],
         "setup_s": wall - sum(times),  # setup, evaluations and exit: all but the steps
     }
 

@@ -182,7 +182,7 @@ class Trainer(TrainerSetup):
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
-        metrics["compile/seconds"] = compile_seconds() - compiled  # torch.compile's, within the stages above
+        metrics["timing/compile"] = compile_seconds() - compiled  # torch.compile's, within the stages above
         if batch is not None:
             t = self.config.trainer
             seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
