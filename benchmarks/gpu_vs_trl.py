@@ -148,6 +148,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         row |= {f"{k}_s": m.get(f"timing/{k}", 0.0) for k in keep}
         row |= {k.split("/")[-1]: m[k] for k in THROUGHPUT if k in m}
         row["compile_s"] = m.get("timing/compile")  # torch.compile's, this step
+        row |= {k.split("/")[-1]: m[k] for k in m if k.startswith("hf/graph_")}  # a slow step's decoding work
         row["reward"] = m.get("reward/mean")
         row["response_length"] = m.get("response_length/mean")
         row["logprob_diff_mean"] = m.get("rollout/logprob_diff_mean")  # engine vs trainer, same weights
