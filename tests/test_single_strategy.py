@@ -165,6 +165,7 @@ def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_mod
     saves tokens."""
     import dataclasses
 
+    from hybridrl.memory import MicroBatches
     from hybridrl.passes import Planner
     from hybridrl.testing import fixed_batch
 
@@ -177,5 +178,10 @@ def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_mod
     handle = ModelHandle(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
     (p,) = Planner(pack_sequences=True, width=512).plan(handle, batch)
     assert p.layout == "packed" and (p.placement.width, p.placement.rows) == (512, 2)
+    for budget, rows in ((1024, 2), (1000, 1)):  # two rows only where the token budget of a pass holds them
+        (p,) = Planner(pack_sequences=True, width=512, budget=MicroBatches(None, budget, None, None, ctx.device)).plan(
+            handle, batch
+        )
+        assert p.layout == "packed" and (p.placement.width, p.placement.rows) == (512, rows)
     (p,) = Planner(pack_sequences=True).plan(handle, batch)  # one row of 128 holds more than the padded pass
     assert p.layout == "padded"

@@ -107,7 +107,7 @@ class Planner:
         if pack:
             mask = batch.attention_mask
             cut = packing.cut(mask.sum(1).tolist(), self.pack_width(mask.shape[1]), tokens)
-            cut = [(g, self._rows(p)) for g, p in cut]
+            cut = [(g, self._rows(p, tokens)) for g, p in cut]
         else:
             cut = [(g, None) for g in token_budget_split(batch, tokens)]
         if distributed.world_size() > 1:  # every rank the same number of passes, each cut by its own lengths
@@ -120,10 +120,12 @@ class Planner:
         """Tokens of the packed rows of a batch whose rows are ``tokens`` wide."""
         return max(packing.pack_width(tokens), self.width or 0)
 
-    def _rows(self, placement: Placement) -> Placement:
+    def _rows(self, placement: Placement, tokens: int | None = None) -> Placement:
         """At least two packed rows where the width is the run's (compiled blocks, whose one graph
-        serves any number of rows but one: torch.compile specialises a size of 1)."""
-        return dataclasses.replace(placement, rows=2) if self.width and placement.rows == 1 else placement
+        serves any number of rows but one: torch.compile specialises a size of 1), where the token
+        budget of a pass (``tokens``) holds two."""
+        two = self.width and placement.rows == 1 and (tokens is None or 2 * placement.width <= tokens)
+        return dataclasses.replace(placement, rows=2) if two else placement
 
     def _pass(self, handle: ModelHandle, ids, mask, T: int, rows: list[int], placement, pack: bool) -> Pass:
         """How the pass of ``rows`` (``ids`` and ``mask`` (b, P + T)) runs."""
