@@ -340,7 +340,7 @@ def _rows_dynamic(compiled):
 def compile_seconds() -> float:
     """Seconds this process has spent in torch.compile so far: tracing and compiling forward graphs,
     and their backward graphs (compiled at their first backward pass)."""
-    times = torch._dynamo.utils.compilation_time_metrics
+    times = getattr(torch._dynamo.utils, "compilation_time_metrics", {})  # torch's own record; 0 if it has none
     return float(sum(times.get("_compile.compile_inner", ())) + sum(times.get("compile_fx.<locals>.bw_compiler", ())))
 
 
