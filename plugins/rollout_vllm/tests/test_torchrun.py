@@ -236,8 +236,9 @@ def test_a_rank_killed_in_the_sync_stops_the_other_with_its_name(model_dir, tmp_
     data = config(model_dir, tmp_path / "run", trainer={"steps": 3, "timeout_s": 60})
     # torchrun stops the other ranks once it sees one exit, by default within 0.1 s, which on a
     # loaded machine came before rank 0 had said what it saw (torchrun's own report names the dead
-    # rank then); here its agent looks every 5 s (--monitor-interval, from PET_MONITOR_INTERVAL)
-    slow_agent = {"PET_MONITOR_INTERVAL": "5"}
+    # rank then); here its agent looks every 30 s (--monitor-interval, from PET_MONITOR_INTERVAL): at 5 s
+    # it once stopped rank 0 on a loaded 2-core machine before it had printed its report
+    slow_agent = {"PET_MONITOR_INTERVAL": "30"}
     proc, _ = launch(tmp_path, "run", data, "die-in-sync", timeout=300, env=slow_agent)  # a hang fails here
     assert proc.returncode != 0
     err = proc.stderr
