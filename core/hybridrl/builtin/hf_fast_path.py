@@ -239,6 +239,9 @@ class GraphStats:
     and captures, with the host's seconds in each, so that a slow step says where it went."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.loops, self.warm, self.captures, self.warm_s, self.capture_s = 0, 0, 0, 0.0, 0.0
 
     def warmed(self, start: float) -> None:
@@ -250,7 +253,7 @@ class GraphStats:
     def metrics(self) -> dict[str, float]:
         out = {"hf/graph_new_loops": self.loops, "hf/graph_warmups": self.warm, "hf/graph_captures": self.captures}
         out |= {"hf/graph_warmup_s": self.warm_s, "hf/graph_capture_s": self.capture_s}
-        self.__init__()
+        self.reset()  # read once per step
         return out
 
 
