@@ -1,12 +1,15 @@
 """Token-budget micro-batches (trainer.micro_batch_tokens): fewer padded tokens, the same
 logprobs and gradients as one pass over the whole batch."""
 
+import time
+
 import pytest
 import torch
 
 from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
+from hybridrl.models import compile_seconds
 from hybridrl.passes import split_widest
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
@@ -268,6 +271,7 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
         assert t.passes.handle(t.policy).fused_head_bytes == 8 * 2**30  # the compiled, fused output layer
         assert t.passes.planner.width == t.strategy.pack_width == packing.pack_width(t.ctx.prompt_tokens + 16)
         for step in (1, 2, 3, 4, 5):
+            compiled, start = compile_seconds(), time.perf_counter()
             lengths = [[min(16, 1 + int(rng.expovariate(1 / 4))) for _ in range(4)] for _ in range(4)]
             batch = fixed_batch(t.tokenizer, lengths)
             t.compute_logprobs(batch)
@@ -275,7 +279,12 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
             t.update(batch, step)
             ran_eagerly = frames["total"] - frames["ok"] - skipped
             assert ran_eagerly == 0, f"step {step}: {ran_eagerly} variant(s) ran eagerly (torch.compile's limit)"
+            compiling = compile_seconds() - compiled  # the step's timing/compile
             if step == 1:
                 after_first = graphs["unique_graphs"]
+                # the backward graphs compile within the forward's compilation: counted once
+                assert 0 < compiling <= time.perf_counter() - start
+            else:
+                assert compiling == 0
             # no stall: steps of new lengths and row counts reuse the first step's graphs
             assert graphs["unique_graphs"] == after_first, f"step {step} compiled again"
