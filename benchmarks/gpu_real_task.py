@@ -17,8 +17,9 @@ evaluated greedily before the first step and after the last.
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
 GPU the static cache, and compiled decoding when the run plans two million response tokens),
 ``hf-compiled`` (``rollout.compile: on``), ``hf-compiled-update`` (``sharding.compile: on``) and
-``hf-eager`` (``rollout.compile: off``: it never
-compiles); ``vllm`` when the vllm plugin and vLLM are importable; ``trl-vllm`` (TRL 1.16's
+``hf-eager`` (``rollout.compile: off``: it never compiles); a side named twice runs twice, the
+second finding torch.compile's caches on disk warm, as a second run on the same machine does;
+``vllm`` when the vllm plugin and vLLM are importable; ``trl-vllm`` (TRL 1.16's
 GRPOTrainer at its best settings: vLLM colocated, no gradient checkpointing) and ``trl`` (its
 transformers generation), with the same hyper-parameters, prompts and check of the answer, on a
 float32 copy of the model saved in the side's own process (its setup). TRL's held-out evaluation is
@@ -147,8 +148,8 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
     }
 
 
-def run_side(args, side: str, workdir: Path) -> dict:
-    run_dir = workdir / side
+def run_side(args, side: str, workdir: Path, index: int = 0) -> dict:
+    run_dir = workdir / f"{index}-{side}"  # a side named twice runs twice (the second with warm caches)
     start, started = time.perf_counter(), time.time()
     if side.startswith("trl"):
         cmd = [sys.executable, __file__, "--trl-side", side, "--data", args.data, "--model", args.model,
@@ -156,7 +157,7 @@ def run_side(args, side: str, workdir: Path) -> dict:
                "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--run-dir", str(run_dir)]  # fmt: skip
         proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
     else:
-        path = workdir / f"{side}.json"
+        path = workdir / f"{index}-{side}.json"
         path.write_text(json.dumps(config(args, side, run_dir)))
         plugins = ["algo_grpo", "rollout_vllm"] if side == "vllm" else ["algo_grpo"]
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
@@ -289,8 +290,8 @@ def main() -> int:
     except ImportError:
         pass
     result["sides"] = []
-    for side in args.sides.split(","):
-        result["sides"].append(run_side(args, side, workdir))
+    for index, side in enumerate(args.sides.split(",")):
+        result["sides"].append(run_side(args, side, workdir, index))
         out.write_text(json.dumps(result, indent=1))
     print(f"{'side':10} {'wall s':>7} {'1st s':>6} {'p50 s':>6} {'p90 s':>6} {'max s':>6} {'stall':>6} "
           f"{'compile':>7} {'r first5':>8} {'r last5':>8} {'eval0':>6} {'evalN':>6}")  # fmt: skip
