@@ -192,6 +192,51 @@ def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make
     assert "operation not permitted when stream is capturing)" in said
 
 
+def test_the_first_call_captures_every_loop_a_later_call_can_reach(untied_model, tmp_path, monkeypatch):
+    """Contract test (no CUDA here): on CUDA each run of a number of steps, in each loop (the
+    call's, and those of fewer rows that compact_rows moves to), first runs as it is and then is
+    captured as a CUDA graph. At the step where responses first ended sooner or later than before,
+    that was a stall. With the run's own sampling setting the first call captures each run right
+    after its first, then makes, warms up and captures every loop compaction can reach: later
+    calls, whatever their lengths, only replay graphs. The responses are those without graphs."""
+    from types import SimpleNamespace
+
+    from hybridrl.builtin import rollout_hf
+
+    class LoopWithAPool(rollout_hf.DecodeState):  # DecodeState takes a graph pool on CUDA only
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.pool = "pool"
+
+    captured = []
+
+    def capture(loop, steps, step, sampling, warpers, compiled):  # a graph: runs nothing until replayed
+        captured.append((loop.rows, steps))
+        return SimpleNamespace(replay=lambda: [step(loop, sampling, warpers) for _ in range(steps)])
+
+    tok = load_tokenizer(untied_model)
+    cls = plugins.lookup("rollout engine", "hf")
+    ctx = RunContext(untied_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling(top_k=1))
+    engine = cls(cls.Options(cache="static"), ctx)
+    engine.eos_ids = set(range(3, 30))
+    monkeypatch.setattr(rollout_hf, "DecodeState", LoopWithAPool)
+    monkeypatch.setattr(engine, "_capture", capture)
+    without_graphs = untied_engine(untied_model, tmp_path, graph_tokens=0)
+    sp = SamplingParams(n=1, max_tokens=40, seed=0, top_k=1)  # the run's setting: runs of 15, 16 and 8 steps
+    first, later = prompts(tok, MANY), prompts(tok, [m + " and more" for m in MANY[::-1]])
+    assert_same_rollout(engine.generate(first, sp), without_graphs.generate(first, sp))
+    assert sorted(engine._loop_state.smaller) == [4, 8, 16, 32]  # 64 rows halved down to a sixteenth
+    smaller = [(rows, steps) for rows in (4, 8, 16, 32) for steps in (8, 16)]  # they begin after a check
+    assert sorted(captured) == sorted([(64, 8), (64, 15), (64, 16)] + smaller)  # each once
+    graphs = engine._graphs.metrics()
+    assert graphs["hf/graph_captures"] == graphs["hf/graph_warmups"] == 11 and graphs["hf/graph_new_loops"] == 4
+    for _ in range(2):
+        assert_same_rollout(engine.generate(later, sp), without_graphs.generate(later, sp))
+        graphs = engine._graphs.metrics()
+        assert graphs["hf/graph_warmups"] == graphs["hf/graph_captures"] == graphs["hf/graph_new_loops"] == 0
+    assert engine.metrics()["hf/decoded_row_fraction"] < 0.6  # the calls ran in the smaller loops
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_responses_end_at_the_first_eos_or_at_max_tokens(make_engine, cache):
     engine = make_engine(cache=cache)

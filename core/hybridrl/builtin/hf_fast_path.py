@@ -2,7 +2,7 @@
 that copy (attention that reads a grouped-query cache in place, projections that read one input
 fused into one matrix multiplication), the decoding loop's state on the device
 (:class:`DecodeState`), its CUDA graphs (:func:`capturing`, :class:`GraphStats`) and how it samples
-a token as ``generate`` does; and the logprob recorder of the plain ``generate`` path."""
+a token as ``generate`` does. The plain path, ``generate`` on the dynamic cache: hf_generate.py."""
 
 from __future__ import annotations
 
@@ -91,6 +91,17 @@ def compacted_rows(rows: int, running: int, call_rows: int, floor: int) -> int:
     while rows % 2 == 0 and running <= rows // 2 and rows // 2 >= least:
         rows //= 2
     return rows
+
+
+def steps_between_checks(tokens: int, every: int) -> list[int]:
+    """The runs of decoding steps of a call of ``tokens`` response tokens that runs to its end: the
+    prompts' forward pass gives the first token, then each run goes up to the next check of ended
+    sequences (every ``every`` tokens), the last up to ``tokens``."""
+    runs, recorded = [], 1
+    while recorded < tokens:
+        runs.append(min(every - recorded % every, tokens - recorded))
+        recorded += runs[-1]
+    return runs
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -210,29 +221,6 @@ def fuse_projections(model: torch.nn.Module) -> int:
     return fused
 
 
-class LogprobRecorder:
-    """Logits processor that records the logprob of each sampled token.
-
-    It sees the raw logits of step t, and at step t + 1 the token sampled from them; so only
-    one (B, V) vector is kept at a time, never the logits of the whole generation.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.prev: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.collect(input_ids[:, -1])
-        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def collect(self, tokens: torch.Tensor) -> None:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(-1, tokens[:, None]).squeeze(-1))
-            self.prev = None
-
-
 class GraphStats:
     """What a step's decoding did besides replaying CUDA graphs, for ``hf/graph_*``: loops of a new
     number of rows made (``compact_rows``), first runs of a number of steps (no graph yet: warm-up)
@@ -278,6 +266,7 @@ class DecodeState:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # None: warmed up, not yet captured
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.smaller: dict[int, DecodeState] = {}  # the loops of fewer rows that compaction moves to
+        self.warmed_up = False  # every run of steps of it and its smaller loops captured (HFEngine._warm_up)
 
     @property
     def rows(self) -> int:
@@ -296,6 +285,14 @@ class DecodeState:
         self.at.zero_()
         self.full[:, : mask.shape[1]].copy_(mask)
         self.next_pos.copy_(mask.long().sum(-1, keepdim=True))  # where the first response token goes
+
+    def after_prefill(self, prompt: int) -> None:
+        """Back to where decoding starts, after the prompts' ``prompt`` columns: the next token is
+        recorded first and the cache is written from column ``prompt`` on (what it holds is kept)."""
+        self.at.zero_()
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(prompt)
 
     def take(self, other: DecodeState, rows: torch.Tensor) -> None:
         """Continue ``other``'s decoding for its ``rows`` (one per row of this loop): their keys and

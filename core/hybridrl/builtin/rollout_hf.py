@@ -21,7 +21,7 @@ up to ``batch_size`` with copies whose samples are dropped.
 
 The dynamic cache (the CPU default) goes through transformers ``generate``, with a logits
 processor that records the logprobs, after a prefill of each prompt once whose cache is
-repeated for its ``n`` samples (``_shared_prefill``: about 2 s of a 10.5 s rollout saved at the
+repeated for its ``n`` samples (``hf_generate.shared_prefill``: about 2 s of a 10.5 s rollout saved at the
 demo's sizes). Both paths end a response at its first end token or at the token that
 completes a stop string, whichever comes first.
 
@@ -48,7 +48,6 @@ from hybridrl.builtin.hf_fast_path import (
     GPU_MIN_ROWS,
     DecodeState,
     GraphStats,
-    LogprobRecorder,
     capturing,
     compacted_rows,
     compile_pays,
@@ -57,9 +56,11 @@ from hybridrl.builtin.hf_fast_path import (
     keeps_prompt_width,
     sample_token,
     sampling_warpers,
+    steps_between_checks,
     stopped_rows,
     use_grouped_decode_attention,
 )
+from hybridrl.builtin.hf_generate import generate_plain
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
@@ -101,7 +102,8 @@ class HFEngine(RolloutEngine):
             "least half of a call's rows have ended, move the rows still running to a loop of half as many "
             "rows (down to a sixteenth of the call's, and on a GPU to 64), so that decoding steps stop "
             "computing finished ones. Each row count keeps its own cache and CUDA graphs (the compiled step is "
-            "shared). The logprobs are exact either way; the random draws fall to other rows, so the samples "
+            "shared); on CUDA the run's first call makes and captures every loop it can reach. The logprobs are "
+            "exact either way; the random draws fall to other rows, so the samples "
             "differ from generate's for the same seed. "
             "false: every row runs until the last one ends.",
         )
@@ -222,7 +224,7 @@ class HFEngine(RolloutEngine):
         if seed is not None:
             torch.manual_seed(seed)
         ids, mask = ids.to(self.ctx.device), mask.to(self.ctx.device)
-        decode = self._decode if self.static else self._generate_hf
+        decode = self._decode if self.static else self._generate_plain
         new, logprobs = (t.cpu() for t in decode(ids, mask, sampling))
         out = RolloutOutput([], [], [])
         for row, lp in zip(new.tolist(), logprobs.tolist()):
@@ -233,6 +235,9 @@ class HFEngine(RolloutEngine):
             out.logprobs.append(lp[: end or len(row)])
             out.finish_reasons.append("stop" if end is not None else "length")
         return out
+
+    def _generate_plain(self, ids, mask, sampling):
+        return generate_plain(self.model, self.tokenizer, ids, mask, sampling, self.eos_ids, self._last_logits_only)
 
     def _sample(self, logits, sampling, warpers):
         """The next token and its logprob (:func:`sample_token`, as ``generate`` samples)."""
@@ -297,13 +302,14 @@ class HFEngine(RolloutEngine):
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
-        compiled = self.compile and (setting == self._run_setting or self._uses[setting] >= self.options.compile_after)
+        own = setting == self._run_setting  # the run's own setting: captured at once, every loop warmed up
+        compiled = self.compile and (own or self._uses[setting] >= self.options.compile_after)
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
         while recorded < T:
             steps = min(every - recorded % every, T - recorded)
-            self._run_steps(loop, steps, sampling, warpers, compiled)
+            self._run_steps(loop, steps, sampling, warpers, compiled, at_once=own)
             recorded += steps
             self._row_steps[0] += loop.rows * steps
             if ends and recorded % every == 0:
@@ -322,7 +328,36 @@ class HFEngine(RolloutEngine):
             parent.tokens.index_copy_(0, rows, loop.tokens)
             parent.logprobs.index_copy_(0, rows, loop.logprobs)
             loop = parent
-        return loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
+        tokens, logprobs = loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
+        if own and not first.warmed_up and first.pool is not None and self._captures(compiled):
+            tokens, logprobs = tokens.clone(), logprobs.clone()  # warming up reuses the loop's buffers
+            self._warm_up(first, T, sampling, warpers, compiled, ends)
+        return tokens, logprobs
+
+    def _warm_up(self, first, tokens, sampling, warpers, compiled: bool, ends: bool):
+        """Every run of steps a call of the run's own setting can reach, warmed up and captured now, at
+        the first call: those of the call's loop, and with ``compact_rows`` those of each loop of fewer
+        rows that compaction can move to (made now). A later step whose responses end sooner or later
+        than the first's then replays graphs instead of running a warm-up and a capture (which, at
+        the step a new number of rows first appeared, was a stall). Each loop starts from the state
+        after the prompts' forward pass (its buffers' contents are overwritten when it is next used)."""
+        runs = steps_between_checks(tokens, self.graph_tokens)
+        loops = [(first, set(runs))]
+        if ends and self.options.compact_rows and first.can_move():
+            rows, floor = first.rows, GPU_MIN_ROWS if first.done.device.type == "cuda" else 1
+            while (half := compacted_rows(rows, rows // 2, first.rows, floor)) < rows:
+                rows = half
+                if rows not in first.smaller:
+                    first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, first.done.device)
+                    self._graphs.loops += 1
+                first.smaller[rows].take(first, torch.arange(rows, device=first.done.device))
+                loops.append((first.smaller[rows], set(runs[1:])))  # smaller loops begin after a check
+        for loop, steps in loops:
+            for n in sorted(steps):
+                if loop.graphs.get(self._graph_key(n, sampling, compiled)) is None:  # not captured yet
+                    loop.after_prefill(first.lengths[0])
+                    self._run_steps(loop, n, sampling, warpers, compiled, at_once=True)
+        first.warmed_up = True
 
     def _compact(self, first, loop, running):
         """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended
@@ -342,18 +377,30 @@ class HFEngine(RolloutEngine):
         smaller.take(loop, order)
         return smaller, order
 
-    def _run_steps(self, loop, steps, sampling, warpers, compiled: bool):
+    @staticmethod
+    def _graph_key(steps: int, sampling, compiled: bool) -> tuple:
+        return compiled, steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos
+
+    def _captures(self, compiled: bool) -> bool:
+        """Whether decoding steps are captured as CUDA graphs (on a loop with a graph pool: CUDA)."""
+        return bool(self.graph_tokens) and (compiled or self._eager_graphs)
+
+    def _run_steps(self, loop, steps, sampling, warpers, compiled: bool, at_once: bool = False):
         """``steps`` decoding steps. On CUDA (with ``graph_tokens``), the first run of a number of
         steps and sampling settings runs them as they are (which compiles the step, if compiled, and
-        warms up its kernels), the second captures them as one CUDA graph, and every run from then on
-        replays it: the host launches one graph instead of each step's kernels, and keeps no per-step
-        bookkeeping. Eager steps are captured too (their many small kernels cost more to launch than
-        to run), unless a capture failed once (:meth:`_capture`)."""
-        step = self._compiled_step if compiled else self._step
-        key = (compiled, steps, sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
-        captures = self.graph_tokens and (compiled or self._eager_graphs)
-        graphs = loop.graphs if captures and loop.pool is not None else None
-        if graphs is None or key not in graphs:
+        warms up its kernels), then captures them as one CUDA graph, at once (``at_once``: the run's
+        own setting) or at their second run (a setting used once, an evaluation's, captures
+        nothing), and every run from then on replays it: the host launches one graph instead of
+        each step's kernels, and keeps no per-step bookkeeping. Eager steps are captured too (their
+        many small kernels cost more to launch than to run), unless a capture failed once
+        (:meth:`_capture`)."""
+        step, key = self._compiled_step if compiled else self._step, self._graph_key(steps, sampling, compiled)
+        graphs = loop.graphs if self._captures(compiled) and loop.pool is not None else None
+        if graphs is not None and graphs.get(key) is not None:
+            graphs[key].replay()
+            return
+        ran = graphs is None or key not in graphs
+        if ran:  # the first run: as it is
             if compiled:
                 loop.mark_dynamic()
             graphs_before, start = counters["stats"]["unique_graphs"], time.perf_counter()
@@ -361,20 +408,22 @@ class HFEngine(RolloutEngine):
                 step(loop, sampling, warpers)
             if counters["stats"]["unique_graphs"] > graphs_before:  # this run of steps compiled one
                 self._compile_s += time.perf_counter() - start
-            if graphs is not None:  # warmed up: the next run captures
-                graphs[key] = None
-                self._graphs.warmed(start)
-            return
-        if graphs[key] is None:
-            start = time.perf_counter()
-            graphs[key] = self._capture(loop, steps, step, sampling, warpers, compiled)
-            self._graphs.captured(start)
-            if graphs[key] is None:
-                del graphs[key]
+            if graphs is None:
+                return
+            graphs[key] = None  # warmed up: captured now or at the next run
+            self._graphs.warmed(start)
+            if not at_once:
+                return
+        start = time.perf_counter()
+        graphs[key] = self._capture(loop, steps, step, sampling, warpers, compiled)
+        self._graphs.captured(start)
+        if graphs[key] is None:  # eager steps that cannot be captured: run as they are from now on
+            del graphs[key]
+            if not ran:
                 for _ in range(steps):
                     step(loop, sampling, warpers)
-                return
-        graphs[key].replay()
+        elif not ran:
+            graphs[key].replay()  # a capture runs nothing
 
     def _capture(self, loop, steps, step, sampling, warpers, compiled: bool):
         """``steps`` decoding steps captured as one CUDA graph (nothing runs until it is replayed); None
@@ -403,61 +452,6 @@ class HFEngine(RolloutEngine):
             self._loop_state = None
             self._loop_state, self._loop_key = DecodeState(self.model, batch, prompt, tokens, self.pad_id, device), key
         return self._loop_state
-
-    def _generate_hf(self, ids, mask, sampling):
-        """transformers ``generate``: the dynamic cache."""
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        gen = GenerationConfig(
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_new_tokens=sampling.max_tokens,
-            num_return_sequences=sampling.n,
-            # ignore_eos: no end-of-sequence at all (min_new_tokens would instead mask EOS out of the
-            # distribution, and the recorded logprobs would no longer be the model's)
-            eos_token_id=None if sampling.ignore_eos else sorted(self.eos_ids),
-            pad_token_id=self.pad_id,
-            stop_strings=sampling.stop or None,
-            disable_compile=True,  # compiled decoding is the static cache's loop
-        )
-        recorder = LogprobRecorder(sampling.temperature)
-        ids, mask, cache = self._shared_prefill(ids, mask, sampling.n)
-        if cache is not None:
-            gen.num_return_sequences = 1  # the rows are already repeated
-        seqs = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            generation_config=gen,
-            logits_processor=LogitsProcessorList([recorder]),
-            tokenizer=self.tokenizer if sampling.stop else None,
-        )
-        recorder.collect(seqs[:, -1])  # on the engine's device, like the recorded logprobs
-        new = seqs[:, ids.shape[1] :]
-        return new, torch.stack(recorder.steps, dim=1) if recorder.steps else torch.zeros(len(new), 0)
-
-    def _shared_prefill(self, ids, mask, n):
-        """Each prompt's keys and values computed once and repeated for its ``n`` samples, which
-        ``generate`` then continues from its last token: the prompts' forward pass on 1/n of the
-        rows. Returns the repeated ids and mask, and the cache (None where nothing is shared)."""
-        from transformers import DynamicCache
-
-        if n == 1 or ids.shape[1] < 2:
-            return ids, mask, None
-        cache = DynamicCache(config=self.model.config)
-        head = mask[:, :-1]
-        self.model(
-            input_ids=ids[:, :-1],
-            attention_mask=head,
-            position_ids=(head.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            **self._last_logits_only,
-        )
-        cache.batch_repeat_interleave(n)
-        return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), cache
 
     def metrics(self) -> dict[str, float]:
         """``hf/decoded_row_fraction``: the rows x decoding steps the static loop computed in the
