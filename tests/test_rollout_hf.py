@@ -346,6 +346,28 @@ def test_decoding_in_cuda_graphs_keeps_one_prompt_width_and_its_loop(untied_mode
     assert len(loops) == 1  # one loop, whose graphs a CUDA run keeps
 
 
+def test_an_evaluation_between_rollouts_keeps_the_rollouts_loop(untied_model, tmp_path):
+    """The loops of two shapes are kept: an evaluation's call of other rows (its last call, of fewer
+    prompts) leaves the rollouts' loop, its smaller loops and on CUDA their graphs, to the next
+    rollout, which would otherwise make and capture them all again; a third shape frees the one
+    used least recently. The responses are those of an engine that decoded nothing before."""
+    engine = untied_engine(untied_model, tmp_path)
+    tok = engine.tokenizer
+    rollouts, evaluation, other = (prompts(tok, MANY[a:b]) for a, b in ((0, 16), (16, 22), (22, 25)))
+    sp, greedy = SamplingParams(n=2, max_tokens=40, seed=0), SamplingParams(n=1, max_tokens=40, top_k=1)
+    engine.generate(rollouts, sp)
+    loop, smaller = engine._loop_state, dict(engine._loop_state.smaller)
+    assert smaller  # some rows ended early: the rollouts' loop made smaller ones
+    assert_same_rollout(
+        engine.generate(evaluation, greedy), untied_engine(untied_model, tmp_path).generate(evaluation, greedy)
+    )
+    assert_same_rollout(engine.generate(rollouts, sp), untied_engine(untied_model, tmp_path).generate(rollouts, sp))
+    assert engine._loop_state is loop and loop.smaller == smaller  # the same loops, not made again
+    engine.generate(other, greedy)
+    width = engine._loop_key[1]  # every prompt here pads to one width
+    assert list(engine._loops) == [(32, width, 40), (3, width, 40)]  # the evaluation's, least recent: freed
+
+
 def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(untied_model, tmp_path):
     """One compiled step serves the loops of every row count (rows and cache length dynamic) and
     calls of shorter prompts (padded to the widest so far, from the data's longest): a run whose

@@ -67,6 +67,7 @@ from hybridrl.hookspecs import hookimpl
 from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
 
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
+KEPT_SHAPES = 2  # decoding loops kept, by shape: the rollouts' and an evaluation's
 FINISHED_CHECK_EVERY = 16  # tokens between checks that every sequence has ended (graph_tokens: 0)
 
 
@@ -179,6 +180,7 @@ class HFEngine(RolloutEngine):
         from transformers import GenerationConfig
 
         self.model.generation_config = GenerationConfig()
+        self._loops: dict[tuple, DecodeState] = {}  # by (rows, prompt, response) columns, least recent first
         self._loop_key, self._loop_state = None, None
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
@@ -446,12 +448,19 @@ class HFEngine(RolloutEngine):
         return graph
 
     def _loop(self, batch, prompt, tokens, device) -> DecodeState:
-        """The loop of this shape, kept for the next call of the same shape; another shape frees it first."""
+        """The loop of this shape, kept with its smaller loops and graphs for the next call of the same
+        shape. The loops of two shapes are kept, the rollouts' and an evaluation's (whose last call
+        of fewer prompts would otherwise free the rollouts' loop, and the step after every evaluation
+        would warm up and capture it again); a third shape first frees the one used least recently."""
         key = (batch, prompt, tokens)
-        if self._loop_key != key:
-            self._loop_state = None
-            self._loop_state, self._loop_key = DecodeState(self.model, batch, prompt, tokens, self.pad_id, device), key
-        return self._loop_state
+        loop = self._loops.pop(key, None)
+        if loop is None:
+            while len(self._loops) >= KEPT_SHAPES:
+                del self._loops[next(iter(self._loops))]
+            loop = DecodeState(self.model, batch, prompt, tokens, self.pad_id, device)
+        self._loops[key] = loop  # the most recent last
+        self._loop_key, self._loop_state = key, loop  # the last call's
+        return loop
 
     def metrics(self) -> dict[str, float]:
         """``hf/decoded_row_fraction``: the rows x decoding steps the static loop computed in the
