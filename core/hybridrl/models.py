@@ -344,7 +344,9 @@ def compile_seconds() -> float:
     forward graphs, and backward graphs (compiled at their first backward pass, or within the
     forward's compilation). torch reports each compilation's start and end once, however its phases
     nest (:class:`_CompileClock`); a torch without that report gives 0."""
-    return _compile_clock().seconds
+    clock = _compile_clock()
+    clock.listen()  # again after a torch._dynamo.reset(), which drops the callbacks
+    return clock.seconds
 
 
 class _CompileClock:
@@ -354,8 +356,11 @@ class _CompileClock:
 
     def __init__(self):
         self.seconds, self._start = 0.0, None
+        self.listen()
+
+    def listen(self) -> None:
         handler = getattr(torch._dynamo, "callback_handler", None)
-        if handler is not None:
+        if handler is not None and self._started not in handler.start_callbacks:
             handler.register_start_callback(self._started)
             handler.register_end_callback(self._ended)
 
@@ -388,4 +393,4 @@ def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     The setting is the process's; it is only ever raised."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, limit)
-    _compile_clock()  # compile_seconds counts from here on
+    _compile_clock().listen()  # compile_seconds counts from here on
