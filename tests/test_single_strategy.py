@@ -185,3 +185,21 @@ def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_mod
         assert p.layout == "packed" and (p.placement.width, p.placement.rows) == (512, rows)
     (p,) = Planner(pack_sequences=True).plan(handle, batch)  # one row of 128 holds more than the padded pass
     assert p.layout == "padded"
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_cudnn_attention_is_off_unless_asked_for(tiny_model, tmp_path, cudnn):
+    """trainer.cudnn_attention (default off): PyTorch's attention may not pick cuDNN's kernels, which
+    plan every new batch shape at its first pass (a stall each time a step's lengths make a new row
+    count); the setting is the process's, made at setup."""
+    from hybridrl.trainer import Trainer
+
+    config = bf16_run(tiny_model, tmp_path / "run")
+    config.trainer.cudnn_attention = cudnn
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(not cudnn)
+    try:
+        Trainer(config).setup()
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

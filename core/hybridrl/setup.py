@@ -64,6 +64,7 @@ class TrainerSetup:
         ckpt.seed_everything(t.seed)
         if t.threads:
             torch.set_num_threads(t.threads)
+        torch.backends.cuda.enable_cudnn_sdp(t.cudnn_attention)  # the process's; no-op without CUDA
         device = self.setup_distributed()
         check_model_path(cfg.model.path, cfg.model.gguf_file)
         if not t.resume and ckpt.list_checkpoints(self.run_dir):
@@ -125,6 +126,7 @@ class TrainerSetup:
         ckpt.seed_everything(t.seed)
         if t.threads:
             torch.set_num_threads(t.threads)
+        torch.backends.cuda.enable_cudnn_sdp(t.cudnn_attention)  # the process's; no-op without CUDA
         try:
             device = resolve_device(t.device, per_rank=True)
         except ValueError as e:
