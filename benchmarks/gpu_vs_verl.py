@@ -7,6 +7,8 @@
     python benchmarks/gpu_vs_verl.py --lengths long-tail              # realistic response lengths
     python benchmarks/gpu_vs_verl.py --algorithm ppo                  # PPO with a critic (GAE) on both
     python benchmarks/gpu_vs_verl.py --sides verl --verl-options "actor_rollout_ref.rollout.free_cache_engine=False"
+    python benchmarks/gpu_vs_verl.py --sides verl --verl-options "actor_rollout_ref.model.use_fused_kernels=True \
+        actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"   # verl at its best without flash-attn
 
 The reference configuration of ``gpu_vs_trl.py``: a Qwen2.5-0.5B-shaped model (random weights,
 bf16 on disk), float32 master weights with bf16 compute on both sides, prompts of exactly 128
