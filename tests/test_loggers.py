@@ -247,6 +247,11 @@ def test_summary_line_is_the_one_line_per_step():
         "step 1/30 | reward 0.219 ± 0.420 | kl 0.0012 | len 13.4 | loss +0.0614 | "
         "rollout 4.5s | update 9.1s | step 16.2s"
     )
+    # a step that compiled says how long of it (timing/compile); one that compiled nothing says nothing
+    assert summary_line(1, 30, {"timing/step": 75.8, "timing/compile": 71.6}) == (
+        "step 1/30 | step 75.8s | of which compiling 71.6s"
+    )
+    assert summary_line(2, 30, {"timing/step": 0.4, "timing/compile": 0.0}) == "step 2/30 | step 0.4s"
     # a missing std, a NaN KL or a non-number never raise
     assert summary_line(2, 30, {"reward/mean": 0.5, "actor/kl": float("nan"), "timing/step": "x"}) == (
         "step 2/30 | reward 0.500 ± - | kl nan | step ?s"

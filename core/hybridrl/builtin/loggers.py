@@ -81,7 +81,8 @@ def _fmt(m: dict, key: str, spec: str) -> str:
 
 
 def summary_line(step: int, total: int, m: dict[str, float]) -> str:
-    """``step 3/20 | reward 0.22 ± 0.41 | kl 0.0012 | len 14.2 | rollout 9.8s | step 21.3s``; an
+    """``step 3/20 | reward 0.22 ± 0.41 | kl 0.0012 | len 14.2 | rollout 9.8s | step 21.3s`` (and
+    ``| of which compiling 30.2s`` in a step that compiled); an
     evaluation's row: ``step 20/20 | eval chain_sum mean@1 0.617 | eval 4.1s``."""
     parts = [f"step {step}/{total}" if total else f"update {step}"]
     if "reward/mean" in m:
@@ -95,6 +96,8 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
     for stage in ("rollout", "update", "step"):
         if f"timing/{stage}" in m:
             parts.append(f"{stage} {_fmt(m, f'timing/{stage}', '.1f')}s")
+    if isinstance(m.get("timing/compile"), (int, float)) and m["timing/compile"] >= 0.05:
+        parts.append(f"of which compiling {_fmt(m, 'timing/compile', '.1f')}s")  # why a step is slow
     for key in m:  # an evaluation's row: each set's mean@n and pass@k (docs/evaluation.md)
         name, _, metric = key.removeprefix("eval/").rpartition("/")
         if key.startswith("eval/") and "/" not in name and metric.startswith(("mean@", "pass@")):
