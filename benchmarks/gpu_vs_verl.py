@@ -169,7 +169,9 @@ def run_verl(args, model: str, workdir: Path) -> dict:
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
     lines = log.read_text().splitlines() if log.is_file() else []
     result["steps"] = [verl_row(json.loads(line)) for line in lines if line.strip()]
-    result["ok"] = result["exit"] == 0 and len(result["steps"]) == args.warmup + args.steps
+    every_step = len(result["steps"]) == args.warmup + args.steps
+    result["ok"] = every_step and result["exit"] in (0, "timeout")  # once, it did not exit after its last step
+    result["stopped_after_last_step"] = every_step and result["exit"] == "timeout"
     if args.profile_step:
         result["profile"] = trace_summary(workdir / "verl_profile")
     return result
