@@ -242,7 +242,7 @@ class TrainerConfig(Strict):
         "prompts, reward models) pick cuDNN's kernels on a GPU, as it does by default on Hopper. Off by default: "
         "cuDNN plans each new batch shape at its first pass (0.1-0.5 s for SmolLM2-135M's forward and backward, "
         "H200), and a run's passes meet new row counts as lengths vary (steps up to 4.7x the median); without "
-        "it the steady pace was the same (docs/performance.md).",
+        "it the steady pace was the same at up to 384 tokens (docs/performance.md).",
     )
     run_dir: str | None = Field(
         None, description="Where metrics, samples and checkpoints go; default runs/<config name>-<time>."
