@@ -83,6 +83,11 @@ def engine_dtype(choice: str, policy_dtype: torch.dtype, device: torch.device) -
 COMPACT_FRACTION, GPU_MIN_ROWS = 16, 64
 
 
+def row_floor(device: torch.device) -> int:
+    """The fewest rows compaction moves to: GPU_MIN_ROWS on a GPU, else 1."""
+    return GPU_MIN_ROWS if device.type == "cuda" else 1
+
+
 def compacted_rows(rows: int, running: int, call_rows: int, floor: int) -> int:
     """The rows of the loop to go on in when ``running`` rows of a loop of ``rows`` have not ended,
     in a call of ``call_rows``: halved while the running rows fill at most half, and not below

@@ -45,7 +45,6 @@ from torch._dynamo.utils import counters
 
 from hybridrl.builtin.hf_fast_path import (
     COMPILE_PAYS_TOKENS,
-    GPU_MIN_ROWS,
     DecodeState,
     GraphStats,
     capturing,
@@ -54,6 +53,7 @@ from hybridrl.builtin.hf_fast_path import (
     engine_dtype,
     fuse_projections,
     keeps_prompt_width,
+    row_floor,
     sample_token,
     sampling_warpers,
     steps_between_checks,
@@ -181,7 +181,6 @@ class HFEngine(RolloutEngine):
 
         self.model.generation_config = GenerationConfig()
         self._loops: dict[tuple, DecodeState] = {}  # by (rows, prompt, response) columns, least recent first
-        self._loop_key, self._loop_state = None, None
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
         self._eager_graphs = True  # eager decoding steps captured as CUDA graphs, until a capture fails
@@ -346,14 +345,12 @@ class HFEngine(RolloutEngine):
         runs = steps_between_checks(tokens, self.graph_tokens)
         loops = [(first, set(runs))]
         if ends and self.options.compact_rows and first.can_move():
-            rows, floor = first.rows, GPU_MIN_ROWS if first.done.device.type == "cuda" else 1
-            while (half := compacted_rows(rows, rows // 2, first.rows, floor)) < rows:
+            rows = first.rows
+            while (half := compacted_rows(rows, rows // 2, first.rows, row_floor(first.done.device))) < rows:
                 rows = half
-                if rows not in first.smaller:
-                    first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, first.done.device)
-                    self._graphs.loops += 1
-                first.smaller[rows].take(first, torch.arange(rows, device=first.done.device))
-                loops.append((first.smaller[rows], set(runs[1:])))  # smaller loops begin after a check
+                smaller = self._smaller_loop(first, rows)
+                smaller.take(first, torch.arange(rows, device=first.done.device))
+                loops.append((smaller, set(runs[1:])))  # smaller loops begin after a check
         for loop, steps in loops:
             for n in sorted(steps):
                 if loop.graphs.get(self._graph_key(n, sampling, compiled)) is None:  # not captured yet
@@ -367,17 +364,20 @@ class HFEngine(RolloutEngine):
         continues, those running first; or (None, None) to stay."""
         if not self.options.compact_rows:
             return None, None
-        floor = GPU_MIN_ROWS if loop.done.device.type == "cuda" else 1
-        rows = compacted_rows(loop.rows, running, first.rows, floor)
+        rows = compacted_rows(loop.rows, running, first.rows, row_floor(loop.done.device))
         if rows == loop.rows or not loop.can_move():
             return None, None
-        if rows not in first.smaller:
-            first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, loop.done.device)
-            self._graphs.loops += 1
-        smaller = first.smaller[rows]
+        smaller = self._smaller_loop(first, rows)
         order = torch.sort(loop.done.to(torch.uint8), stable=True).indices[:rows]  # running, then ended rows
         smaller.take(loop, order)
         return smaller, order
+
+    def _smaller_loop(self, first, rows: int) -> DecodeState:
+        """``first``'s loop of ``rows`` rows, made the first time it is asked for."""
+        if rows not in first.smaller:
+            first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, first.done.device)
+            self._graphs.loops += 1
+        return first.smaller[rows]
 
     @staticmethod
     def _graph_key(steps: int, sampling, compiled: bool) -> tuple:
@@ -459,8 +459,17 @@ class HFEngine(RolloutEngine):
                 del self._loops[next(iter(self._loops))]
             loop = DecodeState(self.model, batch, prompt, tokens, self.pad_id, device)
         self._loops[key] = loop  # the most recent last
-        self._loop_key, self._loop_state = key, loop  # the last call's
         return loop
+
+    @property
+    def _loop_key(self) -> tuple | None:
+        """The shape of the last call's loop (tests, logs)."""
+        return next(reversed(self._loops), None)
+
+    @property
+    def _loop_state(self) -> DecodeState | None:
+        """The last call's loop."""
+        return self._loops[self._loop_key] if self._loops else None
 
     def metrics(self) -> dict[str, float]:
         """``hf/decoded_row_fraction``: the rows x decoding steps the static loop computed in the
