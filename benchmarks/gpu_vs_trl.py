@@ -68,7 +68,7 @@ ALGORITHMS = {
 
 
 def run_hybridrl(args, engine: str, result: dict) -> None:
-    common.use_checkout("algo_grpo", *(["rollout_vllm"] if engine == "vllm" else []))
+    common.use_checkout(f"algo_{args.algorithm}", *(["rollout_vllm"] if engine == "vllm" else []))
     from pydantic import Field
 
     from hybridrl import plugins

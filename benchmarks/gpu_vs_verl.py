@@ -3,12 +3,12 @@
 
     python benchmarks/gpu_vs_verl.py                                  # verl, hybridrl-vllm, hybridrl-hf
     python benchmarks/gpu_vs_verl.py --sides verl --warmup 0 --steps 1   # smoke: ray.init and one verl step
-    python benchmarks/gpu_vs_verl.py --prompts 64                     # 64 x 8 x 256
+    python benchmarks/gpu_vs_verl.py --prompts 64                     # 64 x 8 x 256 (verl alone: about 390 s)
     python benchmarks/gpu_vs_verl.py --lengths long-tail              # realistic response lengths
     python benchmarks/gpu_vs_verl.py --algorithm ppo                  # PPO with a critic (GAE) on both
     python benchmarks/gpu_vs_verl.py --sides verl --verl-options "actor_rollout_ref.rollout.free_cache_engine=False"
-    python benchmarks/gpu_vs_verl.py --sides verl --verl-options "actor_rollout_ref.model.use_fused_kernels=True \
-        actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"   # verl at its best without flash-attn
+    python benchmarks/gpu_vs_verl.py --sides verl --verl-options "actor_rollout_ref.model.use_fused_kernels=False"
+                                                  # verl's defaults (fused kernels are this script's)
 
 The reference configuration of ``gpu_vs_trl.py``: a Qwen2.5-0.5B-shaped model (random weights,
 bf16 on disk), float32 master weights with bf16 compute on both sides, prompts of exactly 128
@@ -25,7 +25,10 @@ trainer, FSDP and a colocated vLLM server on the one GPU, with the overrides of
 (gpu_vs_trl.py's sides with hybridrl's defaults: the vllm engine sleeps between rollouts as verl's
 does, the hf engine and the single strategy compile only when the run is long enough; ``--vllm-options``,
 ``--hf-options``, ``--sharding`` and ``--trainer-options`` change them).
-verl runs without flash-attn (not installable there): sdpa attention and no remove-padding path.
+verl runs without flash-attn (not installable there): sdpa attention and no remove-padding path,
+with its fused kernels (torch backend: log-probs from hidden states in chunks), its fastest setting
+there; its PPO critic, which asks for flash-attn by name, is built with sdpa through verl's own
+``critic.model.external_lib`` (``gpu/verl/verl_critic_sdpa.py``).
 Step times are each framework's own step timer, over the steps after ``--warmup``; the peak is the
 GPU's memory in use by all processes (nvidia-smi, sampled every 0.5 s); MFU is counted the same
 way for both (hybridrl.flops: matrix FLOPs of the update's forward and backward passes against
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import platform
@@ -54,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SIDES = ["verl", "hybridrl-vllm", "hybridrl-hf"]
+VERL_RECIPE = Path(__file__).resolve().parent / "gpu" / "verl"
+CRITIC_SDPA = "verl_critic_sdpa"  # in VERL_RECIPE: builds verl's PPO critic with sdpa (its docstring says why)
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt's text, nothing added
 REWARD = '''\
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -84,7 +90,8 @@ def write_verl_inputs(workdir: Path, prompts: int) -> tuple[Path, Path]:
 def verl_overrides(args, model: str, data: Path, reward: Path) -> list[str]:
     """verl's single-GPU FSDP + colocated vLLM settings for this configuration. Speed choices, each
     verl's faster setting where memory allows: no gradient checkpointing, dynamic micro-batches
-    of up to 24,576 tokens (verl's default 16,384), vLLM with CUDA graphs."""
+    of up to 24,576 tokens (verl's default 16,384), vLLM with CUDA graphs, fused kernels (2.7x
+    its default step, 4.10 s against 11.11 s, BENCHMARKS.md)."""
     # tokens a micro-batch: the reference configuration's step in one pass; more ran out of memory
     # (64 x 8 x 384 tokens in one log-prob pass asked for 111 GiB of logits)
     tokens = min(args.prompts * args.n * (common.PROMPT_CHARS + args.max_tokens), 24576)
@@ -97,6 +104,8 @@ def verl_overrides(args, model: str, data: Path, reward: Path) -> list[str]:
         "actor_rollout_ref.model.use_remove_padding=False",  # needs flash-attn
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "actor_rollout_ref.model.use_fused_kernels=True",  # without flash-attn, its torch backend
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",  # one optimizer update per step
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
@@ -118,6 +127,8 @@ def verl_overrides(args, model: str, data: Path, reward: Path) -> list[str]:
               "+critic.model.override_config.attn_implementation=sdpa",
               "critic.model.enable_gradient_checkpointing=False", "critic.optim.lr=1e-5",
               f"critic.ppo_max_token_len_per_gpu={tokens}"]  # fmt: skip
+        if importlib.util.find_spec("flash_attn") is None:  # verl's critic asks for flash-attn by name
+            o += [f"critic.model.external_lib={CRITIC_SDPA}"]
     if args.profile_step:  # verl's own torch profiler, one trace per stage of that step
         o += ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
               f"global_profiler.save_path={Path(args.workdir_abs) / 'verl_profile'}",
@@ -159,6 +170,7 @@ def run_verl(args, model: str, workdir: Path) -> dict:
     log.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(args, model, data, reward)]
     env = os.environ | {"VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1", "RAY_DEDUP_LOGS": "0"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VERL_RECIPE), env.get("PYTHONPATH")]))  # CRITIC_SDPA
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # verl's vLLM server runs its engine in its own processes
     result = {"side": "verl", "versions": {"verl": verl.__version__}, "command": shlex.join(cmd)}
     print(result["command"], flush=True)

@@ -1,0 +1,27 @@
+"""Build verl's PPO critic with sdpa attention where flash-attn is not installed.
+
+verl 0.9.1 loads the critic (``verl.utils.model.load_valuehead_model``) with
+``attn_implementation="flash_attention_2"`` written into the call, so ``critic.model.override_config``
+cannot change it, and without flash-attn the critic fails to build ("is not a value head model,
+please install trl to make it valid"; its trl fallback asks for flash-attn too). gpu_vs_verl.py
+names this module in verl's own extension point, ``critic.model.external_lib``, which verl imports
+before it builds the critic: the critic then runs sdpa attention, as the actor does there
+(``override_config.attn_implementation=sdpa``). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from transformers import AutoModelForTokenClassification
+
+_load = AutoModelForTokenClassification.from_pretrained.__func__
+
+
+def _sdpa_for_flash_attention(cls, *args, **kwargs):
+    if kwargs.get("attn_implementation") == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        kwargs["attn_implementation"] = "sdpa"
+    return _load(cls, *args, **kwargs)
+
+
+AutoModelForTokenClassification.from_pretrained = classmethod(_sdpa_for_flash_attention)
