@@ -80,6 +80,39 @@ def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpo
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fake_cuda_graphs, tmp_path):
+    """The hf engine's path on a GPU, for every family: a static cache, the rows still running moved
+    to loops of fewer rows as responses end, and at the first call every such loop made, warmed up
+    and captured (a graph pool and capture stood in for here, as in test_rollout_hf). Responses of
+    many lengths come with the trainer's logprobs, sliding-window families' (Gemma, Mistral: a window
+    of 16 here, shorter than the prompts) included."""
+    from hybridrl import plugins
+    from hybridrl.batch import Batch
+    from hybridrl.components import RunContext, Sampling, SamplingParams
+    from hybridrl.models import load_tokenizer
+    from hybridrl.passes import response_logprobs
+
+    path = checkpoints[arch]
+    tok = load_tokenizer(path)
+    cls = plugins.lookup("rollout engine", "hf")
+    ctx = RunContext(path, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling())
+    engine = cls(cls.Options(cache="static"), ctx)
+    engine.eos_ids = set(range(3, 13))  # about a tenth of the sampled tokens end a response
+    captured = fake_cuda_graphs(engine)
+    p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26)}")["input_ids"] for i in range(32)]
+    out = engine.generate(p, SamplingParams(n=1, max_tokens=40, seed=0))
+    lengths = sorted(len(t) for t in out.token_ids)
+    assert lengths[0] < 16 < lengths[-1], lengths  # some end before the first check, some run on after it
+    assert engine._loop_state.smaller and captured  # the loops of fewer rows ran, from graphs
+    batch = Batch.from_rollout(p, out, 1, tok.pad_token_id)
+    policy = load_causal_lm(path, torch.float32, torch.device("cpu")).eval()
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, batch["responses"].shape[1])
+    mask = batch["response_mask"].bool()
+    assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max() < LOGPROB_TOL
+
+
 class OffsetEngine:
     """Registers 'hf_offset': the hf engine with each logprob 0.5 too high (a wrong convention)."""
 

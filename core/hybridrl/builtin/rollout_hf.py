@@ -299,7 +299,7 @@ class HFEngine(RolloutEngine):
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
         )  # fmt: skip
-        token, logprob = self._sample(model(**inputs, **self._last_logits_only).logits[:, -1], sampling, warpers)
+        token, logprob = self._sample(model(**(inputs | self._last_logits_only)).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
