@@ -113,6 +113,32 @@ def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fa
     assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max() < LOGPROB_TOL
 
 
+def test_compiled_decoding_on_local_and_global_layers_gives_the_eager_loops_responses(checkpoints, tmp_path):
+    """Gemma-3's sliding-window and full layers share the compiled decoding step (rows and cache
+    length dynamic), in the loops of fewer rows too: the eager loop's greedy tokens and logprobs."""
+    from hybridrl import plugins
+    from hybridrl.components import RunContext, Sampling, SamplingParams
+    from hybridrl.models import load_tokenizer
+
+    path = checkpoints["gemma3"]
+    tok = load_tokenizer(path)
+    cls = plugins.lookup("rollout engine", "hf")
+
+    def engine(compile):
+        ctx = RunContext(path, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling(top_k=1))
+        e = cls(cls.Options(cache="static", compile=compile), ctx)
+        e.eos_ids = set(range(3, 13))
+        return e
+
+    p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26)}")["input_ids"] for i in range(16)]
+    sp = SamplingParams(n=1, max_tokens=40, seed=0, top_k=1)
+    compiled = engine("on")
+    out, want = compiled.generate(p, sp), engine("off").generate(p, sp)
+    assert compiled.metrics()["hf/compile_s"] > 0 and compiled._loop_state.smaller
+    assert out.token_ids == want.token_ids and len({len(t) for t in out.token_ids}) > 2
+    assert max(abs(a - b) for x, y in zip(out.logprobs, want.logprobs) for a, b in zip(x, y)) < LOGPROB_TOL
+
+
 class OffsetEngine:
     """Registers 'hf_offset': the hf engine with each logprob 0.5 too high (a wrong convention)."""
 
