@@ -100,7 +100,8 @@ def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fa
     engine = cls(cls.Options(cache="static"), ctx)
     engine.eos_ids = set(range(3, 13))  # about a tenth of the sampled tokens end a response
     captured = fake_cuda_graphs(engine)
-    p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26)}")["input_ids"] for i in range(32)]
+    p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26) * (1 + i % 5 * 20)}")["input_ids"] for i in range(32)]
+    assert max(map(len, p)) > 64  # past Phi-3's original length (LongRoPE) and every sliding window
     out = engine.generate(p, SamplingParams(n=1, max_tokens=40, seed=0))
     lengths = sorted(len(t) for t in out.token_ids)
     assert lengths[0] < 16 < lengths[-1], lengths  # some end before the first check, some run on after it

@@ -299,7 +299,10 @@ class HFEngine(RolloutEngine):
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
         )  # fmt: skip
-        token, logprob = self._sample(model(**(inputs | self._last_logits_only)).logits[:, -1], sampling, warpers)
+        # Phi-3's drops the cache for a prompt past its original length (to fill it again with its other
+        # LongRoPE factors, which load_causal_lm pinned) and asks for every position's logits
+        inputs |= {"past_key_values": loop.cache, **self._last_logits_only}
+        token, logprob = self._sample(model(**inputs).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
