@@ -34,6 +34,18 @@ def test_two_grpo_steps_keep_engine_and_trainer_equal(arch, lora, checkpoints, t
     assert rows[0]["rollout/sync_check_baseline"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_grpo_steps_with_the_gpu_decoding_path_keep_engine_and_trainer_equal(arch, checkpoints, tmp_path,
+                                                                                 register_plugin):  # fmt: skip
+    """The hf engine as on a GPU (static cache, fused projections, grouped decoding attention, rows
+    compacted as responses end) takes each step's weights into its fused layers exactly."""
+    register_plugin(SevensPlugin(), name="sevens")
+    rows = two_grpo_steps(checkpoints[arch], tmp_path / "run", cache="static")
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/sync_check_diff_max"] < LOGPROB_TOL
+
+
 @pytest.mark.parametrize("arch", MOE)
 def test_checkpoint_format_is_what_the_folder_holds(arch, checkpoints):
     """Experts fused by transformers go to engines one tensor per expert, as the checkpoint has them."""
