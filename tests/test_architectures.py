@@ -92,6 +92,20 @@ def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpo
     assert "\n" not in str(e.value)
 
 
+def static_engine(path, tmp_path, sampling, **options):
+    """The hf engine on the static cache (its GPU path) for the run's ``sampling``, on the CPU; about a
+    tenth of the sampled tokens (ids 3-12) end a response."""
+    from hybridrl import plugins
+    from hybridrl.components import RunContext
+    from hybridrl.models import load_tokenizer
+
+    cls = plugins.lookup("rollout engine", "hf")
+    ctx = RunContext(path, load_tokenizer(path), torch.device("cpu"), torch.float32, 0, tmp_path, sampling=sampling)
+    engine = cls(cls.Options(cache="static", **options), ctx)
+    engine.eos_ids = set(range(3, 13))
+    return engine
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fake_cuda_graphs, tmp_path):
     """The hf engine's path on a GPU, for every family: a static cache, the rows still running moved
@@ -99,19 +113,14 @@ def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fa
     and captured (a graph pool and capture stood in for here, as in test_rollout_hf). Responses of
     many lengths come with the trainer's logprobs, sliding-window families' (Gemma, Mistral: a window
     of 16 here, shorter than the prompts) included."""
-    from hybridrl import plugins
     from hybridrl.batch import Batch
-    from hybridrl.components import RunContext, Sampling, SamplingParams
-    from hybridrl.models import load_tokenizer
+    from hybridrl.components import Sampling, SamplingParams
     from hybridrl.passes import response_logprobs
 
     path = checkpoints[arch]
-    tok = load_tokenizer(path)
-    cls = plugins.lookup("rollout engine", "hf")
-    ctx = RunContext(path, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling())
-    engine = cls(cls.Options(cache="static"), ctx)
-    engine.eos_ids = set(range(3, 13))  # about a tenth of the sampled tokens end a response
+    engine = static_engine(path, tmp_path, Sampling())
     captured = fake_cuda_graphs(engine)
+    tok = engine.tokenizer
     p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26) * (1 + i % 5 * 20)}")["input_ids"] for i in range(32)]
     assert max(map(len, p)) > 64  # past Phi-3's original length (LongRoPE) and every sliding window
     out = engine.generate(p, SamplingParams(n=1, max_tokens=40, seed=0))
@@ -129,24 +138,14 @@ def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fa
 def test_compiled_decoding_on_local_and_global_layers_gives_the_eager_loops_responses(checkpoints, tmp_path):
     """Gemma-3's sliding-window and full layers share the compiled decoding step (rows and cache
     length dynamic), in the loops of fewer rows too: the eager loop's greedy tokens and logprobs."""
-    from hybridrl import plugins
-    from hybridrl.components import RunContext, Sampling, SamplingParams
-    from hybridrl.models import load_tokenizer
+    from hybridrl.components import Sampling, SamplingParams
 
-    path = checkpoints["gemma3"]
-    tok = load_tokenizer(path)
-    cls = plugins.lookup("rollout engine", "hf")
-
-    def engine(compile):
-        ctx = RunContext(path, tok, torch.device("cpu"), torch.float32, 0, tmp_path, sampling=Sampling(top_k=1))
-        e = cls(cls.Options(cache="static", compile=compile), ctx)
-        e.eos_ids = set(range(3, 13))
-        return e
-
-    p = [tok(f"q{i * 37 % 101} {chr(97 + i % 26)}")["input_ids"] for i in range(16)]
+    compiled, eager = (
+        static_engine(checkpoints["gemma3"], tmp_path, Sampling(top_k=1), compile=c) for c in ("on", "off")
+    )
+    p = [compiled.tokenizer(f"q{i * 37 % 101} {chr(97 + i % 26)}")["input_ids"] for i in range(16)]
     sp = SamplingParams(n=1, max_tokens=40, seed=0, top_k=1)
-    compiled = engine("on")
-    out, want = compiled.generate(p, sp), engine("off").generate(p, sp)
+    out, want = compiled.generate(p, sp), eager.generate(p, sp)
     assert compiled.metrics()["hf/compile_s"] > 0 and compiled._loop_state.smaller
     assert out.token_ids == want.token_ids and len({len(t) for t in out.token_ids}) > 2
     assert max(abs(a - b) for x, y in zip(out.logprobs, want.logprobs) for a, b in zip(x, y)) < LOGPROB_TOL

@@ -11,15 +11,13 @@ before it builds the critic: the critic then runs sdpa attention, as the actor d
 
 from __future__ import annotations
 
-import importlib.util
-
 from transformers import AutoModelForTokenClassification
 
 _load = AutoModelForTokenClassification.from_pretrained.__func__
 
 
-def _sdpa_for_flash_attention(cls, *args, **kwargs):
-    if kwargs.get("attn_implementation") == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+def _sdpa_for_flash_attention(cls, *args, **kwargs):  # named by gpu_vs_verl.py only without flash-attn
+    if kwargs.get("attn_implementation") == "flash_attention_2":
         kwargs["attn_implementation"] = "sdpa"
     return _load(cls, *args, **kwargs)
 
