@@ -79,6 +79,19 @@ def test_long_rope_uses_one_set_of_factors_for_every_length(arch, checkpoints):
     assert pin_long_rope(model)
 
 
+def test_pinned_long_rope_reads_no_position_back_to_the_host(checkpoints):
+    """transformers' per-batch choice of LongRoPE's factors branches on the batch's largest position, a
+    read back to the host that a CUDA graph capture refuses: Phi-3's decoding on a GPU failed at its
+    first capture. Pinned, the rotary embedding is one graph (a branch on a tensor would break it)."""
+    model = load_causal_lm(checkpoints["phi3"], torch.float32, torch.device("cpu")).eval()
+    rotary = model.model.rotary_emb
+    x, positions = torch.zeros(1, 5, 64), torch.arange(60, 65)[None]
+    want = rotary(x, positions)
+    torch._dynamo.reset()
+    got = torch.compile(rotary, backend="eager", fullgraph=True)(x, positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpoints, tmp_path):
     import shutil
 
@@ -92,18 +105,42 @@ def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpo
     assert "\n" not in str(e.value)
 
 
-def static_engine(path, tmp_path, sampling, **options):
-    """The hf engine on the static cache (its GPU path) for the run's ``sampling``, on the CPU; about a
-    tenth of the sampled tokens (ids 3-12) end a response."""
+def static_engine(path, tmp_path, sampling, cache="static", **options):
+    """The hf engine on the static cache (its GPU path; or ``cache``) for the run's ``sampling``, on the
+    CPU; about a tenth of the sampled tokens (ids 3-12) end a response."""
     from hybridrl import plugins
     from hybridrl.components import RunContext
     from hybridrl.models import load_tokenizer
 
     cls = plugins.lookup("rollout engine", "hf")
     ctx = RunContext(path, load_tokenizer(path), torch.device("cpu"), torch.float32, 0, tmp_path, sampling=sampling)
-    engine = cls(cls.Options(cache="static", **options), ctx)
+    engine = cls(cls.Options(cache=cache, **options), ctx)
     engine.eos_ids = set(range(3, 13))
     return engine
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_decoding_past_longropes_original_length_keeps_the_trainers_logprobs(n, cache, checkpoints, tmp_path):
+    """Phi-3's generation input preparation drops the KV cache at the first token past the original
+    length (64 here, 4,096 for Phi-3.5 and Phi-4-mini), to recompute it with LongRoPE's long
+    factors. hybridrl pins those factors (pin_long_rope), so nothing needs recomputing, and
+    generate went on from an empty cache: from that token on, other logprobs than the trainer's."""
+    from hybridrl.batch import Batch
+    from hybridrl.components import Sampling, SamplingParams
+    from hybridrl.passes import response_logprobs
+
+    path = checkpoints["phi3"]
+    engine = static_engine(path, tmp_path, Sampling(ignore_eos=True), cache=cache)
+    p = [engine.tokenizer(f"q{i} {'abcdefgh' * 6}"[: 44 + i])["input_ids"] for i in range(4)]
+    out = engine.generate(p, SamplingParams(n=n, max_tokens=40, seed=0, ignore_eos=True))
+    assert max(map(len, p)) < 64 < max(map(len, p)) + 40  # prompts below the original length, responses past it
+    batch = Batch.from_rollout(p, out, n, engine.tokenizer.pad_token_id)
+    policy = load_causal_lm(path, torch.float32, torch.device("cpu")).eval()
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, batch["responses"].shape[1])
+    mask = batch["response_mask"].bool()
+    assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().max() < LOGPROB_TOL
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

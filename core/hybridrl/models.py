@@ -7,10 +7,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -220,6 +222,15 @@ def pin_long_rope(model: torch.nn.Module) -> bool:
             module.long_inv_freq = inv_freq
             module.original_inv_freq = inv_freq
             module.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+            # and that switch reads the batch's largest position back to the host, which a CUDA graph
+            # capture refuses (decoding on a GPU): the forward without the switch uses the pinned set
+            module.forward = types.MethodType(inspect.unwrap(type(module).forward), module)
+    # Phi-3's (and PhiMoE's) input preparation for generate drops the KV cache at the first token past
+    # the original length, to recompute it with the long factors; pinned, nothing needs recomputing,
+    # and generate would go on from an empty cache: the parent class's preparation keeps it
+    cls = type(model)
+    if "prepare_inputs_for_generation" in vars(cls):
+        model.prepare_inputs_for_generation = super(cls, model).prepare_inputs_for_generation
     return True
 
 
