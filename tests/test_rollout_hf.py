@@ -127,17 +127,24 @@ def test_compiled_decoding_equals_eager(make_engine):
     assert compiled._compiled_step is not None  # the decoding loop took the compiled step
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("fails_at", ["begin", "step"])
-def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engine, monkeypatch, capsys, fails_at):
-    """Contract test (no CUDA here): on CUDA the static cache captures eager decoding steps as CUDA
-    graphs too, on a side stream, without emptying torch's memory caches first (as torch.cuda.graph
+def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engine, monkeypatch, capsys, fails_at, mode):
+    """Contract test (no CUDA here): on CUDA the static cache captures decoding steps, eager or compiled,
+    as CUDA graphs, on a side stream, without emptying torch's memory caches first (as torch.cuda.graph
     does). Where a capture fails (a forward that syncs with the host, which capturing does not
-    permit), the capture raises: the steps then run eagerly, the same tokens as without graphs, and
-    the run decodes without them from then on, said once."""
+    permit: on an H200, Qwen3-MoE's float32 experts, compiled or not), the capture raises: the steps
+    then run as they are, the same tokens as without graphs, and the run decodes without them from
+    then on, said once. (Compiled, it raised: the rollout failed.) The compiled step here is the eager
+    one, named compiled (torch.compile is not what this tests)."""
     import contextlib
 
+    from hybridrl.builtin import rollout_hf
+
+    monkeypatch.setattr(rollout_hf.torch, "compile", lambda fn: fn)
     reference = make_engine(cache="static", pad_prompts_to_multiple=16, graph_tokens=0)
-    engine = make_engine(cache="static", pad_prompts_to_multiple=16)
+    compiled = {"compile": "on", "compile_after": 1} if mode == "compiled" else {"compile": "off"}
+    engine = make_engine(cache="static", pad_prompts_to_multiple=16, **compiled)
     loop = engine._loop
 
     def loop_with_a_pool(*args):  # a CUDA loop's graph pool, which DecodeState takes on CUDA only
@@ -182,13 +189,13 @@ def test_eager_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make
     sp = SamplingParams(n=2, max_tokens=40, seed=5, ignore_eos=True)  # runs of 16, 16 and 7 steps
     for _ in range(2):
         assert_same_rollout(engine.generate(p, sp), reference.generate(p, sp))
-    assert captures == ["pool"] and not engine._eager_graphs  # the second run of 16 steps tried, once
+    assert captures == ["pool"] and engine._uncapturable == {mode == "compiled"}  # the second run of 16 steps, once
     graphs = engine._graphs.metrics()  # hf/graph_* (reported on CUDA): the warm-up runs, the capture tried
     assert graphs["hf/graph_warmups"] == 3 and graphs["hf/graph_captures"] == 1  # 3 numbers of steps a run
     assert graphs["hf/graph_new_loops"] == 0 and graphs["hf/graph_capture_s"] >= 0
     assert engine._graphs.metrics()["hf/graph_captures"] == 0  # read once per step
     said = capsys.readouterr().out
-    assert said.count("eager decoding cannot be captured as CUDA graphs") == 1
+    assert said.count(f"{mode} decoding cannot be captured as CUDA graphs") == 1
     assert "operation not permitted when stream is capturing)" in said
 
 

@@ -183,7 +183,7 @@ class HFEngine(RolloutEngine):
         self._loops: dict[tuple, DecodeState] = {}  # by (rows, prompt, response) columns, least recent first
         self._row_steps = [0, 0]  # decoded row-steps of this step's calls, and what they were without compaction
         self._compiled_step, self._is_end, self.graph_tokens = None, None, o.graph_tokens
-        self._eager_graphs = True  # eager decoding steps captured as CUDA graphs, until a capture fails
+        self._uncapturable = set()  # compiled (True) and eager (False) decoding steps whose capture failed
         self._graphs = GraphStats()  # this step's new loops, warm-up runs and captures (hf/graph_*)
         # prompts padded to the widest bucket so far, from the data's longest on (keeps_prompt_width)
         self._keeps_width = keeps_prompt_width(self.compile, self.static, cuda, o.graph_tokens)
@@ -388,7 +388,7 @@ class HFEngine(RolloutEngine):
 
     def _captures(self, compiled: bool) -> bool:
         """Whether decoding steps are captured as CUDA graphs (on a loop with a graph pool: CUDA)."""
-        return bool(self.graph_tokens) and (compiled or self._eager_graphs)
+        return bool(self.graph_tokens) and compiled not in self._uncapturable
 
     def _run_steps(self, loop, steps, sampling, warpers, compiled: bool, at_once: bool = False):
         """``steps`` decoding steps. On CUDA (with ``graph_tokens``), the first run of a number of
@@ -432,21 +432,20 @@ class HFEngine(RolloutEngine):
 
     def _capture(self, loop, steps, step, sampling, warpers, compiled: bool):
         """``steps`` decoding steps captured as one CUDA graph (nothing runs until it is replayed); None
-        where an eager step cannot be captured, a forward that waits for the device (a host sync,
-        which a capture does not permit): eager decoding then goes on without graphs for the run."""
+        where a step cannot be captured, a forward that waits for the device (a host sync, which a
+        capture does not permit: Mixtral's and Qwen3-MoE's float32 experts in transformers' grouped
+        matmul fallback): decoding, eager or compiled alike, then goes on without graphs for the run."""
         graph = torch.cuda.CUDAGraph()
         try:
             with capturing(graph, loop.pool):
                 for _ in range(steps):
                     step(loop, sampling, warpers)
         except RuntimeError as e:
-            if compiled:
-                raise
-            self._eager_graphs = False
+            self._uncapturable.add(compiled)
             if self.ctx.is_main:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                print(f"rollout engine 'hf': eager decoding cannot be captured as CUDA graphs ({reason}); decoding "
-                      "without them (rollout.compile: on compiles the step, which can be)", flush=True)  # fmt: skip
+                print(f"rollout engine 'hf': {'compiled' if compiled else 'eager'} decoding cannot be captured as CUDA "
+                      f"graphs ({reason}); decoding without them", flush=True)  # fmt: skip
             return None
         return graph
 
