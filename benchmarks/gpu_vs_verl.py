@@ -27,8 +27,8 @@ does, the hf engine and the single strategy compile only when the run is long en
 ``--hf-options``, ``--sharding`` and ``--trainer-options`` change them).
 verl runs without flash-attn (not installable there): sdpa attention and no remove-padding path,
 with its fused kernels (torch backend: log-probs from hidden states in chunks), its fastest setting
-there; its PPO critic, which asks for flash-attn by name, is built with sdpa through verl's own
-``critic.model.external_lib`` (``gpu/verl/verl_critic_sdpa.py``).
+there; its PPO critic, which asks for flash-attn by name, is built with sdpa through a module that verl
+imports in all its processes, named in its ``VERL_USE_EXTERNAL_MODULES`` (``gpu/verl/verl_critic_sdpa.py``).
 Step times are each framework's own step timer, over the steps after ``--warmup``; the peak is the
 GPU's memory in use by all processes (nvidia-smi, sampled every 0.5 s); MFU is counted the same
 way for both (hybridrl.flops: matrix FLOPs of the update's forward and backward passes against
@@ -127,8 +127,6 @@ def verl_overrides(args, model: str, data: Path, reward: Path) -> list[str]:
               "+critic.model.override_config.attn_implementation=sdpa",
               "critic.model.enable_gradient_checkpointing=False", "critic.optim.lr=1e-5",
               f"critic.ppo_max_token_len_per_gpu={tokens}"]  # fmt: skip
-        if importlib.util.find_spec("flash_attn") is None:  # verl's critic asks for flash-attn by name
-            o += [f"critic.model.external_lib={CRITIC_SDPA}"]
     if args.profile_step:  # verl's own torch profiler, one trace per stage of that step
         o += ["global_profiler.tool=torch", f"global_profiler.steps=[{args.profile_step}]",
               f"global_profiler.save_path={Path(args.workdir_abs) / 'verl_profile'}",
@@ -171,6 +169,10 @@ def run_verl(args, model: str, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(args, model, data, reward)]
     env = os.environ | {"VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1", "RAY_DEDUP_LOGS": "0"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VERL_RECIPE), env.get("PYTHONPATH")]))  # CRITIC_SDPA
+    if args.algorithm == "ppo" and importlib.util.find_spec("flash_attn") is None:
+        # verl's critic asks for flash-attn by name; verl imports the modules this names in every one of its
+        # processes (critic.model.external_lib is imported only where the config is built, not in the workers)
+        env["VERL_USE_EXTERNAL_MODULES"] = CRITIC_SDPA
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # verl's vLLM server runs its engine in its own processes
     result = {"side": "verl", "versions": {"verl": verl.__version__}, "command": shlex.join(cmd)}
     print(result["command"], flush=True)
