@@ -133,9 +133,9 @@ class HFEngine(RolloutEngine):
             ge=0,
             description="Decoding on the static cache on CUDA, compiled or not: this many decoding steps are "
             "captured as one CUDA graph and launched as one, and the host checks whether every sequence has "
-            "ended between two of them. An eager step that cannot be captured (a model whose forward waits for "
-            "the device) decodes without graphs, said once. 0: no CUDA graphs (each step's kernels launched one "
-            f"by one, the check every {FINISHED_CHECK_EVERY} tokens).",
+            "ended between two of them. A step that cannot be captured (a forward that waits for the device, as "
+            "float32 MoE experts do), eager or compiled, decodes without graphs, said once. 0: no CUDA graphs "
+            f"(each step's kernels launched one by one, the check every {FINISHED_CHECK_EVERY} tokens).",
         )
         pad_prompts_to_multiple: int = Field(
             0,
@@ -299,8 +299,7 @@ class HFEngine(RolloutEngine):
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
         )  # fmt: skip
-        # Phi-3's drops the cache for a prompt past its original length (to fill it again with its other
-        # LongRoPE factors, which load_causal_lm pinned) and asks for every position's logits
+        # the cache stays the loop's whatever a model's preparation does with it, and one position's logits
         inputs |= {"past_key_values": loop.cache, **self._last_logits_only}
         token, logprob = self._sample(model(**inputs).logits[:, -1], sampling, warpers)
         self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
