@@ -135,8 +135,10 @@ def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engin
     does). Where a capture fails (a forward that syncs with the host, which capturing does not
     permit: on an H200, Qwen3-MoE's float32 experts, compiled or not), the capture raises: the steps
     then run as they are, the same tokens as without graphs, and the run decodes without them from
-    then on, said once. (Compiled, it raised: the rollout failed.) The compiled step here is the eager
-    one, named compiled (torch.compile is not what this tests)."""
+    then on, said once. (Compiled, it raised: the rollout failed.) The failed capture is followed by an
+    empty one that ends: the device's failure skipped torch's capture epilogue, which left the CUDA
+    generator in capture mode, and the next random draw raised (seen on an H200). The compiled step
+    here is the eager one, named compiled (torch.compile is not what this tests)."""
     import contextlib
 
     from hybridrl.builtin import rollout_hf
@@ -152,21 +154,24 @@ def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engin
         state.pool = "pool"
         return state
 
-    captures = []
+    captures, ended = [], []  # the pools of the captures begun, and of those that ended
 
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
     step, capturing = engine._step, []
 
-    class FailingGraph:  # a capture that fails: at its start, or at a step that syncs with the host
+    class FailingGraph:  # the first capture fails: at its start, or at a step that syncs with the host
         def capture_begin(self, pool=None):
+            self.pool, self.failed = pool, not captures
             captures.append(pool)
-            if fails_at == "begin":
+            if fails_at == "begin" and self.failed:
                 raise error
             capturing.append(True)
 
         def capture_end(self):
             capturing.clear()
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            if self.failed:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            ended.append(self.pool)
 
     def syncing_step(*args):  # raises before it changes anything, as the device would refuse the sync
         if capturing:
@@ -189,7 +194,8 @@ def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engin
     sp = SamplingParams(n=2, max_tokens=40, seed=5, ignore_eos=True)  # runs of 16, 16 and 7 steps
     for _ in range(2):
         assert_same_rollout(engine.generate(p, sp), reference.generate(p, sp))
-    assert captures == ["pool"] and engine._uncapturable == {mode == "compiled"}  # the second run of 16 steps, once
+    assert captures == ["pool", None] and ended == [None]  # the second run of 16 steps, once; then an empty one
+    assert engine._uncapturable == {mode == "compiled"}
     graphs = engine._graphs.metrics()  # hf/graph_* (reported on CUDA): the warm-up runs, the capture tried
     assert graphs["hf/graph_warmups"] == 3 and graphs["hf/graph_captures"] == 1  # 3 numbers of steps a run
     assert graphs["hf/graph_new_loops"] == 0 and graphs["hf/graph_capture_s"] >= 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 
 import torch
 
@@ -51,15 +52,29 @@ def capturing(graph, pool):
     torch.cuda.synchronize()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
         try:
+            graph.capture_begin(pool=pool)
             yield graph
         except BaseException:
             with contextlib.suppress(RuntimeError):  # ends the failed capture; the body's error says why
                 graph.capture_end()
+            leave_capture_mode()
             raise
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
+
+
+def leave_capture_mode() -> None:
+    """An empty capture, begun and ended on the current (side) stream, after one that failed. A capture
+    the device invalidated (a host sync inside it) fails at its end before torch's epilogue, which
+    leaves the CUDA generator in capture mode: every random draw outside a capture then raised
+    "Offset increment outside graph capture encountered unexpectedly", so decoding could not go on
+    without graphs. The empty capture's epilogue takes the generator out of capture mode."""
+    empty = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(), contextlib.suppress(RuntimeError):
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        empty.capture_begin()
+        empty.capture_end()
 
 
 @functools.cache
