@@ -19,6 +19,10 @@ a tenth of the sampled tokens) so that response lengths vary. For each family:
 - ``compiled`` (families named in ``--compiled``): the same engine with ``compile: on``, greedy,
   against the eager engine, in float32 and in bfloat16: the rows whose tokens are the same and
   the largest logprob difference on them, and the compile time;
+- ``fallback`` (families named in ``--fallback``, default Llama): ``decode`` with a step that reads a
+  value back to the host, which a CUDA graph capture refuses: the engine says so once and decodes
+  on without graphs, its logprobs still the trainer's (a failed capture used to leave the CUDA
+  generator in capture mode, and the next random draw raised);
 - ``train fp32`` and ``train bf16``: two GRPO steps through the trainer (32 prompts x 4 samples, the
   sync checked after each) with float32 compute (``mixed_precision: off``, engine dtype float32)
   and with the defaults (bf16 autocast, a bf16 engine): rollout/logprob_diff_max and
@@ -73,7 +77,7 @@ def engine(path: str, device, workdir: Path, sampling=None, **options):
     return cls(cls.Options(**{"dtype": "float32"} | options), ctx)
 
 
-def decode(path: str, device, workdir: Path, count: int, **options) -> dict:
+def decode(path: str, device, workdir: Path, count: int, host_sync: bool = False, **options) -> dict:
     import torch
 
     from hybridrl.batch import Batch
@@ -82,6 +86,9 @@ def decode(path: str, device, workdir: Path, count: int, **options) -> dict:
     from hybridrl.passes import response_logprobs
 
     e = engine(path, device, workdir, **options)
+    if host_sync:  # each decoding step reads a value back to the host, as some models' forwards do
+        step = e._step
+        e._step = lambda loop, *args: (float(loop.at.sum()), step(loop, *args))[1]
     p = prompts(e.tokenizer, count)
     out = e.generate(p, SamplingParams(n=1, max_tokens=48, seed=0))
     stats = e.metrics()
@@ -99,6 +106,7 @@ def decode(path: str, device, workdir: Path, count: int, **options) -> dict:
         "lengths_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
         "logprob_diff_max": (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item(),
         "nan": bool(torch.isnan(batch["rollout_logprobs"][mask]).any()),
+        "uncapturable": ["compiled" if c else "eager" for c in sorted(e._uncapturable)],
         **{k: v for k, v in stats.items() if k.startswith("hf/graph")},
     }
     e.close()
@@ -179,6 +187,8 @@ def run_part(part: str, path: str, device, workdir: Path, count: int, smoke: boo
         return decode(path, device, workdir, count, compile="off", **cache)
     if part == "compiled":
         return compiled(path, device, workdir, count)
+    if part == "fallback":  # a step that cannot be captured: the engine decodes on without graphs
+        return decode(path, device, workdir, count, host_sync=True, compile="off", **cache)
     return train(path, workdir / "run", part == "train fp32", smoke)
 
 
@@ -190,7 +200,7 @@ def one_family(arch: str, args, work: Path) -> dict:
     count, row = 16 if args.smoke else 256, {}
     path = checkpoint(work / "models", arch)
     for part in args.parts.split(","):
-        if part == "compiled" and arch not in args.compiled.split(","):
+        if part in ("compiled", "fallback") and arch not in getattr(args, part).split(","):
             continue
         t = time.perf_counter()
         try:
@@ -210,7 +220,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=None, help=f"comma-separated, from {', '.join(ARCHITECTURES)} (default: all)")
     p.add_argument("--compiled", default="", help="comma-separated families to also decode compiled")
-    p.add_argument("--parts", default="decode,compiled,train fp32,train bf16")
+    p.add_argument("--fallback", default="llama", help="comma-separated families to also decode with a host sync")
+    p.add_argument("--parts", default="decode,compiled,fallback,train fp32,train bf16")
     p.add_argument("--smoke", action="store_true", help="on the CPU, fewer prompts (default families: llama, gemma3)")
     p.add_argument("--family-timeout", type=float, default=240)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one family, in this process (the JSON to --out)
@@ -229,7 +240,7 @@ def main() -> None:
         for arch in archs:  # each in its own process: a failed CUDA graph capture can leave the device unusable
             row_file = Path(tmp) / f"{arch}.json"
             cmd = [sys.executable, __file__, "--one", arch, "--out", str(row_file), "--parts", args.parts]
-            cmd += ["--compiled", args.compiled, *(["--smoke"] if args.smoke else [])]
+            cmd += ["--compiled", args.compiled, "--fallback", args.fallback, *(["--smoke"] if args.smoke else [])]
             try:
                 code = subprocess.run(cmd, timeout=args.family_timeout).returncode
             except subprocess.TimeoutExpired:
