@@ -11,11 +11,11 @@ tiny random checkpoints, saved as each family ships (bf16 weights, its config ke
 of 16 tokens, Phi-3's LongRoPE with an original length of 64), with ten more end ids (3-12, about
 a tenth of the sampled tokens) so that response lengths vary. For each family:
 
-- ``decode``: the hf engine with its defaults on the GPU (static cache, fused projections, grouped
-  decoding attention, rows moved to loops of fewer rows as responses end, every loop captured in
-  CUDA graphs at the first call) in float32, 256 prompts of 3-110 tokens, up to 48 tokens: the
-  largest difference between its logprobs and the trainer's pass over the same responses, the
-  response lengths, the loops made and the graphs captured;
+- ``decode``: the hf engine with its defaults on the GPU for a short run (static cache, fused
+  projections, grouped decoding attention, rows moved to loops of fewer rows as responses end,
+  eager steps, every loop captured in CUDA graphs at the first call) in float32, 256 prompts of
+  3-110 tokens, up to 48 tokens: the largest difference between its logprobs and the trainer's pass
+  over the same responses, the response lengths, the loops made and the graphs captured;
 - ``compiled`` (families named in ``--compiled``): the same engine with ``compile: on``, greedy,
   against the eager engine, in float32 and in bfloat16: the rows whose tokens are the same and
   the largest logprob difference on them, and the compile time;
@@ -61,8 +61,13 @@ def checkpoint(folder: Path, arch: str) -> str:
     return path
 
 
+def question(i: int) -> str:
+    """The i-th prompt: 3 to 110 characters (one token each), past every window and original length."""
+    return f"q{i * 37 % 101} {chr(97 + i % 26) * (1 + i % 5 * 25)}"
+
+
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer(f"q{i * 37 % 101} {chr(97 + i % 26) * (1 + i % 5 * 25)}")["input_ids"] for i in range(count)]
+    return [tokenizer(question(i))["input_ids"] for i in range(count)]
 
 
 def engine(path: str, device, workdir: Path, sampling=None, **options):
@@ -150,7 +155,7 @@ def train(path: str, run_dir: Path, fp32: bool, smoke: bool) -> dict:
             return 256
 
         def __getitem__(self, i):
-            return {"question": f"q{i * 37 % 101} {chr(97 + i % 26) * (1 + i % 5 * 25)}", "answer": None}
+            return {"question": question(i), "answer": None}
 
     class Sevens(RewardFunction):
         def score(self, batch):
