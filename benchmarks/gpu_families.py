@@ -23,10 +23,10 @@ a tenth of the sampled tokens) so that response lengths vary. For each family:
   value back to the host, which a CUDA graph capture refuses: the engine says so once and decodes
   on without graphs, its logprobs still the trainer's (a failed capture used to leave the CUDA
   generator in capture mode, and the next random draw raised);
-- ``train fp32`` and ``train bf16``: two GRPO steps through the trainer (32 prompts x 4 samples, the
-  sync checked after each) with float32 compute (``mixed_precision: off``, engine dtype float32)
-  and with the defaults (bf16 autocast, a bf16 engine): rollout/logprob_diff_max and
-  rollout/sync_check_diff_max of each step.
+- ``train fp32`` and ``train bf16``: the tests' two GRPO steps through the trainer
+  (``two_grpo_steps``: packed passes, 32 prompts x 4 samples here, the sync checked after each)
+  with float32 compute (``mixed_precision: off``, engine dtype float32) and with the defaults (bf16
+  autocast, a bf16 engine): rollout/logprob_diff_max and rollout/sync_check_diff_max of each step.
 
 Prints a table and writes JSON (``--out``; default ``$OUT/families_gpu.json`` when OUT is set).
 """
@@ -91,9 +91,14 @@ def decode(path: str, device, workdir: Path, count: int, host_sync: bool = False
     from hybridrl.passes import response_logprobs
 
     e = engine(path, device, workdir, **options)
-    if host_sync:  # each decoding step reads a value back to the host, as some models' forwards do
+    if host_sync:
         step = e._step
-        e._step = lambda loop, *args: (float(loop.at.sum()), step(loop, *args))[1]
+
+        def syncing_step(loop, *args):  # reads a value back to the host, as some models' forwards do
+            float(loop.at.sum())
+            return step(loop, *args)
+
+        e._step = syncing_step
     p = prompts(e.tokenizer, count)
     out = e.generate(p, SamplingParams(n=1, max_tokens=48, seed=0))
     stats = e.metrics()
@@ -145,10 +150,12 @@ def compiled(path: str, device, workdir: Path, count: int) -> dict:
 
 
 def train(path: str, run_dir: Path, fp32: bool, smoke: bool) -> dict:
+    """hybridrl.testing_models.two_grpo_steps (the tests' two steps) on this script's prompts, with 48
+    tokens a response; float32 (``fp32``) or the defaults."""
     from hybridrl import plugins
-    from hybridrl.components import PromptSource, RewardFunction
-    from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer
+    from hybridrl.components import PromptSource
+    from hybridrl.testing import SevensReward
+    from hybridrl.testing_models import two_grpo_steps
 
     class Questions(PromptSource):
         def __len__(self):
@@ -157,29 +164,15 @@ def train(path: str, run_dir: Path, fp32: bool, smoke: bool) -> dict:
         def __getitem__(self, i):
             return {"question": question(i), "answer": None}
 
-    class Sevens(RewardFunction):
-        def score(self, batch):
-            return [r.count("7") / max(1, len(r)) for r in batch["response_text"]]
-
     pm = plugins.get_plugin_manager()
     if not pm.has_plugin("families"):
-        pm.register(common.bench_plugin({"questions": Questions}, {"sevens": Sevens}), name="families")
+        pm.register(common.bench_plugin({"questions": Questions}, {"sevens": SevensReward}), name="families")
         plugins.invalidate_registry()
-    cfg = {
-        "model": {"path": path},
-        "data": {"source": "questions", "chat_template": False, "answer_column": None},
-        "rollout": {"engine": "hf", "n": 4, "max_tokens": 48, "sync_check_every": 1},
-        "rewards": [{"function": "sevens"}],
-        "algorithm": {"name": "grpo", "kl_coef": 0.01},
-        "sharding": {"strategy": "single"},
-        "trainer": {"steps": 2, "prompts_per_step": 4 if smoke else 32, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir)},
-        "logging": {"loggers": ["jsonl"]},
-    }
-    if fp32:
-        cfg["rollout"]["dtype"] = "float32"
-        cfg["sharding"]["mixed_precision"] = "off"
-    Trainer(load_config(data=cfg)).train()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    data = {"source": "questions", "chat_template": False, "answer_column": None}
+    precision = ({"mixed_precision": "off"}, {"dtype": "float32"}) if fp32 else ({}, {})
+    rows = two_grpo_steps(
+        path, run_dir, data=data, prompts=4 if smoke else 32, sharding=precision[0], max_tokens=48, **precision[1]
+    )
     keys = ("rollout/logprob_diff_max", "rollout/logprob_diff_mean", "rollout/sync_check_diff_max")
     keys += ("response_length/mean", "prompt_length/mean", "hf/graph_captures", "hf/decoded_row_fraction")
     return {"steps": [{k.removeprefix("rollout/"): r.get(k) for k in keys} for r in rows]}

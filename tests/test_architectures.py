@@ -79,11 +79,12 @@ def test_long_rope_uses_one_set_of_factors_for_every_length(arch, checkpoints):
     assert pin_long_rope(model)
 
 
-def test_pinned_long_rope_reads_no_position_back_to_the_host(checkpoints):
+@pytest.mark.parametrize("arch", ["phi3", "phi3-su"])
+def test_pinned_long_rope_reads_no_position_back_to_the_host(arch, checkpoints):
     """transformers' per-batch choice of LongRoPE's factors branches on the batch's largest position, a
     read back to the host that a CUDA graph capture refuses: Phi-3's decoding on a GPU failed at its
     first capture. Pinned, the rotary embedding is one graph (a branch on a tensor would break it)."""
-    model = load_causal_lm(checkpoints["phi3"], torch.float32, torch.device("cpu")).eval()
+    model = load_causal_lm(checkpoints[arch], torch.float32, torch.device("cpu")).eval()
     rotary = model.model.rotary_emb
     x, positions = torch.zeros(1, 5, 64), torch.arange(60, 65)[None]
     want = rotary(x, positions)
@@ -119,9 +120,10 @@ def static_engine(path, tmp_path, sampling, cache="static", **options):
     return engine
 
 
+@pytest.mark.parametrize("arch", ["phi3", "phi3-su"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_decoding_past_longropes_original_length_keeps_the_trainers_logprobs(n, cache, checkpoints, tmp_path):
+def test_decoding_past_longropes_original_length_keeps_the_trainers_logprobs(n, cache, arch, checkpoints, tmp_path):
     """Phi-3's generation input preparation drops the KV cache at the first token past the original
     length (64 here, 4,096 for Phi-3.5 and Phi-4-mini), to recompute it with LongRoPE's long
     factors. hybridrl pins those factors (pin_long_rope), so nothing needs recomputing, and
@@ -130,7 +132,7 @@ def test_decoding_past_longropes_original_length_keeps_the_trainers_logprobs(n, 
     from hybridrl.components import Sampling, SamplingParams
     from hybridrl.passes import response_logprobs
 
-    path = checkpoints["phi3"]
+    path = checkpoints[arch]
     engine = static_engine(path, tmp_path, Sampling(ignore_eos=True), cache=cache)
     p = [engine.tokenizer(f"q{i} {'abcdefgh' * 6}"[: 44 + i])["input_ids"] for i in range(4)]
     out = engine.generate(p, SamplingParams(n=n, max_tokens=40, seed=0, ignore_eos=True))

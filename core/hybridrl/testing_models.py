@@ -117,23 +117,36 @@ def build_checkpoint(path, arch: str, seed: int = 0) -> str:
 LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
 
 
-def two_grpo_steps(model: str, run_dir, engine: str = "hf", lora: bool = False, strategy: str = "single", **rollout):
-    """Train ``model`` for two GRPO steps (2 prompts x 4 samples of up to 24 tokens, packed passes,
+def two_grpo_steps(
+    model: str,
+    run_dir,
+    engine: str = "hf",
+    lora: bool = False,
+    strategy: str = "single",
+    data: dict | None = None,
+    prompts: int = 2,
+    sharding: dict | None = None,
+    **rollout,
+):
+    """Train ``model`` for two GRPO steps (``prompts`` x 4 samples of up to 24 tokens, packed passes,
     the reward ``sevens`` of :class:`hybridrl.testing.SevensPlugin`, which the caller registers),
-    checking the sync after each; returns the rows of its metrics.jsonl."""
+    checking the sync after each; returns the rows of its metrics.jsonl. ``data`` replaces the
+    prompts (reasoning-gym's chain_sum), ``sharding`` adds to the strategy's options."""
     from hybridrl.config import load_config
     from hybridrl.trainer import Trainer
 
+    chain_sum = {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True}
     cfg = {
         "model": {"path": model, **({"lora": LORA} if lora else {})},
-        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True},
+        "data": data or chain_sum,
         "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
         "rewards": [{"function": "sevens"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.01},
-        "sharding": {"strategy": strategy},
-        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), "threads": 1},
+        "sharding": {"strategy": strategy, **(sharding or {})},
+        "trainer": {"steps": 2, "prompts_per_step": prompts, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir)},
         "logging": {"loggers": ["jsonl"]},
     }
+    cfg["trainer"]["threads"] = 1
     cfg["trainer"]["pack_sequences"] = True
     Trainer(load_config(data=cfg)).train()
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
