@@ -102,7 +102,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             "dtype": "float32" if args.smoke else "bfloat16",
             "max_model_len": common.PROMPT_CHARS + args.max_tokens + 16,
             "engine_kwargs": {"skip_tokenizer_init": True},
-            **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_level": 0}),
+            **({} if args.smoke else {"gpu_memory_utilization": args.gpu_memory_utilization}),
         }
     # the timed steps stand for those of a long run, where compile auto compiles what a few steps do not
     # pay back: hf decoding from two million planned response tokens (123 steps of the reference

@@ -22,9 +22,10 @@ chat template is the prompt's text alone, so both sides see the same 128 tokens.
 Sides, each its own process, back to back: ``verl`` (``python -m verl.trainer.main_ppo``: its v1
 trainer, FSDP and a colocated vLLM server on the one GPU, with the overrides of
 :func:`verl_overrides` and ``--verl-options``), ``hybridrl-vllm`` and ``hybridrl-hf``
-(gpu_vs_trl.py's sides with hybridrl's defaults: the vllm engine sleeps between rollouts as verl's
-does, the hf engine and the single strategy compile only when the run is long enough; ``--vllm-options``,
-``--hf-options``, ``--sharding`` and ``--trainer-options`` change them).
+(gpu_vs_trl.py's sides with hybridrl's defaults: the vllm engine's ``sleep_level: auto``, which keeps
+it awake while a model of this size trains, the hf engine and the single strategy compile only when
+the run is long enough; ``--vllm-options``, ``--hf-options``, ``--sharding`` and ``--trainer-options``
+change them).
 verl runs without flash-attn (not installable there): sdpa attention and no remove-padding path,
 with its fused kernels (torch backend: log-probs from hidden states in chunks), its fastest setting
 there; its PPO critic, which asks for flash-attn by name, is built with sdpa through a module that verl
@@ -369,7 +370,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="default 1e-6, 1e-9 with long-tail lengths")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share on every side")
     p.add_argument("--verl-options", default="", help="more hydra overrides for verl, space-separated")
-    p.add_argument("--vllm-options", default='{"sleep_level": 1}', help="JSON of hybridrl-vllm's rollout options")
+    p.add_argument("--vllm-options", default="{}", help="JSON of hybridrl-vllm's rollout options")
     p.add_argument("--hf-options", default='{"compile": "auto"}', help="JSON of hybridrl-hf's rollout options")
     p.add_argument("--trainer-options", default="{}", help="JSON of extra hybridrl trainer options")
     p.add_argument("--sharding", default='{"compile": "auto"}', help="JSON of hybridrl's sharding options (single)")

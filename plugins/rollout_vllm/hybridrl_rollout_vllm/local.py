@@ -99,6 +99,8 @@ class LocalEngine:
         self.on_cpu = current_platform.is_cpu()
         self.multiprocess = multiprocess or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
         self.sleep_level = 0 if self.on_cpu else o.sleep_level
+        if self.sleep_level == "auto":
+            self.sleep_level = auto_sleep_level(o.gpu_memory_utilization, ctx)
         self.asleep: set[str] = set()
         self.stats: dict[str, float] = {}
         self._warned: set[str] = set()
@@ -349,18 +351,25 @@ def check_launch(options, ctx) -> None:
 
 
 TRAINED_BYTES_PER_PARAMETER = 12  # float32 master weight + AdamW's two float32 moments, kept between updates
+GRADIENT_BYTES_PER_PARAMETER = 4  # float32 gradients, held during the update
+AWAKE_ROOM = 0.25  # sleep_level auto keeps vLLM awake when this share of the GPU is left for the passes
+
+
+def policy_parameters(ctx) -> int:
+    """The policy's parameter count, from its config (no weights load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
 
 
 def check_memory_share(share: float, ctx) -> None:
     """vLLM takes ``share`` of the GPU while it generates; the policy keeps its weights and optimizer
     state there all the time (sharded over the ranks): refuse a share that cannot fit beside them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     total = torch.cuda.get_device_properties(ctx.device).total_memory
-    with torch.device("meta"):
-        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
-    params = sum(p.numel() for p in model.parameters())
+    params = policy_parameters(ctx)
     policy = params * TRAINED_BYTES_PER_PARAMETER / ctx.world_size
     if share * total + policy > 0.95 * total:
         fits = max(0.0, (0.95 * total - policy) / total)
@@ -371,6 +380,30 @@ def check_memory_share(share: float, ctx) -> None:
             f"{ctx.world_size} rank(s)): together they do not fit. Set rollout.gpu_memory_utilization to at most "
             f"{fits:.2f}, or shard the policy over more ranks (sharding.strategy: fsdp)."
         )
+
+
+def auto_sleep_level(share: float, ctx) -> int:
+    """``sleep_level: auto`` on a GPU: 0 (vLLM stays awake) when its ``share`` of the GPU and the
+    policy's training state leave at least ``AWAKE_ROOM`` of it for the training passes, else 1. The
+    passes' micro-batches size themselves from what is free (``trainer.micro_batch_tokens: auto``)."""
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    state = policy_parameters(ctx) * (TRAINED_BYTES_PER_PARAMETER + GRADIENT_BYTES_PER_PARAMETER) / ctx.world_size
+    room = 0.95 * total - share * total - state
+    level = 0 if room >= AWAKE_ROOM * total else 1
+    if ctx.is_main:
+        gib = 2**30
+        print(
+            f"{NAME}: sleep_level auto: {level}, as vLLM's {share * total / gib:.1f} GiB "
+            f"(gpu_memory_utilization {share:g}) and the policy's training state ({state / gib:.1f} GiB) leave "
+            f"{max(room, 0) / gib:.1f} GiB of {ctx.device} for the training passes "
+            + (
+                "(a quarter or more): vLLM stays awake; set sleep_level: 1 to free its memory while the policy trains"
+                if level == 0
+                else "(less than a quarter): vLLM sleeps while the policy trains; set sleep_level: 0 to keep it awake"
+            ),
+            flush=True,
+        )
+    return level
 
 
 def choose_weight_sync(choice: str, blockers: list[str]) -> str:

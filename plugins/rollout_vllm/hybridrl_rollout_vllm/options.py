@@ -103,12 +103,15 @@ class VLLMOptions(Options):
         "after each sync and the cache must be reset then, a pass over every KV-cache block (0.08 s on an "
         "H200 with 30% of its memory for KV cache); without it, the samples of a prompt each prefill it.",
     )
-    sleep_level: Literal[0, 1, 2] = Field(
-        1,
+    sleep_level: Literal["auto", 0, 1, 2] = Field(
+        "auto",
         description="vLLM sleep mode used between generation and training (GPU only): 1 offloads the "
         "weights to CPU memory and drops the KV cache; 2 drops both (faster; safe because the trainer "
-        "sends every weight after each update); 0 keeps everything on the GPU. On CPU sleep and "
-        "wake-up do nothing (vLLM has no sleep mode there).",
+        "sends every weight after each update); 0 keeps everything on the GPU, which saves the sleep, the "
+        "wake-up and the training passes' memory allocations at every step. 'auto': 0 when vLLM's share "
+        "(gpu_memory_utilization) and the policy's training state (float32 weights, gradients and AdamW "
+        "moments) leave at least a quarter of the GPU for the passes, else 1. On CPU sleep and wake-up do "
+        "nothing (vLLM has no sleep mode there).",
     )
     cpu_kv_cache_gb: int | None = Field(
         None,

