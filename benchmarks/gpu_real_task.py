@@ -84,7 +84,9 @@ def config(args, side: str, run_dir: Path) -> dict:
             "system_prompt": SYSTEM,
             "eval": [{"name": "held_out", "source": "hf", "path": args.eval_data}],
         },
-        "rollout": engine[side] | {"n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0},
+        "rollout": engine[side]
+        | {"n": args.n, "max_tokens": args.max_tokens, "temperature": 1.0}
+        | json.loads(args.engine_options),
         "rewards": [{"function": "answer_match", "extract": "last_number"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.01, "kl_kind": "k3", "loss_agg_mode": "token-mean"},
         "trainer": {
@@ -143,7 +145,7 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "wall_s_to_reward_5step_mean": reached_wall,
         "rolling_reward": rolling,
         # each step's stages and decoding work besides replaying graphs: where a slow step went
-        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_"))} for r in steps],
+        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_", "vllm/"))} for r in steps],
         "setup_s": wall - sum(times),  # setup, evaluations and exit: all but the steps
     }
 
@@ -166,7 +168,13 @@ def run_side(args, side: str, workdir: Path, index: int = 0) -> dict:
     if proc.returncode != 0:
         return {"side": side, "error": proc.stderr[-3000:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summarize(side, rows, wall, started)
+    return summarize(side, rows, wall, started) | {"setup_log": setup_lines(proc.stdout + proc.stderr)}
+
+
+def setup_lines(log: str, keep: int = 80) -> list[str]:
+    """The side's log lines that time its setup or say what an ``auto`` setting chose."""
+    words = ("took", "seconds", "secs", " auto:", "compil", "captur", "memory", "micro-batches")
+    return [line[:300] for line in log.splitlines() if any(w in line for w in words)][:keep]
 
 
 def trl_side(args) -> None:
@@ -266,6 +274,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--engine-options", default="{}", help="JSON of extra rollout options for hybridrl's sides")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
     p.add_argument("--trl-side", help=argparse.SUPPRESS)
@@ -282,6 +291,7 @@ def main() -> int:
         smoke_inputs(args, workdir)
     out = Path(args.out or (Path(os.environ["OUT"]) / "real_task.json" if os.environ.get("OUT") else "real_task.json"))
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node()}
+    result["engine_options"] = json.loads(args.engine_options)
     try:
         import torch
 
