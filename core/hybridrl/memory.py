@@ -3,7 +3,8 @@ what to change.
 
 ``trainer.micro_batch_tokens: auto`` (the default) measures the device's free memory the first
 time the trainer runs a pass, after the models and the engine are loaded and the engine has
-released its memory for training (or kept it, where it stays awake), and gives each pass the share of it its activations need:
+released its memory for training (or kept it, where it stays awake), and gives each pass the
+share of it its activations need:
 
     budget = AUTO_FRACTION x free bytes / bytes a token's activations take (at most)
 

@@ -4,6 +4,7 @@ activation checkpointing. The forward passes are :mod:`hybridrl.forward`'s (kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -13,6 +14,7 @@ import shutil
 import tempfile
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -88,14 +90,17 @@ def convert_gguf(gguf: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_read_once():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # a model loaded from GGUF cannot be saved directly; rebuild it from its config
         config = quant.config
         if hasattr(config, "quantization_config"):  # the weights are dequantised: say so to every loader
             del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quant.state_dict())
+        with torch.device("meta"):  # no random initialisation: every weight comes from the GGUF
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quant.state_dict(), assign=True)
+        model.tie_weights()
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -106,6 +111,25 @@ def convert_gguf(gguf: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """transformers parses a GGUF file's metadata (the vocabulary among it) for the tokenizer, the
+    config and the weights, three times, and builds gguf's table of tensor names once per module of
+    the model (hundreds of times): about two thirds of a conversion. Within one, each file is parsed
+    once and each table built once (gguf's reader and table are read-only)."""
+    try:
+        import gguf
+    except ImportError:  # transformers says what to install
+        yield
+        return
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = functools.cache(reader), functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
