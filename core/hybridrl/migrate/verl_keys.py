@@ -237,7 +237,7 @@ IGNORED = {
     f"{R}.calculate_log_probs": MACHINERY,
     f"{R}.disable_log_stats": MACHINERY,
     f"{R}.logprobs_mode": "the engines report processed logprobs, as the trainer scores them",
-    f"{R}.free_cache_engine": "the engine sleeps while the policy trains (rollout.sleep_level of vllm)",
+    f"{R}.free_cache_engine": "the engine sleeps during training where that memory is needed (vllm sleep_level: auto)",
     f"{R}.multi_stage_wake_up": MACHINERY,
     f"{R}.prompt_length": "data.max_prompt_length bounds prompts",
     "*.rollout_n": "rollout.n",
