@@ -1,4 +1,5 @@
-"""What rollout engines share: weight buckets for the sync, and stop strings cut after the fact."""
+"""What rollout engines share: weight buckets for the sync, stop strings cut after the fact, and
+whether an engine on the policy's GPU may keep its memory while the policy trains."""
 
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def stop_length(ids: list[int], decode: Callable[[list[int]], str], stops: list[
         else:
             lo = mid + 1
     return lo
+
+
+TRAINING_STATE_BYTES = 16  # a trained parameter's float32 weight, gradient and two AdamW moments
+AWAKE_ROOM = 0.25  # of the GPU, left for the training passes beside an engine that stays awake
+
+
+def policy_parameters(ctx) -> int:
+    """The policy's parameter count, from its config (no weights load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def stays_awake(share: float, ctx) -> tuple[bool, str]:
+    """Whether an engine that holds ``share`` of the policy's GPU (``ctx.device``) may keep it while
+    the policy trains: when that share and the policy's training state (``TRAINING_STATE_BYTES`` a
+    parameter, over the ranks) leave ``AWAKE_ROOM`` of the GPU for the passes, whose micro-batches
+    size themselves from what is free. Sleeping costs every step a release, a resume, and the
+    passes' allocations after it. Returns the answer and the figures behind it, for the message."""
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    state = policy_parameters(ctx) * TRAINING_STATE_BYTES / ctx.world_size
+    room = 0.95 * total - share * total - state
+    gib = 2**30
+    why = (
+        f"the engine's {share * total / gib:.1f} GiB ({share:g} of {ctx.device}) and the policy's training state "
+        f"({state / gib:.1f} GiB) leave {max(room, 0) / gib:.1f} GiB for the training passes, "
+        + ("a quarter of the GPU or more" if room >= AWAKE_ROOM * total else "less than a quarter of the GPU")
+    )
+    return room >= AWAKE_ROOM * total, why

@@ -97,10 +97,13 @@ class SGLangEngine(RolloutEngine):
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
             "auto", description="Engine weight dtype; 'auto' follows the model config. Weights are cast to it."
         )
-        enable_memory_saver: bool = Field(
-            True,
+        enable_memory_saver: bool | Literal["auto"] = Field(
+            "auto",
             description="Release the weights, KV cache and CUDA graphs while the policy trains "
-            "(release/resume_memory_occupation); false: sleep() keeps them.",
+            "(release/resume_memory_occupation); false: sleep() keeps them, which saves the release, the "
+            "resume and the training passes' allocations at every step. 'auto': false where "
+            "mem_fraction_static and the policy's training state (float32 weights, gradients and AdamW "
+            "moments) leave at least a quarter of the GPU for the passes, else true.",
         )
         skip_tokenizer_init: bool = Field(
             True, description="Run SGLang on token ids only, without loading the tokenizer."

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.engines import stays_awake
 from hybridrl.http import ServiceError, get_json, post_json
 from hybridrl_rollout_sglang.protocol import COMPONENT
 
@@ -127,7 +128,8 @@ def import_sglang():
 
 
 def engine_kwargs(options, ctx) -> dict:
-    """Keyword arguments of ``sglang.Engine`` from the plugin's options and the run."""
+    """Keyword arguments of ``sglang.Engine`` from the plugin's options (``enable_memory_saver``
+    decided: :func:`memory_saver`) and the run."""
     kwargs = {
         "model_path": ctx.model_path,
         "skip_tokenizer_init": options.skip_tokenizer_init,
@@ -164,15 +166,33 @@ def engine_kwargs(options, ctx) -> dict:
     return {**kwargs, **options.engine_kwargs}
 
 
+def memory_saver(options, ctx) -> bool:
+    """``enable_memory_saver``; ``auto``: off where the engine may keep its memory while the policy
+    trains (:func:`hybridrl.engines.stays_awake`), else on (and on off a CUDA device)."""
+    if options.enable_memory_saver != "auto":
+        return options.enable_memory_saver
+    if ctx.device.type != "cuda":
+        return True
+    awake, why = stays_awake(options.mem_fraction_static, ctx)
+    if ctx.is_main:
+        then = (
+            "the engine keeps its memory; set enable_memory_saver: true to release it while the policy trains"
+            if awake
+            else "the engine releases its memory while the policy trains; set enable_memory_saver: false to keep it"
+        )
+        print(f"{COMPONENT}: enable_memory_saver auto: {not awake}, as {why}: {then}", flush=True)
+    return not awake
+
+
 class InProcess(Backend):
     """``sglang.Engine`` started in this process (its scheduler runs in child processes)."""
 
     def __init__(self, options, ctx):
         super().__init__(options)
         self.options = options
-        self.can_release = options.enable_memory_saver
+        self.can_release = memory_saver(options, ctx)
         sglang = import_sglang()
-        kwargs = engine_kwargs(options, ctx)
+        kwargs = engine_kwargs(options.model_copy(update={"enable_memory_saver": self.can_release}), ctx)
         try:
             self.engine = sglang.Engine(**kwargs)
         except Exception as e:

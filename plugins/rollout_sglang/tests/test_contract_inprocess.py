@@ -191,6 +191,31 @@ def test_without_memory_saver_sleep_keeps_everything(make_engine, sglang_module,
     assert not any(c[0] in ("release", "resume") for c in sglang_module.Engine.last.core.calls)
 
 
+def test_memory_saver_auto_keeps_the_memory_where_training_still_has_room(tiny_model, tmp_path, monkeypatch, capsys):
+    """Contract test for the GPU case (no GPU here: torch is told the GPU's size), with the vllm
+    engine's rule: the engine keeps its memory when 0.95 of the GPU minus mem_fraction_static and 16
+    bytes a policy parameter leave a quarter of the GPU; off a GPU, auto releases as before."""
+    from types import SimpleNamespace
+
+    from hybridrl_rollout_sglang import SGLangEngine
+    from hybridrl_rollout_sglang.backends import memory_saver
+
+    params = sum(p.numel() for p in load_causal_lm(tiny_model, torch.float32, torch.device("cpu")).parameters())
+    options = SGLangEngine.Options()
+    assert options.enable_memory_saver == "auto"
+    ctx = RunContext(tiny_model, None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+
+    def saver(total, **opts):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+        return memory_saver(SGLangEngine.Options(**opts), ctx)
+
+    assert saver(80 * params + 100) is False  # mem_fraction_static 0.5: (0.95 - 0.5 - 0.25) x total >= 16 x params
+    assert "enable_memory_saver auto: False" in capsys.readouterr().out
+    assert saver(80 * params - 100) is True
+    assert saver(80 * params + 100, enable_memory_saver=True) is True  # an explicit choice stands
+    assert memory_saver(options, RunContext(tiny_model, None, torch.device("cpu"), torch.float32, 0, tmp_path))
+
+
 def test_stop_strings_are_cut_here_when_sglang_has_no_tokenizer(make_engine, sglang_module, prompts, tiny_model):
     """Contract test: with skip_tokenizer_init SGLang refuses ``stop``; the plugin cuts responses itself."""
     from hybridrl.models import load_tokenizer

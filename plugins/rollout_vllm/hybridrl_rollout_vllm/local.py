@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
-from hybridrl.engines import tensor_bytes, weight_buckets
+from hybridrl.engines import policy_parameters, stays_awake, tensor_bytes, weight_buckets
 from hybridrl_rollout_vllm.weights import to_safetensors_dict
 
 NAME = "rollout engine 'vllm'"
@@ -351,18 +351,6 @@ def check_launch(options, ctx) -> None:
 
 
 TRAINED_BYTES_PER_PARAMETER = 12  # float32 master weight + AdamW's two float32 moments, kept between updates
-GRADIENT_BYTES_PER_PARAMETER = 4  # float32 gradients, held during the update
-AWAKE_ROOM = 0.25  # sleep_level auto keeps vLLM awake when this share of the GPU is left for the passes
-
-
-def policy_parameters(ctx) -> int:
-    """The policy's parameter count, from its config (no weights load)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
 
 
 def check_memory_share(share: float, ctx) -> None:
@@ -383,27 +371,17 @@ def check_memory_share(share: float, ctx) -> None:
 
 
 def auto_sleep_level(share: float, ctx) -> int:
-    """``sleep_level: auto`` on a GPU: 0 (vLLM stays awake) when its ``share`` of the GPU and the
-    policy's training state leave at least ``AWAKE_ROOM`` of it for the training passes, else 1. The
-    passes' micro-batches size themselves from what is free (``trainer.micro_batch_tokens: auto``)."""
-    total = torch.cuda.get_device_properties(ctx.device).total_memory
-    state = policy_parameters(ctx) * (TRAINED_BYTES_PER_PARAMETER + GRADIENT_BYTES_PER_PARAMETER) / ctx.world_size
-    room = 0.95 * total - share * total - state
-    level = 0 if room >= AWAKE_ROOM * total else 1
+    """``sleep_level: auto`` on a GPU: 0 where vLLM may stay awake while the policy trains
+    (:func:`hybridrl.engines.stays_awake`), else 1."""
+    awake, why = stays_awake(share, ctx)
     if ctx.is_main:
-        gib = 2**30
-        print(
-            f"{NAME}: sleep_level auto: {level}, as vLLM's {share * total / gib:.1f} GiB "
-            f"(gpu_memory_utilization {share:g}) and the policy's training state ({state / gib:.1f} GiB) leave "
-            f"{max(room, 0) / gib:.1f} GiB of {ctx.device} for the training passes "
-            + (
-                "(a quarter or more): vLLM stays awake; set sleep_level: 1 to free its memory while the policy trains"
-                if level == 0
-                else "(less than a quarter): vLLM sleeps while the policy trains; set sleep_level: 0 to keep it awake"
-            ),
-            flush=True,
+        then = (
+            "vLLM stays awake; set sleep_level: 1 to free its memory while the policy trains"
+            if awake
+            else "vLLM sleeps while the policy trains; set sleep_level: 0 to keep it awake"
         )
-    return level
+        print(f"{NAME}: sleep_level auto: {0 if awake else 1}, as {why}: {then}", flush=True)
+    return 0 if awake else 1
 
 
 def choose_weight_sync(choice: str, blockers: list[str]) -> str:
