@@ -44,6 +44,7 @@ def test_two_grpo_steps_with_the_gpu_decoding_path_keep_engine_and_trainer_equal
     for r in rows:
         assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, r["step"], r["rollout/logprob_diff_max"])
         assert r["rollout/sync_check_diff_max"] < LOGPROB_TOL
+    assert min(r["hf/decoded_row_fraction"] for r in rows) < 1, arch  # rows moved as responses ended
 
 
 @pytest.mark.parametrize("arch", MOE)
