@@ -95,7 +95,10 @@ class SGLangEngine(RolloutEngine):
             None, description="SGLang attention backend (fa3, flashinfer, triton...); default: SGLang's choice."
         )
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-            "auto", description="Engine weight dtype; 'auto' follows the model config. Weights are cast to it."
+            "auto",
+            description="Engine weight dtype; 'auto' is SGLang's rule: the checkpoint's dtype, but float16 for "
+            "a float32 checkpoint (bfloat16 for Gemma). float32 is refused: SGLang's CUDA kernels take 16-bit "
+            "weights only. The trainer's weights are cast to it at each sync.",
         )
         enable_memory_saver: bool | Literal["auto"] = Field(
             "auto",
@@ -143,6 +146,17 @@ class SGLangEngine(RolloutEngine):
                 )
             if not server and info.field_name in SERVER_ONLY:
                 raise ValueError("applies to server mode only; set base_url to a running SGLang server")
+            return value
+
+        @field_validator("dtype")
+        @classmethod
+        def _sixteen_bits(cls, value):
+            if value == "float32":
+                raise ValueError(
+                    "SGLang's CUDA kernels take 16-bit weights only (SGLang 0.5.17 fails at start: rmsnorm "
+                    "'failed to dispatch data type Float'). Use bfloat16 or float16 (auto: float16 for a "
+                    "float32 checkpoint), or rollout.engine: vllm or hf for an engine in the policy's float32."
+                )
             return value
 
     def __init__(self, options, ctx):

@@ -184,6 +184,22 @@ def memory_saver(options, ctx) -> bool:
     return not awake
 
 
+def engine_dtype(options, ctx) -> str:
+    """The dtype SGLang runs the weights in: ``dtype``, or for ``auto`` SGLang's own rule
+    (``_get_and_verify_dtype`` in sglang/srt/configs/model_config.py): the checkpoint's dtype, but
+    float16 for a float32 checkpoint (bfloat16 for Gemma's)."""
+    if options.dtype != "auto":
+        return options.dtype
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    saved = str(saved).removeprefix("torch.")
+    if saved != "float32":
+        return saved
+    return "bfloat16" if config.model_type.startswith("gemma") else "float16"
+
+
 class InProcess(Backend):
     """``sglang.Engine`` started in this process (its scheduler runs in child processes)."""
 
@@ -191,6 +207,13 @@ class InProcess(Backend):
         super().__init__(options)
         self.options = options
         self.can_release = memory_saver(options, ctx)
+        if options.dtype == "auto" and ctx.is_main and (dtype := engine_dtype(options, ctx)) != str(ctx.dtype)[6:]:
+            print(
+                f"{COMPONENT}: dtype auto: {dtype}, SGLang's choice for this checkpoint, beside a {str(ctx.dtype)[6:]} "
+                "policy: the weights are rounded at each sync (rollout/logprob_diff_mean shows it); set dtype: "
+                "bfloat16 or float16 to choose",
+                flush=True,
+            )
         sglang = import_sglang()
         kwargs = engine_kwargs(options.model_copy(update={"enable_memory_saver": self.can_release}), ctx)
         try:

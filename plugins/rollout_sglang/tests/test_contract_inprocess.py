@@ -216,6 +216,38 @@ def test_memory_saver_auto_keeps_the_memory_where_training_still_has_room(tiny_m
     assert memory_saver(options, RunContext(tiny_model, None, torch.device("cpu"), torch.float32, 0, tmp_path))
 
 
+def test_dtype_auto_follows_sglangs_rule_and_float32_is_refused(make_engine, sglang_module, tmp_path, capsys):
+    """SGLang's ``dtype: auto`` (sglang/srt/configs/model_config.py, 0.5.17) runs a float32 checkpoint
+    in float16 (Gemma's in bfloat16) and any other in its own dtype; its CUDA kernels take no float32
+    (an H200 run: rmsnorm 'failed to dispatch data type Float'), so that choice is refused up front."""
+    from hybridrl_rollout_sglang import SGLangEngine
+    from hybridrl_rollout_sglang.backends import engine_dtype
+    from pydantic import ValidationError
+    from transformers import Gemma2Config, LlamaConfig
+
+    def checkpoint(config_class, dtype):
+        folder = tmp_path / f"{config_class.__name__}-{dtype}"
+        config = config_class(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=8, vocab_size=64)  # fmt: skip
+        config.dtype = dtype
+        config.save_pretrained(folder)
+        return RunContext(str(folder), None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+
+    auto = SGLangEngine.Options()
+    assert engine_dtype(auto, checkpoint(LlamaConfig, "float32")) == "float16"
+    assert engine_dtype(auto, checkpoint(Gemma2Config, "float32")) == "bfloat16"
+    assert engine_dtype(auto, checkpoint(LlamaConfig, "bfloat16")) == "bfloat16"
+    assert engine_dtype(SGLangEngine.Options(dtype="float16"), checkpoint(Gemma2Config, "bfloat16")) == "float16"
+    with pytest.raises(ValidationError, match="16-bit weights only.*rollout.engine: vllm or hf"):
+        SGLangEngine.Options(dtype="float32")
+
+    make_engine()  # the tiny checkpoint is bfloat16, the policy float32: the engine says what it runs
+    said = capsys.readouterr().out
+    assert "dtype auto: bfloat16, SGLang's choice for this checkpoint, beside a float32 policy" in said
+    make_engine(dtype="bfloat16")
+    assert "dtype auto" not in capsys.readouterr().out
+
+
 def test_stop_strings_are_cut_here_when_sglang_has_no_tokenizer(make_engine, sglang_module, prompts, tiny_model):
     """Contract test: with skip_tokenizer_init SGLang refuses ``stop``; the plugin cuts responses itself."""
     from hybridrl.models import load_tokenizer
@@ -254,6 +286,8 @@ def test_options_reject_unknown_keys_and_the_other_modes_options(tiny_model):
     }
     with pytest.raises(ConfigError, match="Unknown key 'mem_fraction' in rollout.*mem_fraction_static"):
         load_config(data={**base, "rollout": {"engine": "sglang", "mem_fraction": 0.5}})
+    with pytest.raises(ConfigError, match="rollout.dtype: .*16-bit weights only"):
+        load_config(data={**base, "rollout": {"engine": "sglang", "dtype": "float32"}})
     with pytest.raises(ConfigError, match="rollout.mem_fraction_static: .*in-process engine only; with base_url"):
         load_config(data={**base, "rollout": {"engine": "sglang", "base_url": "http://x", "mem_fraction_static": 0.5}})
     with pytest.raises(
