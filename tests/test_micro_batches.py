@@ -288,3 +288,38 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
                 assert compiling == 0
             # no stall: steps of new lengths and row counts reuse the first step's graphs
             assert graphs["unique_graphs"] == after_first, f"step {step} compiled again"
+
+
+def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plugin, monkeypatch, capsys):
+    """A step after the first that compiled again (a stall) prints torch.compile's reasons, heard from
+    torch's own recompiles log, which stays quiet; the first step's compiling is expected and says nothing."""
+    import torch._dynamo
+
+    from hybridrl import trainer
+    from hybridrl.models import recompile_reasons
+
+    f = torch.compile(lambda x: x * 2)
+    recompile_reasons()
+    f(torch.ones(3))
+    assert recompile_reasons() == []
+    f(torch.ones(5))  # a new size: torch compiles the function again, dynamic
+    (reason,) = recompile_reasons()
+    assert reason.startswith("<lambda> (test_micro_batches.py:")
+    assert reason.endswith("): tensor 'x' size mismatch at index 0. expected 3, actual 5")
+    assert "Recompiling" not in capsys.readouterr().err  # quiet unless TORCH_LOGS asks for it
+
+    note = trainer.recompiled(7, 3.99, [reason, reason, "b", "c", "d", "e"])
+    assert note.startswith(f"step 7: torch.compile compiled again (6x, 4.0s): {reason}; b; c; and 2 more. ")
+
+    register_plugin(SevensPlugin(), name="sevens")
+    t = Trainer(load_config(data=config(tiny_model, tmp_path)))
+    t.setup()
+    for logger in t.loggers:  # train() would open them
+        logger.open(1, 0)
+    heard = iter([[], ["first (a.py:1): at step 1"], [], ["forward (b.py:2): at step 2"]])
+    monkeypatch.setattr(trainer, "recompile_reasons", lambda: next(heard))
+    t.step(1)
+    t.step(2)
+    out = capsys.readouterr().out
+    assert "at step 1" not in out
+    assert "step 2: torch.compile compiled again (1x, 0.0s): forward (b.py:2): at step 2." in out

@@ -9,7 +9,9 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -384,13 +386,33 @@ def compile_seconds() -> float:
     return clock.seconds
 
 
-class _CompileClock:
-    """The wall-clock seconds between torch.compile's outermost start and end reports. (Summing
+def recompile_reasons() -> list[str]:
+    """torch.compile's recompilations since the last call, one line each: the function and the
+    first guard that failed, e.g. ``forward (modeling_qwen2.py:261): tensor 'hidden_states' size
+    mismatch at index 1. expected 26, actual 33``. Heard from torch's ``recompiles`` log, kept quiet
+    unless ``TORCH_LOGS=recompiles`` asks for it too; a torch without that log gives none."""
+    clock = _compile_clock()
+    clock.listen()
+    reasons, clock.reasons = clock.reasons, []
+    return reasons
+
+
+def _reason_line(message: str) -> str:
+    lines = message.splitlines()
+    where = re.match(r"Recompiling function (\S+) in (.+):(\d+)", lines[0])
+    failed = next((line.strip()[2:] for line in lines[1:] if line.strip().startswith("- ")), "")
+    failed = re.sub(r"^\d+/\d+: ", "", failed).split("  #")[0].strip()
+    return f"{where[1]} ({Path(where[2]).name}:{where[3]}): {failed}" if where else lines[0]
+
+
+class _CompileClock(logging.Handler):
+    """The wall-clock seconds between torch.compile's outermost start and end reports (summing
     torch's per-phase records instead counted a backward graph compiled inside its forward's
-    compilation twice: 83 s of compiling in a 70 s run.)"""
+    compilation twice: 83 s of compiling in a 70 s run), and the reasons of its recompilations."""
 
     def __init__(self):
-        self.seconds, self._start = 0.0, None
+        super().__init__(logging.DEBUG)
+        self.seconds, self._start, self.reasons = 0.0, None, []
         self.listen()
 
     def listen(self) -> None:
@@ -398,6 +420,21 @@ class _CompileClock:
         if handler is not None and self._started not in handler.start_callbacks:
             handler.register_start_callback(self._started)
             handler.register_end_callback(self._ended)
+        log = logging.getLogger("torch._dynamo.guards.__recompiles")  # torch's "recompiles" artifact
+        if self not in log.handlers:
+            try:  # torch's private logging state: a torch without it gives no reasons
+                from torch._logging._internal import log_state
+
+                if not log_state.is_artifact_enabled("recompiles"):  # on for this handler alone, quiet
+                    log_state.enable_artifact("recompiles")
+                    log.propagate = False
+            except (ImportError, AttributeError):
+                return
+            log.setLevel(logging.DEBUG)
+            log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons = [*self.reasons[-15:], _reason_line(record.getMessage())]
 
     def _started(self, _args) -> None:
         self._start = time.perf_counter()

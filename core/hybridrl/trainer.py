@@ -32,7 +32,7 @@ from hybridrl.metrics import (
     sample_rows,
     update_throughput,
 )
-from hybridrl.models import compile_seconds, is_checkpointing
+from hybridrl.models import compile_seconds, is_checkpointing, recompile_reasons
 from hybridrl.setup import TrainerSetup
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
@@ -158,7 +158,7 @@ class Trainer(TrainerSetup):
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
-        compiled = compile_seconds()
+        compiled, _ = compile_seconds(), recompile_reasons()
         check, first = self.session.check, step == self.start_step + 1
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
         if first:
@@ -183,6 +183,9 @@ class Trainer(TrainerSetup):
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         metrics["timing/compile"] = compile_seconds() - compiled  # torch.compile's, within the stages above
+        again = recompile_reasons()
+        if again and not first and self.ctx.is_main:  # a stall: a shape or a branch its graphs had not seen
+            print(recompiled(step, metrics["timing/compile"], again), flush=True)
         if batch is not None:
             t = self.config.trainer
             seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
@@ -359,3 +362,13 @@ class Trainer(TrainerSetup):
             if samples is not None:
                 logger.log_samples(step, samples)
         return metrics
+
+
+def recompiled(step: int, seconds: float, reasons: list[str]) -> str:
+    """The console's note on a step after the first that compiled again, with torch's reasons."""
+    seen = list(dict.fromkeys(reasons))
+    more = f"; and {len(seen) - 3} more" if len(seen) > 3 else ""
+    return (
+        f"step {step}: torch.compile compiled again ({len(reasons)}x, {seconds:.1f}s): {'; '.join(seen[:3])}{more}. "
+        "Set TORCH_LOGS=recompiles for the whole reasons; docs/observability.md, 'A slow step'."
+    )
