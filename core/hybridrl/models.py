@@ -388,9 +388,10 @@ def compile_seconds() -> float:
 
 def recompile_reasons() -> list[str]:
     """torch.compile's recompilations since the last call, one line each: the function and the
-    first guard that failed, e.g. ``forward (modeling_qwen2.py:261): tensor 'hidden_states' size
-    mismatch at index 1. expected 26, actual 33``. Heard from torch's ``recompiles`` log, kept quiet
-    unless ``TORCH_LOGS=recompiles`` asks for it too; a torch without that log gives none."""
+    first guard that failed, e.g. ``forward (modeling_qwen2.py:261): tensor
+    'past_key_values.layers[0].keys' size mismatch at index 2. expected 128, actual 132``. Heard
+    from torch's ``recompiles`` log, kept quiet unless ``TORCH_LOGS=recompiles`` asks for it too; a
+    torch without that log gives none."""
     clock = _compile_clock()
     clock.listen()
     reasons, clock.reasons = clock.reasons, []

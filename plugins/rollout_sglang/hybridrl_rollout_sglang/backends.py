@@ -207,9 +207,10 @@ class InProcess(Backend):
         super().__init__(options)
         self.options = options
         self.can_release = memory_saver(options, ctx)
-        if options.dtype == "auto" and ctx.is_main and (dtype := engine_dtype(options, ctx)) != str(ctx.dtype)[6:]:
+        policy = str(ctx.dtype).removeprefix("torch.")
+        if options.dtype == "auto" and ctx.is_main and (dtype := engine_dtype(options, ctx)) != policy:
             print(
-                f"{COMPONENT}: dtype auto: {dtype}, SGLang's choice for this checkpoint, beside a {str(ctx.dtype)[6:]} "
+                f"{COMPONENT}: dtype auto: {dtype}, SGLang's choice for this checkpoint, beside a {policy} "
                 "policy: the weights are rounded at each sync (rollout/logprob_diff_mean shows it); set dtype: "
                 "bfloat16 or float16 to choose",
                 flush=True,
