@@ -199,6 +199,32 @@ def test_fused_output_layer_gives_the_same_values_and_gradients(model, keep_byte
         assert torch.allclose(w, g, rtol=1e-4, atol=1e-5 * float(w.abs().max().clamp(min=1)))
 
 
+def test_the_fused_output_layer_compiles_once_for_passes_of_any_number_of_tokens():
+    """sharding.compile's fused output layer marks a pass's number of tokens dynamic, but torch.compile
+    gives a size of 1 a graph of its own: a pass of one 1-token response compiled again mid-run (the
+    trainer's note named it: ``_head_chunk: 2 <= hidden.size()[0]``). One token now runs as two, the
+    second dropped: nothing compiles after the first pass, with the eager layer's values and gradients."""
+    import torch._dynamo
+
+    from hybridrl.models import allow_recompiles, recompile_reasons
+
+    torch._dynamo.reset()
+    allow_recompiles()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    for i, n in enumerate((5, 1, 3, 1)):
+        hidden, tokens = torch.randn(1, n, 8, requires_grad=True), torch.randint(0, 50, (1, n))
+        lp, ent = chunked_head_logprobs(hidden, head, tokens, 0.7, True, True, fused=True, keep_bytes=2**30)
+        want, want_ent = chunked_head_logprobs(hidden, head, tokens, 0.7, True, True)  # eager
+        assert lp.shape == ent.shape == (1, n)
+        torch.testing.assert_close((lp, ent), (want, want_ent))
+        got = torch.autograd.grad((lp + ent).sum(), (hidden, head.weight))
+        torch.testing.assert_close(got, torch.autograd.grad((want + want_ent).sum(), (hidden, head.weight)))
+        if i == 0:
+            recompile_reasons()  # the first pass compiles
+    assert recompile_reasons() == []
+
+
 def test_compiled_strategy_routes_response_logprobs_through_the_fused_layer(model, tmp_path, monkeypatch):
     from hybridrl import forward, plugins
     from hybridrl.components import RunContext

@@ -281,14 +281,20 @@ def chunked_head_logprobs(
     step = _fused_chunk() if fused else _head_chunk
     logprobs, entropies = [], []
     for start in range(0, B * T, size):
-        args = (flat[start : start + size], targets[start : start + size], head.weight, head.bias)
-        if fused and len(args[1]) > 1:  # one compiled graph for every number of tokens (but one)
-            for x in args[:2]:
-                torch._dynamo.maybe_mark_dynamic(x, 0)
+        x, y = flat[start : start + size], targets[start : start + size]
+        # one compiled graph for every number of tokens: torch.compile gives 0 and 1 graphs of their
+        # own, so a chunk of one token (a pass of one 1-token response) runs as two, the second dropped
+        one = fused and len(y) == 1
+        if one:
+            x, y = x.repeat(2, 1), y.repeat(2)
+        if fused:
+            for t in (x, y):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         fn = functools.partial(step, temperature, with_entropy, entropy_grad and torch.is_grad_enabled())
+        args = (x, y, head.weight, head.bias)
         lp, ent = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
-        logprobs.append(lp)
-        entropies.append(ent)
+        logprobs.append(lp[:1] if one else lp)
+        entropies.append(ent[:1] if one and ent is not None else ent)
     entropy = torch.cat(entropies).reshape(B, T) if with_entropy else None
     return torch.cat(logprobs).reshape(B, T), entropy
 
