@@ -22,6 +22,7 @@ import torch
 
 from hybridrl.engines import stays_awake
 from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.models import load_model_config
 from hybridrl_rollout_sglang.protocol import COMPONENT
 
 ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
@@ -190,9 +191,7 @@ def engine_dtype(options, ctx) -> str:
     float16 for a float32 checkpoint (bfloat16 for Gemma's)."""
     if options.dtype != "auto":
         return options.dtype
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
+    config = load_model_config(ctx.model_path, ctx.trust_remote_code)
     saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     saved = str(saved).removeprefix("torch.")
     if saved != "float32":
