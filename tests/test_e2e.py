@@ -1,5 +1,6 @@
 """End to end: the real trainer, a tiny random model, a learnable reward registered in-test."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -79,6 +80,31 @@ def test_grpo_learns_a_simple_reward(tiny_model, tmp_path, register_plugin):
     assert recorder.started and recorder.ended and recorder.steps[0] == (1, 32)
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {4, 8, 12} and "reward/sevens" in samples[0]
+
+
+class FreezeRecorder:
+    def __init__(self):
+        self.frozen = []
+
+    @hookimpl
+    def on_step_end(self, step, metrics, batch):
+        self.frozen.append(gc.get_freeze_count())
+
+
+def test_the_run_freezes_its_heap_after_the_first_step_and_logs_each_steps_collections(
+    tiny_model, tmp_path, register_plugin
+):
+    register_plugin(SevensPlugin(), name="sevens")
+    recorder = register_plugin(FreezeRecorder(), name="freeze-recorder")
+    cfg = load_config(data=tiny_config(tiny_model, tmp_path / "run", steps=3))
+    Trainer(cfg).train()
+
+    first, *later = recorder.frozen
+    assert first == 0 and all(n > 10_000 for n in later)  # torch, transformers, the models: frozen after step 1
+    assert gc.get_freeze_count() == 0  # and given back when the run ends
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert 0.0 <= row["timing/gc_longest"] <= row["timing/gc"] < row["timing/step"]
 
 
 def test_several_updates_per_step_use_old_logprobs(tiny_model, tmp_path, register_plugin):

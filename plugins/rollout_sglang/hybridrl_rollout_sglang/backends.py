@@ -226,9 +226,15 @@ class InProcess(Backend):
                 "process that failed."
             ) from e
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(options.dtype)
+        self.gc_frozen = False
 
     def _generate(self, request):
         out = self.engine.generate(**request)
+        if not self.gc_frozen and hasattr(self.engine, "freeze_gc"):
+            # SGLang's advice once it has served requests (its long-GC warning: "latency jitter"): the objects
+            # of its scheduler and of this process kept out of full garbage collections from now on
+            self.engine.freeze_gc()
+            self.gc_frozen = True
         return out if isinstance(out, list) else [out]
 
     def _load(self, buckets, version):

@@ -286,6 +286,7 @@ class ContractEngine:
         )
         self.tensor_calls: list[tuple[list[str], bool]] = []
         self.is_shutdown = False
+        self.gc_freezes = 0
         ContractEngine.last = self
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, **kwargs):
@@ -310,6 +311,11 @@ class ContractEngine:
 
     def resume_memory_occupation(self, tags=None):
         self.core.resume(tags)
+
+    def freeze_gc(self):
+        # SGLang sends FreezeGCReq to its scheduler and calls gc.freeze() in this process; counted here only,
+        # so that the test process's objects stay collectable
+        self.gc_freezes += 1
 
     def shutdown(self):
         self.is_shutdown = True

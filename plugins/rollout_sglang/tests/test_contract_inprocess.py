@@ -101,6 +101,16 @@ def test_generation_returns_n_samples_with_the_trainers_logprobs(
     assert logprob_gap(model, prompts, out, 4, 0.8) < 1e-4
 
 
+def test_sglangs_garbage_collector_is_frozen_once_after_the_first_generation(make_engine, sglang_module, prompts):
+    """Contract test: Engine.freeze_gc, as SGLang advises once it has served requests, is called once."""
+    engine = make_engine()
+    s = SamplingParams(n=2, max_tokens=4, seed=1)
+    assert sglang_module.Engine.last.gc_freezes == 0  # not at start: the first requests create what stays
+    engine.generate(prompts, s)
+    engine.generate(prompts, s)
+    assert sglang_module.Engine.last.gc_freezes == 1
+
+
 def test_update_weights_in_buckets_changes_the_outputs(make_engine, sglang_module, prompts, tiny_model, logprob_gap):
     """Contract test: bucketed update_weights_from_tensor, one cache flush, the tied head not sent."""
     engine = make_engine(update_bucket_mb=0.06)  # about 63 kB: the tiny model goes in several buckets
