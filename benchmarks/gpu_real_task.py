@@ -157,7 +157,8 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
     }
 
 
-def run_side(args, side: str, workdir: Path, index: int = 0) -> dict:
+def run_side(args, side: str, workdir: Path, index: int = 0, logs: Path | None = None) -> dict:
+    """One side in a process of its own; its whole output goes to ``logs``/INDEX-SIDE.log when given."""
     run_dir = workdir / f"{index}-{side}"  # a side named twice runs twice (the second with warm caches)
     start, started = time.perf_counter(), time.time()
     if side.startswith("trl"):
@@ -173,6 +174,9 @@ def run_side(args, side: str, workdir: Path, index: int = 0) -> dict:
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     wall = time.perf_counter() - start
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{index}-{side}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"side": side, "error": proc.stderr[-3000:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -285,6 +289,7 @@ def main() -> int:
     p.add_argument("--engine-options", default="{}", help="JSON of extra rollout options for hybridrl's sides")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--logs", type=Path, help="A folder for each side's whole output (INDEX-SIDE.log)")
     p.add_argument("--trl-side", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -309,7 +314,7 @@ def main() -> int:
         pass
     result["sides"] = []
     for index, side in enumerate(args.sides.split(",")):
-        result["sides"].append(run_side(args, side, workdir, index))
+        result["sides"].append(run_side(args, side, workdir, index, args.logs))
         out.write_text(json.dumps(result, indent=1))
     print(f"{'side':10} {'wall s':>7} {'1st s':>6} {'p50 s':>6} {'p90 s':>6} {'max s':>6} {'stall':>6} "
           f"{'compile':>7} {'r first5':>8} {'r last5':>8} {'eval0':>6} {'evalN':>6}")  # fmt: skip
