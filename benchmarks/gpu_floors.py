@@ -14,7 +14,9 @@ Measured on this device in bfloat16, each figure the median of ``--repeats`` tim
   backward through autograd as a pass runs it, the output layer over the response tokens only,
   causal attention through SDPA, and a fused AdamW step over the shape's parameters in float32.
   Their sum is the update's floor with these kernels; the FLOPs hybridrl counts for MFU over that
-  floor, against the data sheet's peak, is the highest MFU they allow;
+  floor, against the data sheet's peak, is the highest MFU they allow. Then the same with the bytes
+  the work between them must move at the least (SiLU, norms, residual adds, rotary embedding, the
+  weights' casts, the output layer's softmax: :func:`pointwise_bytes`) at the measured bandwidth;
 - **decoding**: one token for ``--rows`` rows through every layer as the ``hf`` engine runs it
   (fused q/k/v and gate/up projections, attention over a cache of prompt + response columns,
   each layer its own weights so that nothing stays in L2), and the output layer, captured in one
@@ -100,7 +102,31 @@ def pass_seconds(x_rows: int, fan_in: int, fan_out: int, device, repeats: int) -
     return forward, backward
 
 
-def update_floor(shape: dict, args, device, peak: float | None) -> dict:
+def pointwise_bytes(shape: dict, tokens: int, response_tokens: int) -> dict[str, int]:
+    """The fewest bytes the update's work between its matrix multiplications moves, each tensor read or
+    written once a pass (bfloat16 activations, float32 weights): what no kernel can avoid that leaves
+    the matrix multiplications to cuBLAS, whose outputs go to memory."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    params = sum(a * b * c for a, b, c in linears(shape).values()) * layers + shape["vocab_size"] * h
+    return {
+        # SiLU(gate) x up: forward reads gate and up, writes the product; backward reads its gradient,
+        # gate and up, writes their gradients
+        "SiLU x up": 2 * tokens * i * (3 + 5) * layers,
+        # two RMSNorms a block, each fused with the residual add before it: forward reads the stream
+        # and the branch, writes the sum and the normed; backward reads the gradient, the sum and the
+        # skip's gradient, writes the stream's
+        "norms and residual adds": 2 * tokens * h * (4 + 4) * 2 * layers,
+        # the rotary embedding of queries and keys: read and written, forward and backward
+        "rotary embedding": 2 * tokens * (h + kv) * 2 * 2 * layers,
+        # the float32 weights cast to bfloat16 for the forward; the bfloat16 gradients cast to float32
+        "weight casts": params * (4 + 2 + 2 + 4),
+        # the output layer's log-softmax: the logits read forward, read and their gradient written backward
+        "output layer softmax": 2 * response_tokens * shape["vocab_size"] * 3,
+    }
+
+
+def update_floor(shape: dict, args, device, peak: float | None, bandwidth_tb_s: float) -> dict:
     import torch
 
     layers, rows = shape["num_hidden_layers"], {}
@@ -133,7 +159,17 @@ def update_floor(shape: dict, args, device, peak: float | None) -> dict:
     attention = 2 * layers * heads * d * seqs * length * length  # causal, as hybridrl.flops counts it
     head = 2.0 * shape["vocab_size"] * shape["hidden_size"] * args.response_tokens
     flops = 3 * (2.0 * body * args.tokens + head + attention)
-    return {"rows": rows, "floor_s": total, "flops": flops, "mfu_ceiling": flops / total / peak if peak else None}
+    moved = pointwise_bytes(shape, args.tokens, args.response_tokens)
+    with_moves = total + sum(moved.values()) / (bandwidth_tb_s * 1e12)
+    return {
+        "rows": rows,
+        "floor_s": total,
+        "flops": flops,
+        "mfu_ceiling": flops / total / peak if peak else None,
+        "pointwise_bytes": moved,
+        "floor_with_pointwise_s": with_moves,
+        "mfu_ceiling_with_pointwise": flops / with_moves / peak if peak else None,
+    }
 
 
 def decode_floor(shape: dict, args, device, bandwidth_tb_s: float | None) -> dict:
@@ -222,7 +258,7 @@ def main() -> int:
         "data_sheet_peak_tflops": peak and peak / 1e12,
     }
     result["peaks"] = peaks(device, args.repeats, args.smoke)
-    result["update"] = update_floor(shape, args, device, peak)
+    result["update"] = update_floor(shape, args, device, peak, result["peaks"]["copy_tb_s"])
     result["decode"] = decode_floor(shape, args, device, result["peaks"]["copy_tb_s"])
     u, dec = result["update"], result["decode"]
     print(
@@ -233,6 +269,9 @@ def main() -> int:
         print(f"{part} | {r['forward_s'] * 1e3:.2f} | {r['backward_s'] * 1e3:.2f}")
     ceiling = f", MFU at most {u['mfu_ceiling']:.1%}" if u["mfu_ceiling"] else ""
     print(f"update floor {u['floor_s'] * 1e3:.1f} ms for {u['flops'] / 1e12:.1f} TFLOP{ceiling}")
+    moved = sum(u["pointwise_bytes"].values()) / 1e9
+    ceiling = f", MFU at most {u['mfu_ceiling_with_pointwise']:.1%}" if u["mfu_ceiling_with_pointwise"] else ""
+    print(f"with the {moved:.1f} GB the work between them moves: {u['floor_with_pointwise_s'] * 1e3:.1f} ms{ceiling}")
     print(
         f"decoding a token ({args.rows} rows): projections {dec['projections_ms']:.3f} ms, with attention "
         f"{dec['projections + attention_ms']:.3f} ms; the weights at the copy bandwidth "
