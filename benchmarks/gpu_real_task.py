@@ -20,9 +20,11 @@ GPU the static cache, and compiled decoding when the run plans two million respo
 ``hf-eager`` (``rollout.compile: off``: it never compiles); a side named twice runs twice, the
 second finding torch.compile's caches on disk warm, as a second run on the same machine does;
 ``vllm`` when the vllm plugin and vLLM are importable; ``sglang`` (its defaults: SGLang runs the
-float32 checkpoint in float16), ``sglang-triton`` (the same with SGLang's triton attention) and
-``sglang-bf16`` (the engine's weights in bfloat16) when SGLang is; ``trl-vllm`` (TRL 1.16's
-GRPOTrainer at its best settings: vLLM colocated, no gradient checkpointing) and ``trl`` (its
+float32 checkpoint in float16), ``sglang-triton`` (the same with SGLang's triton attention),
+``sglang-bf16`` (the engine's weights in bfloat16) and ``sglang-unfrozen`` (the defaults, with
+neither the trainer nor SGLang freezing the garbage collector's heap: the A/B of that freeze) when
+SGLang is; ``trl-vllm`` (TRL 1.16's GRPOTrainer at its best settings: vLLM colocated, no gradient
+checkpointing) and ``trl`` (its
 transformers generation), with the same hyper-parameters, prompts and check of the answer, on a
 float32 copy of the model saved in the side's own process (its setup). TRL's held-out evaluation is
 left out (its evaluation samples, hybridrl's is greedy). Per side: wall-clock from the
@@ -51,6 +53,9 @@ RUNNER = (
     "import sys; sys.path.insert(0, {bench!r}); import common; common.use_checkout(*{plugins!r}); "
     "from hybridrl.cli import main; sys.exit(main(['train', {config!r}]))"
 )
+# -unfrozen sides: neither the trainer (gc.freeze in this process) nor SGLang (Engine.freeze_gc, which
+# also freezes its scheduler's process) freezes the garbage collector's heap, as before they did
+UNFROZEN = "import gc; gc.freeze = lambda: None; import sglang; sglang.Engine.freeze_gc = lambda self: None; "
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
@@ -79,6 +84,7 @@ def config(args, side: str, run_dir: Path) -> dict:
         "sglang": {"engine": "sglang"},
         "sglang-triton": {"engine": "sglang", "attention_backend": "triton"},
         "sglang-bf16": {"engine": "sglang", "dtype": "bfloat16"},
+        "sglang-unfrozen": {"engine": "sglang"},
     }
     sharding = {"sharding": {"strategy": "single", "compile": "on"}} if side == "hf-compiled-update" else {}
     model = {"path": args.model, "dtype": "float32"} | ({"gguf_file": args.gguf} if args.gguf else {})
@@ -172,6 +178,7 @@ def run_side(args, side: str, workdir: Path, index: int = 0, logs: Path | None =
         engine = {"vllm": "rollout_vllm", "sglang": "rollout_sglang"}.get(side.split("-")[0])
         plugins = ["algo_grpo"] + ([engine] if engine else [])
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
+        code = UNFROZEN + code if side.endswith("-unfrozen") else code
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     wall = time.perf_counter() - start
     if logs is not None:
