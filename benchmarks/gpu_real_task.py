@@ -55,7 +55,11 @@ RUNNER = (
 )
 # -unfrozen sides: neither the trainer (gc.freeze in this process) nor SGLang (Engine.freeze_gc, which
 # also freezes its scheduler's process) freezes the garbage collector's heap, as before they did
-UNFROZEN = "import gc; gc.freeze = lambda: None; import sglang; sglang.Engine.freeze_gc = lambda self: None; "
+# (sglang.Engine is a lazy import: the class itself is patched)
+UNFROZEN = (
+    "import gc; gc.freeze = lambda: None; from sglang.srt.entrypoints.engine import Engine; "
+    "Engine.freeze_gc = lambda self: None; "
+)
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
