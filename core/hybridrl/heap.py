@@ -3,10 +3,11 @@ long-lived objects kept out of them.
 
 A full collection scans every object the process tracks. With torch, transformers, a rollout
 engine and torch.compile's graphs loaded that is hundreds of thousands to millions of objects and
-tenths of a second, at moments no step chooses: a step that stalls for no reason of its own. After
-the first step, which loaded, compiled and captured what the run keeps, :meth:`Collector.freeze`
-moves every object alive into the collector's permanent generation (``gc.freeze``), so later
-collections scan only what the steps create. SGLang advises the same for its own processes
+tenths of a second, at moments no step chooses: a step that stalls for no reason of its own (an
+H200 host: 0.43-0.52 s, steps of 1.6x their neighbours). When the run starts (the models and the
+engine loaded) and again after its first step (which compiled and captured what the run keeps),
+:meth:`Collector.freeze` moves every object alive into the collector's permanent generation
+(``gc.freeze``), so later collections scan only what the steps create. SGLang advises the same for its own processes
 (``Engine.freeze_gc``, which the sglang engine calls after its first generation).
 """
 
@@ -43,11 +44,11 @@ class Collector:
         return {"timing/gc": self.seconds, "timing/gc_longest": self.longest}
 
     def freeze(self) -> None:
-        """Collect what is garbage now, then keep everything alive out of later collections (once)."""
-        if not self.frozen:
-            gc.collect()
-            gc.freeze()
-            self.frozen = True
+        """Collect what is garbage now, then keep everything alive out of later collections (what an
+        earlier call froze stays frozen)."""
+        gc.collect()
+        gc.freeze()
+        self.frozen = True
         self.reset()
 
     def close(self) -> None:

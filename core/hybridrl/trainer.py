@@ -76,7 +76,7 @@ class Trainer(TrainerSetup):
                 for step in range(self.start_step + 1, t.steps + 1):
                     try:
                         metrics = self.step(step)
-                        if step == self.start_step + 1:  # what the run keeps is loaded, compiled and captured
+                        if step == self.start_step + 1:  # and what its first step compiled and captured
                             self.collector.freeze()
                     except Exception as e:  # a collective that failed: say which rank went missing
                         if distributed.world_size() == 1 or not distributed.is_collective_failure(e):
@@ -105,6 +105,7 @@ class Trainer(TrainerSetup):
         for logger in self.loggers:
             logger.open(steps, self.start_step)
         self.collector = Collector()
+        self.collector.freeze()  # the models, the engine, the imports: alive for the whole run
         self.pm.hook.on_train_start(trainer=self)
 
     def close(self, metrics: dict[str, float] | None = None, finished: bool = False) -> None:
