@@ -159,6 +159,8 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
         "eval_after": evals.get(max(evals)) if evals else None,
         "seconds_to_reward_5step_mean": reached,
         "wall_s_to_reward_5step_mean": reached_wall,
+        # each step's end from the process's start (setup included), by the step's log time
+        "step_wall_s": [r["time"] - started if "time" in r and started is not None else None for r in steps],
         "rolling_reward": rolling,
         # each step's stages, decoding work besides replaying graphs (where a slow step went), and the
         # engine's logprobs against the trainer's
@@ -301,6 +303,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out")
     p.add_argument("--logs", type=Path, help="A folder for each side's whole output (INDEX-SIDE.log)")
+    p.add_argument("--reference", help="The side whose final reward the others race to (default: the first trl side)")
     p.add_argument("--trl-side", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -339,8 +342,38 @@ def main() -> int:
             f"{s['reward_first5']:8.3f} {s['reward_last5']:8.3f} "
             f"{s['eval_before'] or 0:6.3f} {s['eval_after'] or 0:6.3f}"
         )
+    reference = to_reference_reward(result["sides"], args.reference)
+    if reference:
+        out.write_text(json.dumps(result, indent=1))
+        print(f"to {reference}'s final reward (its last 5-step mean), setup included:")
+        for s in result["sides"]:
+            if s.get("to_reference_reward"):
+                r = s["to_reference_reward"]
+                print(f"  {s['side']:10} step {r['step']}, {r['wall_s']:.1f} s, {r['vs_reference']:.2f}x")
     print(f"wrote {out}")
     return 0
+
+
+def to_reference_reward(sides: list[dict], name: str | None) -> str | None:
+    """For each side, the step and the wall-clock (setup included) at which its 5-step mean reward first
+    reached the reference side's final one (its last 5-step mean), and that time over the reference's:
+    ``to_reference_reward``. The reference: the side named ``name``, else the first trl side."""
+    ok = [s for s in sides if "error" not in s and s.get("rolling_reward")]
+    ref = next((s for s in ok if s["side"] == name or (name is None and s["side"].startswith("trl"))), None)
+    if ref is None:
+        return None
+    target = ref["reward_last5"] - 1e-9
+    reached = {}
+    for s in ok:
+        i = next((i for i, r in enumerate(s["rolling_reward"]) if r >= target), None)
+        if i is not None and s["step_wall_s"][i] is not None:
+            reached[s["side"]] = (i + 1, s["step_wall_s"][i])
+    for s in ok:
+        if s["side"] in reached and ref["side"] in reached:
+            step, wall = reached[s["side"]]
+            s["to_reference_reward"] = {"reference": ref["side"], "step": step, "wall_s": wall,
+                                        "vs_reference": wall / reached[ref["side"]][1]}  # fmt: skip
+    return ref["side"]
 
 
 if __name__ == "__main__":
