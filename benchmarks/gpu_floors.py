@@ -102,13 +102,21 @@ def pass_seconds(x_rows: int, fan_in: int, fan_out: int, device, repeats: int) -
     return forward, backward
 
 
-def pointwise_bytes(shape: dict, tokens: int, response_tokens: int) -> dict[str, int]:
+def meta_model(shape: dict):
+    """The shape's Qwen2ForCausalLM on the meta device: its parameters counted, no memory taken."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(Qwen2Config(**shape))
+
+
+def pointwise_bytes(shape: dict, tokens: int, response_tokens: int, params: int) -> dict[str, int]:
     """The fewest bytes the update's work between its matrix multiplications moves, each tensor read or
     written once a pass (bfloat16 activations, float32 weights): what no kernel can avoid that leaves
     the matrix multiplications to cuBLAS, whose outputs go to memory."""
     h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
-    params = sum(a * b * c for a, b, c in linears(shape).values()) * layers + shape["vocab_size"] * h
     return {
         # SiLU(gate) x up: forward reads gate and up, writes the product; backward reads its gradient,
         # gate and up, writes their gradients
@@ -148,18 +156,18 @@ def update_floor(shape: dict, args, device, peak: float | None, bandwidth_tb_s: 
         lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True), args.repeats, device
     )
     rows["attention"] = {"forward_s": f * layers, "backward_s": b * layers}
-    params = sum(i * o * c for i, o, c in linears(shape).values()) * layers + shape["vocab_size"] * shape["hidden_size"]
+    from hybridrl.flops import forward_flops
+
+    model = meta_model(shape)
+    params = sum(p.numel() for p in model.parameters())
     p = torch.zeros(params, device=device, requires_grad=True)
     p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW([p], lr=1e-6, fused=device.type == "cuda")
     rows["AdamW (fp32)"] = {"forward_s": 0.0, "backward_s": timer(adam.step, args.repeats, device)}
     del p, adam
     total = sum(r["forward_s"] + r["backward_s"] for r in rows.values())
-    body = sum(i * o * c for i, o, c in linears(shape).values()) * layers
-    attention = 2 * layers * heads * d * seqs * length * length  # causal, as hybridrl.flops counts it
-    head = 2.0 * shape["vocab_size"] * shape["hidden_size"] * args.response_tokens
-    flops = 3 * (2.0 * body * args.tokens + head + attention)
-    moved = pointwise_bytes(shape, args.tokens, args.response_tokens)
+    flops = 3 * forward_flops(model, [length] * seqs, args.response_tokens)  # as the trainer's MFU counts them
+    moved = pointwise_bytes(shape, args.tokens, args.response_tokens, params)
     with_moves = total + sum(moved.values()) / (bandwidth_tb_s * 1e12)
     return {
         "rows": rows,
@@ -245,11 +253,11 @@ def main() -> int:
     common.use_checkout()
     import torch
 
-    from hybridrl.flops import PEAK_BF16
+    from hybridrl.flops import peak_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16 if k in name), None)
+    peak = peak_flops(device)
     shape = SHAPES[args.shape]
     result = {
         "machine": f"{platform.machine()}, {name}",

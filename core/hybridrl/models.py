@@ -368,8 +368,8 @@ def fuse_whatever_the_size() -> None:
     one kernel) is chosen for passes of at least 5 Mi elements, a test that with the rows dynamic became
     a guard on them: the first pass across it compiled the blocks again mid-run (an H200, 1024-token
     responses: 5.3 s at step 2, ``1032192*hidden_states.size()[0] >= 5242880``). Its non-strict mode
-    skips those size tests, so one graph serves passes of every size. Where torch has no such mode,
-    nothing changes."""
+    skips those size tests, so one graph serves passes of every size. The setting is the process's, as
+    :func:`allow_recompiles`; where torch has no such mode, nothing changes."""
     import torch._inductor.config as inductor
 
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
