@@ -96,7 +96,8 @@ def test_verl_compute_score_sees_the_rows_nested_fields_and_its_extras_are_logge
         fn.close()
     assert scores == [1.0, 0.0, 1.0]
     seen = sorted(json.loads(line) for line in log.read_text().splitlines())
-    assert seen[0] == ["openai/gsm8k", "it is 7", "7", VERL_ROW["extra_info"]]
+    extra = {**VERL_ROW["extra_info"], "num_turns": 2, "rollout_reward_scores": {}}  # as verl adds them
+    assert seen[0] == ["openai/gsm8k", "it is 7", "7", extra]
     # the dict's other numbers are logged (bools count), strings are not
     assert metrics["reward/python/acc"] == pytest.approx(2 / 3) and metrics["reward/python/length"] == 5.0
     assert metrics["reward/python/errors"] == 0.0 and "reward/python/pred" not in metrics

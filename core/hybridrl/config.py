@@ -224,7 +224,13 @@ class TrainerConfig(Strict):
     epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = 0.0
-    warmup_steps: int = Field(0, ge=0, description="Steps over which the learning rate rises linearly to lr.")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps over which the learning rate rises linearly to lr: step k trains at k/warmup_steps x lr "
+        "(the first at lr/warmup_steps, lr from step warmup_steps on); transformers', TRL's and verl's warm-ups "
+        "start at 0 and reach lr one step later.",
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="The learning rate after the warm-up, over the run's steps: constant (verl's default), linear "

@@ -168,15 +168,32 @@ class PythonReward(RewardFunction):
         o, n = self.options, len(batch["response_text"])
         rows = batch.get("row") or [{}] * n
         if o.style == "verl":
+
+            def turns(trajectory: list[dict] | None) -> int:
+                """verl's num_turns: 2 for a single-turn rollout (SingleTurnAgentLoop), else the prompt, each
+                assistant turn and each round of observations (ToolAgentLoop: user_turns + assistant_turns + 1)."""
+                if trajectory is None:
+                    return 2
+                said = [m["role"] == "assistant" for m in trajectory]
+                return 1 + sum(a or i == 0 or said[i - 1] for i, a in enumerate(said))
+
+            # verl's reward managers add num_turns and the row's rollout reward scores to extra_info
+            # (NaiveRewardManager.__call__, verl/workers/reward_manager/naive.py); a copy, the row unchanged
             every = [
                 {
                     "data_source": row.get("data_source"),
                     "solution_str": text,
                     "ground_truth": truth,
-                    "extra_info": row.get("extra_info") or {},
+                    "extra_info": {
+                        **(row.get("extra_info") or {}),
+                        "num_turns": turns(trajectory),
+                        "rollout_reward_scores": row.get("reward_scores", {}),
+                    },
                     **o.kwargs,
                 }
-                for row, text, truth in zip(rows, batch["response_text"], batch["answer"])
+                for row, text, truth, trajectory in zip(
+                    rows, batch["response_text"], batch["answer"], batch.get("trajectory") or [None] * n
+                )
             ]
         else:
             every = [self.trl_call(batch, i, rows[i]) for i in range(n)]

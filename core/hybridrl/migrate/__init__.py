@@ -42,7 +42,8 @@ def translate(
                 "the config has Hydra 'defaults' (it composes verl's ppo_trainer.yaml); give the settings it "
                 "changes as overrides, or verl's generated config (_generated_ppo_trainer.yaml) with them applied."
             )
-        return verl.translate(apply_items(flatten(data), settings), train_rows=train_rows)
+        added = frozenset(i.split("=", 1)[0].lstrip("+").strip() for i in settings if i.startswith("+"))
+        return verl.translate(apply_items(flatten(data), settings), train_rows=train_rows, added=added)
     if framework == "trl":
         given = dict(data)
         for key, value in apply_items({}, settings).items():  # script keyword arguments: flat names

@@ -3,12 +3,13 @@
 A translator reads the other framework's settings through a :class:`Source` (the keys the user
 gave, dotted, and that framework's defaults for the keys the translator reads), builds a hybridrl
 config as a nested mapping, and records in a :class:`Report` every setting that changed units, has
-no equivalent, or was left out, so that nothing is dropped silently: a key the user gave that no
-rule read is listed as unknown.
+no equivalent, or was left out, so that nothing is dropped silently. A key the other framework does
+not have either is refused (:func:`check_keys`: a typo); one it has that no rule read is listed.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,7 +165,7 @@ KINDS = {
     "units": "Units converted",
     "lost": "No equivalent in hybridrl (the run differs here)",
     "note": "Notes",
-    "unknown": "Unknown keys (not translated)",
+    "unknown": "Not translated (no rule here reads these)",
     "ignored": "Left out: no effect on what is trained",
 }
 
@@ -220,6 +221,7 @@ class Report:
         return "\n".join(lines)
 
 
+NAMES = {"verl": "verl", "trl": "TRL"}
 SECTIONS = ("model", "data", "rollout", "rewards", "algorithm", "sharding", "trainer", "logging")
 
 
@@ -268,6 +270,34 @@ class Translator:
         """``key``'s behaviour has no equivalent (its value is shown)."""
         self.report.add("lost", key, why, self.src.get(key))
 
+    def warmup(self, key: str, steps: int) -> dict:
+        """``trainer.warmup_steps``, with the step hybridrl's warm-up is ahead of the other
+        framework's: transformers' and verl's factor at update k (from 0) is k / N, hybridrl's
+        (k + 1) / N (hybridrl.setup.lr_factor)."""
+        fw = NAMES[self.framework]
+        self.report.add(
+            "note",
+            key,
+            f"trainer.warmup_steps {steps}: hybridrl's warm-up reaches lr one step earlier than {fw}'s: its first "
+            f"step trains at lr/{steps}, {fw}'s first update at 0 (docs/migrating.md)",
+            self.src.get(key),
+        )
+        return {"warmup_steps": steps}
+
+    def precision(self, key: str, dtype: str) -> None:
+        """A 16-bit ``dtype`` translated (model.dtype, sharding.mixed_precision): the other framework's
+        on its GPUs; trainer.device is left auto, and on a CPU it is slower than float32 and makes the
+        trainer's logprobs differ from the rollout's."""
+        model = " and model.dtype: float32" if self.out.get("model", {}).get("dtype", "float32") != "float32" else ""
+        self.report.add(
+            "note",
+            key,
+            f"{dtype} compute, as {NAMES[self.framework]} on its GPUs (trainer.device auto takes the GPU): on a CPU "
+            f"it is slower than float32 and makes the trainer's logprobs differ from the rollout's; for a CPU run "
+            f"set sharding.mixed_precision: off{model}",
+            self.src.get(key) if self.src.has(key) else MISSING,
+        )
+
     def skip(self, prefix: str, why: str) -> None:
         """The given keys under ``prefix`` that no rule reads have no effect here, for ``why``."""
         for key in list(self.src.unread()):
@@ -297,7 +327,26 @@ def unread_keys(src: Source, report: Report, ignored: dict[str, str], lost: dict
         if why is not None:
             report.add("ignored", key, why)
         else:
-            report.add("unknown", key, "not a setting this translator knows; left out", value)
+            report.add("unknown", key, "no rule here reads it; left out", value)
+
+
+def check_keys(
+    keys, known: set[str], open_: tuple[str, ...], what: str, added: frozenset[str] = frozenset(), hint: str = ""
+) -> None:
+    """Refuse the first of ``keys`` that the other framework does not have either (a typo), with the
+    nearest of ``known``: verl's Hydra (struct mode) and TRL's HfArgumentParser refuse them too. A key
+    under a prefix of ``open_`` (a free-form mapping, machinery left out whole) passes, and so does
+    one under a key of ``added`` (Hydra's ``+key=``, which verl accepts); those are listed. ``hint``
+    ends the message where no known key is near."""
+    bad = [k for k in keys if k not in known and not any(_matches(k, p) for p in (*open_, *added))]
+    if not bad:
+        return
+    near = nearest(bad[0], known)
+    framework = what.split()[0]
+    more = f"; also unknown: {', '.join(bad[1:])}" if bad[1:] else ""
+    if near:
+        raise ConfigError(f"unknown {what} '{bad[0]}'; did you mean '{near}'? ({framework} would refuse it too){more}")
+    raise ConfigError(f"unknown {what} '{bad[0]}' ({framework} would refuse it too){hint}{more}")
 
 
 def _matches(key: str, pattern: str) -> bool:
@@ -305,6 +354,43 @@ def _matches(key: str, pattern: str) -> bool:
     if pattern.startswith("*."):
         return f".{pattern[2:].rstrip('.')}." in f".{key}."
     return key == pattern or key.startswith(pattern + ".")
+
+
+def nearest(key: str, known: set[str]) -> str | None:
+    """The key of ``known`` that ``key`` is most likely a typo of: the same name in another section,
+    else the closest name under the deepest section they share, else the closest last part anywhere."""
+    parts = key.split(".")
+    by_name = {k.rsplit(".", 1)[-1]: k for k in sorted(known, reverse=True)}
+    if parts[-1] in by_name:
+        return by_name[parts[-1]]
+    for depth in range(len(parts) - 1, -1, -1):
+        section = ".".join(parts[:depth])
+        under = {
+            k[len(section) + 1 :] if section else k: k for k in known if not section or k.startswith(section + ".")
+        }
+        if under:
+            near = difflib.get_close_matches(".".join(parts[depth:]), under, n=1)
+            if near:
+                return under[near[0]]
+            break
+    near = difflib.get_close_matches(parts[-1], by_name, n=1, cutoff=0.8)
+    return by_name[near[0]] if near else None
+
+
+def tree_keys(tree: str) -> set[str]:
+    """The dotted keys of a table of keys: lines 'section: name name...' (a dotted name is a key under
+    the section), an indented line going on with the one above; a section in capitals is a group of
+    names, which later lines name instead of its names."""
+    groups: dict[str, list[str]] = {}
+    keys = set()
+    for entry in re.split(r"\n(?=\S)", tree.strip()):
+        head, _, body = entry.partition(": ")
+        names = [name for word in body.split() for name in groups.get(word, [word])]
+        if head.isupper():
+            groups[head] = names
+        else:
+            keys.update(f"{head}.{name}" for name in names)
+    return keys
 
 
 def set_path(config: dict, key: str, value: Any) -> None:

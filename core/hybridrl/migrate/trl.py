@@ -17,10 +17,10 @@ import math
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Source, Translation
+from hybridrl.migrate.common import Source, Translation, check_keys
 from hybridrl.migrate.data_files import count_rows, data_section
 from hybridrl.migrate.trl_algorithm import TrlAlgorithm
-from hybridrl.migrate.trl_keys import DEFAULTS, IGNORED, LOST
+from hybridrl.migrate.trl_keys import DEFAULTS, IGNORED, KNOWN, LOST
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 #: placeholders where TRL's settings do not say (the model and data are GRPOTrainer's arguments)
@@ -29,7 +29,9 @@ MODEL, DATASET = "MODEL_PATH", "DATASET"
 
 def translate(given: dict[str, Any], train_rows: int | None = None, world_size: int | None = None) -> Translation:
     """``given``: GRPOConfig's arguments by name (mappings such as model_init_kwargs as mappings);
-    ``world_size``: processes of the accelerate launch (default 1)."""
+    ``world_size``: processes of the accelerate launch (default 1). A name TRL does not take is
+    refused (its parser refuses it too)."""
+    check_keys(given, KNOWN, (), "TRL argument")
     return TrlTranslation(Source(given, DEFAULTS), train_rows, world_size).run()
 
 
@@ -89,7 +91,9 @@ class TrlTranslation(TrlAlgorithm):
         if not path:
             self.report.add("note", "model_name_or_path", f"not given (GRPOTrainer's model): set model.path ({MODEL})")
         self.set("model.path", path or MODEL)
-        dtype = init.get("dtype") or init.get("torch_dtype") or g("dtype")
+        old = None if src.has("dtype") else src.given.get("torch_dtype")  # ModelConfig's name before dtype
+        dtype = init.get("dtype") or init.get("torch_dtype") or old or g("dtype")
+        src.mark("torch_dtype")
         if dtype in ("float32", "bfloat16", "float16"):
             self.set("model.dtype", dtype)
             if dtype != "float32":
@@ -136,6 +140,10 @@ class TrlTranslation(TrlAlgorithm):
             "mixed_precision": "off" if bf16 is False else "bf16",
             "activation_checkpointing": bool(g("gradient_checkpointing")),
         }
+        if self.out["model"]["dtype"] != "float32":
+            self.precision("dtype", self.out["model"]["dtype"])
+        elif bf16 is not False:
+            self.precision("bf16", "bfloat16")
         if self.world > 1:
             self.report.add(
                 "note",
@@ -257,12 +265,8 @@ class TrlTranslation(TrlAlgorithm):
         steps = self.steps()
         if steps:
             out["steps"] = steps
-        warmup, ratio = int(g("warmup_steps")), float(g("warmup_ratio"))
-        if warmup:
-            out["warmup_steps"] = math.ceil(warmup / self.per_step)
-        elif ratio and steps:
-            out["warmup_steps"] = math.ceil(ratio * steps)
         schedule, kwargs = g("lr_scheduler_type"), g("lr_scheduler_kwargs", None) or {}
+        out |= self.warmup_steps(schedule, steps)
         if schedule in ("linear", "cosine", "cosine_with_min_lr"):  # over the run's steps, as TRL's over its updates
             out["lr_schedule"] = "linear" if schedule == "linear" else "cosine"
             out["min_lr_ratio"] = float(kwargs.get("min_lr_rate", 0.0))
@@ -287,6 +291,33 @@ class TrlTranslation(TrlAlgorithm):
             out["keep_last"] = int(g("save_total_limit"))
         self.out["trainer"] = out
         self.evaluation()
+
+    def warmup_steps(self, schedule: str, steps: int | None) -> dict:
+        """transformers' warm-up (TrainingArguments.get_warmup_steps): warmup_steps optimizer steps, a
+        ratio of them below 1 (transformers 5; warmup_ratio before), none with the 'constant' schedule
+        (get_scheduler builds get_constant_schedule, which ignores them; constant_with_warmup warms up)."""
+        g = self.src.get
+        given, ratio = float(g("warmup_steps")), float(g("warmup_ratio"))
+        key = "warmup_steps" if given or not ratio else "warmup_ratio"
+        if 0 < given < 1:
+            given, ratio = 0, given
+        if schedule == "constant":
+            if given or ratio:
+                self.report.add(
+                    "note",
+                    key,
+                    "lr_scheduler_type constant has no warm-up in transformers (get_constant_schedule ignores it; "
+                    "constant_with_warmup warms up): no warm-up here either",
+                    g(key),
+                )
+            return {}
+        if given >= 1:
+            return self.warmup(key, math.ceil(int(given) / self.per_step))
+        if ratio and steps:
+            return self.warmup(key, math.ceil(ratio * steps))
+        if ratio:
+            self.lost(key, "a ratio of unknown steps: set trainer.warmup_steps")
+        return {}
 
     def evaluation(self) -> None:
         """TRL's evaluation (the test split, every eval_steps optimizer steps, sampled as in training)
@@ -324,8 +355,16 @@ class TrlTranslation(TrlAlgorithm):
         )
 
     def steps(self) -> int | None:
+        """Optimizer steps as hybridrl steps; refused where the data holds no whole generation batch,
+        which TRL's RepeatSampler drops (trl/trainer/utils.py), training nothing."""
         g = self.src.get
         max_steps, epochs = int(g("max_steps")), float(g("num_train_epochs"))
+        if self.rows is not None and self.rows < self.prompts:
+            raise ConfigError(
+                f"a generation batch takes {self.prompts} prompts, more than the {self.rows} rows of the training "
+                "data: TRL drops the incomplete batch and trains nothing. Lower per_device_train_batch_size or "
+                "steps_per_generation, or give more rows (or their count: --train-rows N)."
+            )
         if max_steps > 0:
             steps = math.ceil(max_steps / self.per_step)
             self.report.add(
@@ -343,7 +382,9 @@ class TrlTranslation(TrlAlgorithm):
                 f"epochs over {self.rows} rows of {self.prompts} prompts per step: trainer.steps {steps}",
                 epochs,
             )
-            return steps or None
+            if not steps:
+                raise ConfigError(f"num_train_epochs={epochs:g} trains no step; set it above 0, or set max_steps.")
+            return steps
         self.report.add(
             "lost",
             "num_train_epochs",

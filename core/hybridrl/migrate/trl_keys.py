@@ -1,5 +1,5 @@
 """TRL's GRPO settings as the TRL translator knows them: the defaults of the keys it reads, the
-settings with no equivalent, and those with no effect here.
+settings with no equivalent, those with no effect here, and every argument TRL takes (:data:`KNOWN`).
 
 The defaults are those of ``GRPOConfig`` (trl/trainer/grpo_config.py, with TRL's base config and
 transformers' TrainingArguments under it), of ``ModelConfig`` (trl/trainer/model_config.py) and of
@@ -200,3 +200,29 @@ IGNORED = {
     "eval_on_start": EVAL,
     "do_eval": EVAL,
 }
+
+#: TRL's other arguments: those of transformers' TrainingArguments (4.56.2, TRL's oldest, and 5.19.0)
+#: and of GRPOConfig, ModelConfig, ScriptArguments and DatasetMixtureConfig at every TRL release from
+#: v0.14.0 to v1.9.0 and at f2cd577; no rule reads them
+OTHER = (
+    "adafactor auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval "
+    "bnb_4bit_quant_storage bnb_4bit_quant_type data_seed dataloader_in_order dataloader_multiprocessing_context "
+    "datasets ddp_broadcast_buffers ddp_bucket_cap_mb ddp_static_graph debug do_predict enable_jit_checkpoint "
+    "eval_accumulation_steps eval_delay eval_do_concat_batches eval_use_gather_object fp16_backend fp16_full_eval "
+    "fp16_opt_level fsdp_min_num_params fsdp_transformer_layer_cls_to_wrap full_determinism "
+    "gradient_checkpointing_use_reentrant greater_is_better group_by_length half_precision_backend "
+    "hub_always_push hub_revision ignore_data_skip include_for_metrics include_inputs_for_metrics "
+    "include_num_input_tokens_seen include_tokens_per_second jit_mode_eval label_names label_smoothing_factor "
+    "length_column_name liger_kernel_config load_best_model_at_end log_level_replica log_on_each_node "
+    "logging_nan_inf_filter metric_for_best_model mp_parameters neftune_noise_alpha no_cuda optim_args "
+    "optim_target_modules parallelism_config past_index per_gpu_eval_batch_size per_gpu_train_batch_size "
+    "prediction_loss_only project push_to_hub_model_id push_to_hub_organization push_to_hub_token ray_scope "
+    "restore_callback_states_from_checkpoint save_on_each_node skip_memory_metrics streaming test_split_size "
+    "torch_compile_backend torch_compile_mode torch_empty_cache_steps torchdynamo tpu_metrics_debug tpu_num_cores "
+    "trackio_bucket_id trackio_space_id trackio_static_space_id train_sampling_strategy use_bnb_nested_quant "
+    "use_cache use_cpu use_ipex use_legacy_prediction_loop use_liger_loss use_mps_device vllm_device vllm_dtype "
+    "vllm_enable_prefix_caching vllm_guided_decoding_regex wandb_log_unique_prompts"
+).split()
+#: every argument TRL takes (GRPOTrainer's model and train_dataset with them): another name is a typo,
+#: which TRL's parser refuses too (TrlParser.parse_args_and_config, trl/scripts/utils.py)
+KNOWN = {*DEFAULTS, *LOST, *IGNORED, *OTHER, "torch_dtype", "model", "train_dataset", "dataset"}

@@ -19,20 +19,22 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Source, Translation
+from hybridrl.migrate.common import Source, Translation, check_keys
 from hybridrl.migrate.data_files import count_rows, data_section
 from hybridrl.migrate.verl_algorithm import VerlAlgorithm, expand
-from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, LOST, MOVED, A, M, R
+from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, KNOWN, LOST, MOVED, OPEN, A, M, R
 
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "hf": "hf"}
 LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"}
-#: the rule of verl's GSM8K scorer (verl/utils/reward_score/gsm8k.py, strict): the last '#### N'
-GSM8K_PATTERN = r"#### (\-?[0-9\.\,]+)"
 
 
-def translate(given: dict[str, Any], train_rows: int | None = None) -> Translation:
+def translate(given: dict[str, Any], train_rows: int | None = None, added: frozenset[str] = frozenset()) -> Translation:
     """``given``: verl's settings as dotted keys (YAML flattened, overrides applied);
-    ``train_rows``: rows of the training data when known (else counted from local files)."""
+    ``train_rows``: rows of the training data when known (else counted from local files); ``added``:
+    the keys given with Hydra's ``+``, which verl takes even where its config has no such key. A key
+    verl does not have is refused (Hydra's struct mode refuses it too)."""
+    newer = "; a newer verl's key: give it as +key=value to have it listed, untranslated"
+    check_keys(given, KNOWN, OPEN, "verl key", added, newer)
     given = dict(given)
     for new, old in MOVED.items():  # verl 0.9's place wins over the older one
         if new in given:
@@ -174,77 +176,13 @@ class VerlTranslation(VerlAlgorithm):
         given = {ours: self.src.get(key) for key, ours in names.items() if self.src.has(key)}
         return {k: v for k, v in given.items() if v is not None}
 
-    def rewards(self) -> None:
-        g = self.src.get
-        if g("reward_model.enable"):
-            rm = {"function": "reward_model", "model": expand(g("reward_model.model.path"))}
-            rm["trust_remote_code"] = bool(g("reward_model.model.trust_remote_code"))
-            if g("reward_model.micro_batch_size_per_gpu"):
-                rm["batch_size"] = int(g("reward_model.micro_batch_size_per_gpu"))
-            if g("reward_model.max_length"):
-                rm["max_length"] = int(g("reward_model.max_length"))
-            self.out["rewards"] = [rm]
-            self.report.add(
-                "note",
-                "reward_model.enable",
-                "the reward model scores every response (hybridrl-reward-hf's reward_model, docs/rewards.md), as "
-                "verl's reward manager uses its scores when it is on; it runs on the policy's device unless "
-                "rewards[0].device says otherwise",
-                True,
-            )
-            self.skip("custom_reward_function", "reward_model.enable replaces the reward function")
-        else:
-            self.skip("reward_model.model", "reward_model.enable is false")
-            self.src.mark("reward_model.micro_batch_size_per_gpu", "reward_model.max_length")
-            self.out["rewards"] = [self.reward_function()]
-        self.src.mark("reward_model.enable")
-        manager = g("reward_model.reward_manager")
-        if manager not in ("naive", "dapo"):
-            self.lost("reward_model.reward_manager", "rewards are scored response by response, summed with weights")
-
-    def reward_function(self) -> dict:
-        g = self.src.get
-        path = g("custom_reward_function.path")
-        if path:
-            reward = {"function": "python", "path": expand(path), "function_name": g("custom_reward_function.name")}
-            if g("custom_reward_function.reward_kwargs"):
-                reward["kwargs"] = dict(g("custom_reward_function.reward_kwargs"))
-            self.report.add(
-                "note",
-                "custom_reward_function.path",
-                "your compute_score runs as it is: the python reward (docs/rewards.md) calls it with data_source, "
-                "solution_str, ground_truth and extra_info from each row",
-                path,
-            )
-            return reward
-        self.src.mark("custom_reward_function")
-        files = str(self.out["data"].get("data_files") or self.out["data"].get("path"))
-        if "gsm8k" in files.lower():
-            self.report.add(
-                "note",
-                "custom_reward_function.path",
-                "unset: verl scores GSM8K rows with its rule (the last '#### N' equals the answer); answer_match "
-                "with that pattern is the same rule, comparing numbers where verl compares text (verl's exact rule: "
-                "examples/verl_gsm8k_reward.py with function: python)",
-                None,
-            )
-            return {"function": "answer_match", "extract": "regex", "pattern": GSM8K_PATTERN, "compare": "numeric"}
-        self.report.add(
-            "lost",
-            "custom_reward_function.path",
-            "unset: verl picks a scorer by each row's data_source (default_compute_score); answer_match (boxed, "
-            "tag, 'answer is', last number) is used. To score as verl does, give a file that imports verl's "
-            "default_compute_score as compute_score to the python reward",
-            None,
-        )
-        return {"function": "answer_match"}
-
     def sharding(self) -> None:
         g = self.src.get
         strategy = g(f"{A}.strategy")
         if strategy not in ("fsdp", "fsdp2"):
             self.lost(f"{A}.strategy", "sharding strategies: single, fsdp (FSDP2); fsdp used")
-        offload = bool(g(f"{A}.fsdp_config.param_offload")) or bool(g(f"{A}.fsdp_config.optimizer_offload"))
+        params, optimizer = bool(g(f"{A}.fsdp_config.param_offload")), bool(g(f"{A}.fsdp_config.optimizer_offload"))
+        offload = params or optimizer
         out: dict[str, Any] = {}
         if self.world > 1:
             out["strategy"] = "fsdp"
@@ -269,7 +207,14 @@ class VerlTranslation(VerlAlgorithm):
             self.src.mark(f"{A}.fsdp_config.reshard_after_forward", f"{A}.fsdp_config.fsdp_size")
             if offload:
                 self.lost(f"{A}.fsdp_config.param_offload", "CPU offload needs sharding.strategy fsdp (torchrun)")
-        out["mixed_precision"] = "off" if g(f"{A}.fsdp_config.dtype") in ("fp32", "float32") else "bf16"
+        compute = str(g(f"{A}.fsdp_config.dtype"))
+        out["mixed_precision"] = "off" if compute in ("fp32", "float32") else "bf16"
+        if compute in ("fp16", "float16"):
+            self.lost(f"{A}.fsdp_config.dtype", "float16 compute is not available; bfloat16 used")
+        if self.out["model"]["dtype"] != "float32":
+            self.precision(f"{A}.fsdp_config.model_dtype", self.out["model"]["dtype"])
+        elif out["mixed_precision"] == "bf16":
+            self.precision(f"{A}.fsdp_config.dtype", "bfloat16")
         out["activation_checkpointing"] = bool(g(f"{M}.enable_gradient_checkpointing"))
         self.out["sharding"] = out
 
@@ -316,7 +261,7 @@ class VerlTranslation(VerlAlgorithm):
         steps = self.steps(prompts)
         if steps:
             out["steps"] = steps
-        out |= self.schedule(steps)
+        out |= self.schedule()
         if list(g(f"{A}.optim.betas")) != [0.9, 0.999]:
             self.lost(f"{A}.optim.betas", "AdamW keeps torch's betas (0.9, 0.999)")
         if str(g(f"{A}.optim.optimizer")).lower() != "adamw":
@@ -340,17 +285,34 @@ class VerlTranslation(VerlAlgorithm):
         out["timeout_s"] = float(g("actor_rollout_ref.nccl_timeout"))
         self.out["trainer"] = out
 
-    def schedule(self, steps: int | None) -> dict[str, Any]:
-        """The actor's learning rate: its warm-up and what follows it."""
-        g, out = self.src.get, {}
-        warmup = int(g(f"{A}.optim.lr_warmup_steps") or -1)
+    def schedule(self) -> dict[str, Any]:
+        """The actor's learning rate: its warm-up and what follows it, over ``self.schedule_steps``
+        (ActorRolloutRefWorker._build_model_optimizer, verl/workers/fsdp_workers.py)."""
+        g, out, total = self.src.get, {}, self.schedule_steps
+        warmup = g(f"{A}.optim.lr_warmup_steps")
+        warmup = -1 if warmup is None else int(warmup)
         ratio = float(g(f"{A}.optim.lr_warmup_steps_ratio"))
+        # verl's legacy FSDP worker (the default, trainer.use_legacy_worker_impl auto) takes the ratio for a
+        # negative lr_warmup_steps only; its engine workers (FSDPEngine._build_lr_scheduler,
+        # verl/workers/engine/fsdp/transformer_impl.py), Megatron's and verl 0.10 (no legacy worker) for 0 too
+        legacy = g("trainer.use_legacy_worker_impl") in ("auto", "enable") and g(f"{A}.strategy") in ("fsdp", "fsdp2")
+        by_ratio = warmup < 0 or (warmup == 0 and not legacy)
+        if warmup == 0 and legacy and ratio > 0:
+            other = f"{int(ratio * total)}" if total else f"{ratio} x trainer.steps"
+            self.report.add(
+                "note",
+                f"{A}.optim.lr_warmup_steps",
+                f"0: no warm-up, as verl's default (legacy) FSDP worker takes lr_warmup_steps_ratio for a negative "
+                f"value only; its engine workers (trainer.use_legacy_worker_impl: disable, verl 0.10) take it for 0 "
+                f"too: for those set trainer.warmup_steps: {other}",
+                0,
+            )
         if warmup > 0:
-            out["warmup_steps"] = warmup
-        elif ratio > 0 and steps:
-            out["warmup_steps"] = int(ratio * steps)
-        elif ratio > 0:
+            out |= self.warmup(f"{A}.optim.lr_warmup_steps", warmup)
+        elif by_ratio and ratio > 0 and not total:
             self.lost(f"{A}.optim.lr_warmup_steps_ratio", "a ratio of unknown steps: set trainer.warmup_steps")
+        elif by_ratio and int(ratio * (total or 0)):  # verl rounds down
+            out |= self.warmup(f"{A}.optim.lr_warmup_steps_ratio", int(ratio * total))
         schedule = g(f"{A}.optim.warmup_style") or g(f"{A}.optim.lr_scheduler_type")
         if schedule == "cosine":  # verl's cosine: down to min_lr_ratio x lr, num_cycles 0.5 (half a cosine)
             out["lr_schedule"], out["min_lr_ratio"] = "cosine", float(g(f"{A}.optim.min_lr_ratio", 0.0) or 0.0)
@@ -363,29 +325,44 @@ class VerlTranslation(VerlAlgorithm):
         return out
 
     def steps(self, prompts: int) -> int | None:
+        """verl's steps: total_training_steps, else total_epochs x the full batches of the data, and never
+        past the last epoch (RayPPOTrainer.fit loops over the epochs; RayPPOTrainer._create_dataloader drops
+        the last partial batch, drop_last=True, and asserts a batch is left); ``self.schedule_steps``: those
+        verl's learning-rate schedule spans (total_training_steps where given)."""
         g = self.src.get
-        total = g("trainer.total_training_steps")
-        epochs = int(g("trainer.total_epochs"))
-        if total:
-            return int(total)
-        if self.rows is not None:
-            steps = epochs * (self.rows // prompts)
+        total, epochs = g("trainer.total_training_steps"), int(g("trainer.total_epochs"))
+        self.schedule_steps = int(total) if total else None
+        if self.rows is None:
+            if total:
+                return int(total)
+            self.report.add(
+                "lost",
+                "trainer.total_epochs",
+                f"the size of the training data is not known (give --train-rows N, or run where the files are): "
+                f"set trainer.steps to {epochs} x (rows // {prompts})",
+                epochs,
+            )
+            return None
+        batches = self.rows // prompts
+        if not batches:
+            raise ConfigError(
+                f"data.train_batch_size={prompts} is more than the {self.rows} rows of the training data: verl drops "
+                f"the last partial batch and refuses an empty loader ('Train dataloader is empty!'). Lower "
+                f"data.train_batch_size to {self.rows} or less, or give more rows (or their count: --train-rows N)."
+            )
+        if epochs < 1:
+            raise ConfigError(f"trainer.total_epochs={epochs} trains no step in verl; set it to 1 or more.")
+        steps = min(int(total or epochs * batches), epochs * batches)
+        self.schedule_steps = self.schedule_steps or steps
+        if not total or steps < int(total):
             self.report.add(
                 "units",
                 "trainer.total_epochs",
-                f"epochs over {self.rows} rows, {self.rows // prompts} steps each (verl drops the last partial "
-                f"batch): trainer.steps {steps}",
+                f"epochs over {self.rows} rows, {batches} steps each (verl drops the last partial batch): "
+                f"trainer.steps {steps}" + (f", before total_training_steps {total}" if total else ""),
                 epochs,
             )
-            return steps or None
-        self.report.add(
-            "lost",
-            "trainer.total_epochs",
-            f"the size of the training data is not known (give --train-rows N, or run where the files are): "
-            f"set trainer.steps to {epochs} x (rows // {prompts})",
-            epochs,
-        )
-        return None
+        return steps
 
     def checkpoint_dir(self, out: dict) -> None:
         g, src = self.src.get, self.src

@@ -1,6 +1,7 @@
-"""verl's algorithm settings (adv_estimator, KL, clipping, losses, the critic, DAPO's options) as
-hybridrl's ``algorithm`` section: the part of :class:`hybridrl.migrate.verl.VerlTranslation` that
-reads them (docs/migrating.md, docs/algorithms.md)."""
+"""verl's reward settings (the reward function, the reward model) and algorithm settings
+(adv_estimator, KL, clipping, losses, the critic, DAPO's options) as hybridrl's ``rewards`` and
+``algorithm`` sections: the part of :class:`hybridrl.migrate.verl.VerlTranslation` that reads them
+(docs/migrating.md, docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,79 @@ ESTIMATORS = {
 }
 #: verl's KL estimator names (kl_penalty, kl_loss_type) -> hybridrl's
 KL_NAMES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+#: the rule of verl's GSM8K scorer (verl/utils/reward_score/gsm8k.py, strict): the last '#### N'
+GSM8K_PATTERN = r"#### (\-?[0-9\.\,]+)"
 
 
 class VerlAlgorithm(Translator):
-    """Reads verl's algorithm, actor-loss and critic settings; ``self.n`` and ``self.world`` are
-    set by the subclass before :meth:`algorithm` runs, and ``self.out['rollout']`` exists."""
+    """Reads verl's reward, algorithm, actor-loss and critic settings; ``self.n`` and ``self.world``
+    are set by the subclass before :meth:`algorithm` runs, and ``self.out['rollout']`` and
+    ``self.out['data']`` exist."""
+
+    def rewards(self) -> None:
+        g = self.src.get
+        if g("reward_model.enable"):
+            rm = {"function": "reward_model", "model": expand(g("reward_model.model.path"))}
+            rm["trust_remote_code"] = bool(g("reward_model.model.trust_remote_code"))
+            if g("reward_model.micro_batch_size_per_gpu"):
+                rm["batch_size"] = int(g("reward_model.micro_batch_size_per_gpu"))
+            if g("reward_model.max_length"):
+                rm["max_length"] = int(g("reward_model.max_length"))
+            self.out["rewards"] = [rm]
+            self.report.add(
+                "note",
+                "reward_model.enable",
+                "the reward model scores every response (hybridrl-reward-hf's reward_model, docs/rewards.md), as "
+                "verl's reward manager uses its scores when it is on; it runs on the policy's device unless "
+                "rewards[0].device says otherwise",
+                True,
+            )
+            self.skip("custom_reward_function", "reward_model.enable replaces the reward function")
+        else:
+            self.skip("reward_model.model", "reward_model.enable is false")
+            self.src.mark("reward_model.micro_batch_size_per_gpu", "reward_model.max_length")
+            self.out["rewards"] = [self.reward_function()]
+        self.src.mark("reward_model.enable")
+        manager = g("reward_model.reward_manager")
+        if manager not in ("naive", "dapo"):
+            self.lost("reward_model.reward_manager", "rewards are scored response by response, summed with weights")
+
+    def reward_function(self) -> dict:
+        g = self.src.get
+        path = g("custom_reward_function.path")
+        if path:
+            reward = {"function": "python", "path": expand(path), "function_name": g("custom_reward_function.name")}
+            if g("custom_reward_function.reward_kwargs"):
+                reward["kwargs"] = dict(g("custom_reward_function.reward_kwargs"))
+            self.report.add(
+                "note",
+                "custom_reward_function.path",
+                "your compute_score runs as it is: the python reward (docs/rewards.md) calls it with data_source, "
+                "solution_str, ground_truth and extra_info from each row",
+                path,
+            )
+            return reward
+        self.src.mark("custom_reward_function")
+        files = str(self.out["data"].get("data_files") or self.out["data"].get("path"))
+        if "gsm8k" in files.lower():
+            self.report.add(
+                "note",
+                "custom_reward_function.path",
+                "unset: verl scores GSM8K rows with its rule (the last '#### N' equals the answer); answer_match "
+                "with that pattern is the same rule, comparing numbers where verl compares text (verl's exact rule: "
+                "examples/verl_gsm8k_reward.py with function: python)",
+                None,
+            )
+            return {"function": "answer_match", "extract": "regex", "pattern": GSM8K_PATTERN, "compare": "numeric"}
+        self.report.add(
+            "lost",
+            "custom_reward_function.path",
+            "unset: verl picks a scorer by each row's data_source (default_compute_score); answer_match (boxed, "
+            "tag, 'answer is', last number) is used. To score as verl does, give a file that imports verl's "
+            "default_compute_score as compute_score to the python reward",
+            None,
+        )
+        return {"function": "answer_match"}
 
     def algorithm(self) -> None:
         g, src = self.src.get, self.src
@@ -85,8 +154,32 @@ class VerlAlgorithm(Translator):
         mode = g(f"{A}.policy_loss.loss_mode")
         if mode == "gspo" and out["name"] == "grpo":
             out["policy_loss"] = "gspo"
+            self.gspo_aggregation(out)
         elif mode != "vanilla":
             self.lost(f"{A}.policy_loss.loss_mode", "policy losses: vanilla, and gspo with grpo; vanilla used")
+
+    def gspo_aggregation(self, out: dict) -> None:
+        """verl's GSPO loss is a mean per sequence, then over sequences, whatever loss_agg_mode says
+        (compute_policy_loss_gspo, verl/trainer/ppo/core_algos.py); its actor aggregates the entropy and
+        KL terms with loss_agg_mode (DataParallelPPOActor.update_policy, verl/workers/actor/dp_actor.py)."""
+        given = out["loss_agg_mode"]
+        out["loss_agg_mode"] = "seq-mean-token-mean"
+        if given == "seq-mean-token-mean":
+            return
+        self.report.add(
+            "note",
+            f"{A}.loss_agg_mode",
+            "with policy_loss.loss_mode gspo verl aggregates the policy loss per sequence (seq-mean-token-mean) "
+            "whatever loss_agg_mode says (compute_policy_loss_gspo): loss_agg_mode seq-mean-token-mean",
+            given,
+        )
+        if out["entropy_coeff"] or self.src.get(f"{A}.use_kl_loss"):
+            self.report.add(
+                "lost",
+                f"{A}.loss_agg_mode",
+                f"verl aggregates the entropy and KL terms with {given}; here every term uses seq-mean-token-mean",
+                given,
+            )
 
     def kl(self, out: dict, kl_in_reward: bool) -> None:
         g = self.src.get
@@ -154,10 +247,16 @@ class VerlAlgorithm(Translator):
     def dapo(self, out: dict) -> None:
         """DAPO's dynamic sampling (filter_groups) and soft overlong punishment: grpo options."""
         g = self.src.get
-        buffer = "reward_model.overlong_buffer"
+        # the overlong punishment of DAPO's recipe (reward_model.overlong_buffer), or of verl's dapo reward
+        # manager (reward_kwargs.overlong_buffer_cfg and max_resp_len, verl/workers/reward_manager/dapo.py)
+        buffer, kwargs = "reward_model.overlong_buffer", "reward_model.reward_kwargs"
+        cfg = g(f"{kwargs}.overlong_buffer_cfg", None) if g("reward_model.reward_manager") == "dapo" else None
+        by_manager = isinstance(cfg, dict) and bool(cfg.get("enable"))
+        if by_manager:
+            self.src.mark(f"{kwargs}.overlong_buffer_cfg", f"{kwargs}.max_resp_len")
         if out["name"] != "grpo":
-            for key in ("algorithm.filter_groups.enable", f"{buffer}.enable"):
-                if g(key):
+            for key in ("algorithm.filter_groups.enable", f"{buffer}.enable", f"{kwargs}.overlong_buffer_cfg.enable"):
+                if g(key, None):
                     self.lost(key, "DAPO's dynamic sampling and overlong punishment are options of grpo")
             self.skip("algorithm.filter_groups", "used only with grpo")
             self.skip(buffer, "used only with grpo")
@@ -178,8 +277,12 @@ class VerlAlgorithm(Translator):
             out["overlong_buffer_len"] = int(g(f"{buffer}.len"))
             out["overlong_penalty_factor"] = float(g(f"{buffer}.penalty_factor"))
             out["overlong_max_length"] = self.out["rollout"]["max_tokens"]
-        else:
-            self.skip(buffer, f"{buffer}.enable is false")
+            return
+        self.skip(buffer, f"{buffer}.enable is false")
+        if by_manager:
+            out["overlong_buffer_len"] = int(cfg["len"])
+            out["overlong_penalty_factor"] = float(cfg.get("penalty_factor", 1.0))
+            out["overlong_max_length"] = int(g(f"{kwargs}.max_resp_len", self.out["rollout"]["max_tokens"]))
 
     def critic_options(self, out: dict) -> None:
         g, src = self.src.get, self.src
