@@ -38,16 +38,30 @@ def test_unknown_top_level_key_lists_sections():
     assert "trainer" in str(e.value) and "rollout" in str(e.value)
 
 
-def test_unknown_core_key_lists_valid_keys():
-    with pytest.raises(ConfigError, match=r"Unknown key 'stepz' in trainer\. Valid keys: .*steps"):
+def test_unknown_core_key_says_did_you_mean_then_lists_valid_keys():
+    with pytest.raises(
+        ConfigError, match=r"^Unknown key 'stepz' in trainer\. Did you mean 'steps'\? Valid keys: .*steps"
+    ):
         load({"trainer": {"stepz": 3}})
+    with pytest.raises(ConfigError) as e:  # nothing close: the valid keys alone
+        load({"trainer": {"zzzz": 3}})
+    assert "Did you mean" not in str(e.value) and "Unknown key 'zzzz' in trainer. Valid keys: " in str(e.value)
+
+
+def test_did_you_mean_is_one_phrase_for_every_unknown_name():
+    from hybridrl.errors import did_you_mean
+
+    assert did_you_mean("vlm", ["hf", "sglang", "vllm"]) == " Did you mean 'vllm'?"
+    assert did_you_mean("zzz", ["hf", "vllm"]) == ""
+    with pytest.raises(ConfigError, match=r"Unknown key 'consol' in logging\. Did you mean 'console'\? Valid keys"):
+        load({"logging": {"loggers": ["console"], "consol": {}}})
 
 
 def test_unknown_section_key_lists_core_and_plugin_keys():
     with pytest.raises(ConfigError) as e:
         load({"rollout": {"engine": "hf", "temprature": 0.5}})
     msg = str(e.value)
-    assert "Unknown key 'temprature' in rollout (rollout engine 'hf')" in msg
+    assert "Unknown key 'temprature' in rollout (rollout engine 'hf'). Did you mean 'temperature'? Valid keys: " in msg
     assert "temperature" in msg and "batch_size" in msg
     assert " async," in msg and "async_" not in msg  # keys as a config file spells them
 
@@ -61,7 +75,9 @@ def test_async_is_read_and_written_under_its_yaml_name():
 def test_unknown_plugin_name_lists_available():
     with pytest.raises(ConfigError) as e:
         load({"rollout": {"engine": "vlm"}})
-    assert "Unknown rollout engine 'vlm' (rollout.engine). Available: hf" in str(e.value)
+    engines = sorted(plugins.registry()["rollout engine"])
+    hint = " Did you mean 'vllm'?" if "vllm" in engines else ""
+    assert f"Unknown rollout engine 'vlm' (rollout.engine).{hint} Available: {', '.join(engines)}." in str(e.value)
     assert "hybridrl plugins" in str(e.value)
 
 
@@ -70,6 +86,8 @@ def test_unknown_reward_function_lists_available():
         ConfigError, match=r"Unknown reward function .exact. .*Available: answer_match, .*format, .*reasoning_gym"
     ):
         load({"rewards": [{"function": "exact"}]})
+    with pytest.raises(ConfigError, match=r"Unknown reward function 'answer_mach' .*\. Did you mean 'answer_match'\?"):
+        load({"rewards": [{"function": "answer_mach"}]})
 
 
 def test_bad_value_names_the_key():

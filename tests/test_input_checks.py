@@ -75,6 +75,59 @@ def test_a_row_without_a_prompt_is_refused_not_trained_on_as_text(value, tiny_mo
         trainer_for(tiny_model, tmp_path, data=data).setup()
 
 
+def one_error(capsys, command: str, config: dict, tmp_path) -> str:
+    """``hybridrl COMMAND`` on ``config``: one ``error:`` line on stderr (beside datasets' progress bars)."""
+    import yaml
+
+    from hybridrl import cli
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli.main([command, str(path)]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "examples/s" not in line]  # datasets' progress
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0].removeprefix("error: ")
+
+
+def test_columns_the_prompts_and_rewards_read_are_checked_before_any_model_loads(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """The training rows and every eval set's, against what the prompts (prompt column, template) and each
+    reward (RewardFunction.needs) read: one error line from hybridrl validate, train and eval, no model loaded."""
+    import hybridrl.setup
+
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    rows = write_jsonl(tmp_path / "q.jsonl", [{"question": "1 + 1 =", "data_source": "toy"}])
+    config = {
+        "model": {"path": tiny_model},
+        "data": {"source": "hf", "path": rows},
+        "rewards": [{"function": "answer_match"}],
+        "rollout": {"n": 2, "max_tokens": 8},
+        "trainer": {"device": "cpu", "steps": 1, "prompts_per_step": 2, "run_dir": str(tmp_path / "run")},
+        "logging": {"loggers": ["jsonl"]},
+    }
+    for command in ("validate", "train"):
+        assert one_error(capsys, command, config, tmp_path) == (
+            "data: reward 'answer_match' (function 'answer_match') reads the rows' answer, which the rows do not "
+            "have (fields: question, data_source). Either set data.answer_column to the field with the ground truth, "
+            "or use rewards that do not read it."
+        )
+    format_reward = [{"function": "format", "pattern": "[0-9]"}]
+    bad_column = {**config, "rewards": format_reward, "data": {**config["data"], "prompt_column": "prompt"}}
+    assert one_error(capsys, "validate", bad_column, tmp_path).startswith(
+        "data.prompt_column is 'prompt', but the rows have no such field. Fields: question, data_source."
+    )
+    bad_template = {**config, "rewards": format_reward, "data": {**config["data"], "template": "{problem}"}}
+    assert one_error(capsys, "validate", bad_template, tmp_path).startswith("data.template uses {problem}")
+    eval_set = {"name": "toy", "source": "hf", "path": rows, "rewards": [{"function": "answer_match"}]}
+    with_eval = {**config, "rewards": format_reward, "data": {**config["data"], "eval": [eval_set]}}
+    for command in ("validate", "eval"):
+        assert one_error(capsys, command, with_eval, tmp_path).startswith(
+            "data.eval[0] (set 'toy'): reward 'answer_match' (function 'answer_match') reads the rows' answer"
+        )
+
+
 def test_a_prompt_column_named_prompt_does_not_collide_with_the_template(tiny_model, tmp_path):
     from hybridrl.prompts import prompt_messages
 

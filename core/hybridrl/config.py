@@ -26,7 +26,7 @@ from hybridrl.config_files import (
     options_error,
 )
 from hybridrl.config_sections import AgentConfig, EvalSet, LoraOptions, OnlineConfig, Section, Strict
-from hybridrl.errors import ConfigError
+from hybridrl.errors import ConfigError, did_you_mean
 from hybridrl.shaping import ShapingOptions
 
 
@@ -439,7 +439,8 @@ def resolve(cfg: RunConfig) -> None:
     if extra:
         key = next(iter(extra))
         raise ConfigError(
-            f"Unknown key '{key}' in logging. Valid keys: loggers, and one section per logger in "
+            f"Unknown key '{key}' in logging.{did_you_mean(key, ['loggers', *cfg.logging.loggers])} Valid keys: "
+            "loggers, and one section per logger in "
             f"logging.loggers ({', '.join(cfg.logging.loggers)})."
         )
 
@@ -479,27 +480,3 @@ def _validate_options(cls, values: dict, where: str, kind: str, name: str, secti
     except ValidationError as e:
         core_keys = keys_of(section_cls) if section_cls else []
         raise ConfigError(options_error(e, where, f"{kind} '{name}'", core_keys, keys_of(cls.Options))) from None
-
-
-def check_world(cfg: RunConfig, world: int, multi_process: bool) -> None:
-    """The config can run on ``world`` processes (torchrun's WORLD_SIZE) with its sharding strategy."""
-    t, strategy = cfg.trainer, cfg.sharding.strategy
-    if world == 1:
-        return
-    if not multi_process:
-        raise ConfigError(
-            f"sharding.strategy '{strategy}' trains on one process, but torchrun started {world} "
-            f"(WORLD_SIZE={world}): their models would drift apart. Set sharding.strategy=fsdp, or run without "
-            "torchrun."
-        )
-    if t.prompts_per_step % world:
-        raise ConfigError(
-            f"trainer.prompts_per_step={t.prompts_per_step} does not divide by the {world} ranks of this run "
-            f"(torchrun --nproc-per-node x nodes): each rank takes whole prompts with all their samples. "
-            f"Use a multiple of {world}."
-        )
-    if t.mini_batch_size and t.mini_batch_size % world:
-        raise ConfigError(
-            f"trainer.mini_batch_size={t.mini_batch_size} does not divide by the {world} ranks of this run; "
-            f"each rank trains on mini_batch_size / {world} responses per optimizer step. Use a multiple of {world}."
-        )

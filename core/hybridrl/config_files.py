@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybridrl.errors import ConfigError
+from hybridrl.errors import ConfigError, did_you_mean
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -89,9 +89,10 @@ def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
         dotted = ".".join(str(x) for x in loc)
         if err["type"] == "extra_forbidden":
             parent = _model_at(root, loc[:-1])
-            valid = ", ".join(keys_of(parent)) if parent else "?"
+            keys = keys_of(parent) if parent else []
             where = ".".join(str(x) for x in loc[:-1]) or "the top level"
-            lines.append(f"Unknown key '{loc[-1]}' in {where}. Valid keys: {valid}.")
+            hint = did_you_mean(loc[-1], keys)
+            lines.append(f"Unknown key '{loc[-1]}' in {where}.{hint} Valid keys: {', '.join(keys) or '?'}.")
         elif err["type"] == "missing":
             lines.append(f"Missing required key '{dotted}'.")
         elif err["type"] == "value_error" and not loc:
@@ -110,7 +111,8 @@ def options_error(e: ValidationError, where: str, component: str, core_keys: lis
         if err["type"] == "extra_forbidden":
             mine = ", ".join(own_keys) or "(none)"
             valid = f"{', '.join(core_keys)}; and for {component}: {mine}." if core_keys else f"{mine}."
-            lines.append(f"Unknown key '{key}' in {where} ({component}). Valid keys: {valid}")
+            hint = did_you_mean(key, [*core_keys, *own_keys])
+            lines.append(f"Unknown key '{key}' in {where} ({component}).{hint} Valid keys: {valid}")
         elif err["type"] == "missing":
             lines.append(f"Missing required key '{where}.{key}' for {component}.")
         else:

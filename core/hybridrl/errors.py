@@ -3,11 +3,42 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import sys
 
 
 class ConfigError(ValueError):
     """The config is invalid; the message names the key and the valid choices."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """``" Did you mean 'x'?"`` for the closest of ``choices`` to ``word``, or ``""`` when none is close.
+
+    Put it right after the sentence that names the unknown word, before the list of valid choices:
+    ``f"Unknown key {key!r} in {section}.{did_you_mean(key, valid)} Valid keys: ..."``."""
+    match = close_match(word, choices)
+    return f" Did you mean {match!r}?" if match is not None else ""
+
+
+def close_match(word: str, choices) -> str | None:
+    """The closest of ``choices`` to ``word`` (difflib's ratio of at least 0.6), or None."""
+    matches = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def package_not_installed(name: str) -> str:
+    """Why ``package:NAME`` finds no package, and the fix: an installed package of a close name before
+    ``pip install`` (a misspelt name on PyPI may be anyone's package)."""
+    import pkgutil
+
+    near = close_match(name, [m.name for m in pkgutil.iter_modules() if m.ispkg])
+    if near is not None:
+        return f"package '{name}' is not installed. Did you mean 'package:{near}'? It is installed."
+    dist = name.replace("_", "-")
+    return (
+        f"package '{name}' is not installed. If '{dist}' on PyPI is the package you mean (check its name "
+        f"and author first: a misspelt name may be someone else's), install it with: pip install --no-deps {dist}"
+    )
 
 
 class StageError(RuntimeError):

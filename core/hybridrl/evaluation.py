@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from hybridrl import checkpoint as ckpt
-from hybridrl import distributed, plugins
+from hybridrl import distributed
 from hybridrl.components import SamplingParams
 from hybridrl.errors import ConfigError, stage_errors
 from hybridrl.models import check_context
-from hybridrl.prompts import check_columns, encode_prompt, row_answer
+from hybridrl.prompts import check_columns, check_reward_fields, longest_prompt
 from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
 from hybridrl.session import EVAL_ROUND, rollout_seed
@@ -187,8 +187,7 @@ class Evaluation:
         try:  # the prompt source's and the data section's checks, their keys turned into the set's
             es = EvalSet(index, s, build("dataset", s.source, s.options), data)
             check_columns(es.source, self.config.model_copy(update={"data": data}))
-            rows = [es.source[i] for i in range(min(len(es.source), CONTEXT_ROWS))]
-            longest = max(len(encode_prompt(row, data, self.tokenizer)[0]) for row in rows)
+            longest = longest_prompt(es.source, data, self.tokenizer, CONTEXT_ROWS)
             check_context(model_config, longest, es.sampling(self.config.rollout)["max_tokens"])
         except ConfigError as e:
             text = str(e).replace("in the data section", f"in {key}").replace("data:", f"{where}:")
@@ -196,27 +195,9 @@ class Evaluation:
             raise ConfigError(
                 text.replace("data.", f"{key}.").replace("rollout.max_tokens", f"{key}.max_tokens")
             ) from None
-        self._check_rewards(es, rows[0])
+        rewards = s.rewards if s.rewards is not None else self.config.rewards
+        check_reward_fields(es.source[0], data, rewards, where, key)
         return es
-
-    def _check_rewards(self, es: EvalSet, row: dict) -> None:
-        """Each reward of the set finds the row fields it reads (:meth:`RewardFunction.needs`)."""
-        have = {"answer": row_answer(row, es.data) is not None, "metadata": row.get("metadata") is not None}
-        for rc in es.config.rewards if es.config.rewards is not None else self.config.rewards:
-            needs = plugins.lookup("reward function", rc.function).needs(rc.options)
-            missing = sorted(f for f in needs if not have.get(f, f in row))
-            if not missing:
-                continue
-            fix = (
-                f"set data.eval[{es.index}].answer_column to the field with the ground truth"
-                if "answer" in missing
-                else "use the prompt source the reward is made for"
-            )
-            raise ConfigError(
-                f"{es.where}: reward '{rc.label}' (function '{rc.function}') reads the rows' {' and '.join(missing)}, "
-                f"which the set's rows do not have (fields: {', '.join(row)}). Either {fix}, or give the set rewards "
-                f"of its own (data.eval[{es.index}].rewards)."
-            )
 
     def connect(self, session, rewards: Rewards, agent, build) -> None:
         """Answer through ``session`` (and the ``agent`` loop, if any); score with the run's ``rewards``

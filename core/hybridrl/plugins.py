@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from hybridrl import components, hookspecs
+from hybridrl.errors import did_you_mean, stage_errors
 
 ENTRY_POINT_GROUP = "hybridrl"
 BUILTIN_PLUGINS = (
@@ -187,9 +188,18 @@ def lookup(kind: str, name: str) -> type:
         key = KINDS[kind].yaml_key
         choices = ", ".join(sorted(table)) or "(none installed)"
         raise PluginError(
-            f"Unknown {kind} '{name}' ({key}). Available: {choices}. Run 'hybridrl plugins' to see installed plugins."
+            f"Unknown {kind} '{name}' ({key}).{did_you_mean(name, table)} Available: {choices}. "
+            "Run 'hybridrl plugins' to see installed plugins."
         )
     return table[name].cls
+
+
+def build(kind: str, name: str, options, ctx: components.RunContext):
+    """The ``kind`` plugin ``name`` built as ``cls(options, ctx)``; what fails in its constructor is a
+    :class:`~hybridrl.errors.StageError` naming it (``dataset 'hf' failed in setup: ...``)."""
+    cls = lookup(kind, name)
+    with stage_errors(f"{kind} '{name}'", "setup"):
+        return cls(options, ctx)
 
 
 def hook_names() -> list[str]:

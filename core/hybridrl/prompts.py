@@ -175,3 +175,42 @@ def check_columns(source, cfg) -> None:
                 f"data.{key} is '{col}', but the rows have no such field. "
                 f"Fields: {', '.join(names)}. Set data.{key} to one of them."
             )
+
+
+def check_reward_fields(row: dict, data_cfg, rewards, where: str, key: str) -> None:
+    """Each reward of ``rewards`` (their configs) finds in ``row`` the fields it reads beside the prompt
+    and the response (:meth:`~hybridrl.components.RewardFunction.needs`). ``key``: the section the rows
+    come from (``data``, ``data.eval[0]``); ``where``: how errors name it."""
+    from hybridrl import plugins
+
+    have = {"answer": row_answer(row, data_cfg) is not None, "metadata": row.get("metadata") is not None}
+    for rc in rewards:
+        needs = plugins.lookup("reward function", rc.function).needs(rc.options)
+        missing = sorted(f for f in needs if not have.get(f, has_field(row, f)))
+        if not missing:
+            continue
+        fix = (
+            f"set {key}.answer_column to the field with the ground truth"
+            if "answer" in missing
+            else "use the prompt source the reward is made for"
+        )
+        if key == "data":
+            rows, other = "the rows", "use rewards that do not read it"
+        else:
+            rows, other = "the set's rows", f"give the set rewards of its own ({key}.rewards)"
+        raise ConfigError(
+            f"{where}: reward '{rc.label}' (function '{rc.function}') reads the rows' {' and '.join(missing)}, "
+            f"which {rows} do not have (fields: {', '.join(fields(row))}). Either {fix}, or {other}."
+        )
+
+
+def longest_prompt(source, data_cfg, tokenizer, rows: int = 256) -> int:
+    """Tokens of the longest prompt of the source's first ``rows`` rows, each built as the run builds it
+    (template, system prompt, chat template): a template field the rows lack, a tokenizer without a chat
+    template or a prompt over data.max_prompt_tokens is found here, before any model loads."""
+    if data_cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "data.chat_template is true, but the model's tokenizer has no chat template. Set "
+            "data.chat_template: false to give the prompts as plain text, or use a chat model's folder."
+        )
+    return max(len(encode_prompt(source[i], data_cfg, tokenizer)[0]) for i in range(min(len(source), rows)))

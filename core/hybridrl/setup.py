@@ -13,29 +13,15 @@ from pathlib import Path
 import torch
 
 from hybridrl import checkpoint as ckpt
-from hybridrl import distributed, lora, plugins
+from hybridrl import distributed, lora, plugins, preflight
 from hybridrl.agents import build_agent
-from hybridrl.components import RunContext, Sampling
-from hybridrl.config import check_world
 from hybridrl.config_files import write_config
-from hybridrl.devices import resolve_device
-from hybridrl.errors import ConfigError, stage_errors
-from hybridrl.evaluation import Evaluation
+from hybridrl.errors import ConfigError
 from hybridrl.memory import MicroBatches
-from hybridrl.models import (
-    DTYPES,
-    check_context,
-    check_model_path,
-    disable_dropout,
-    end_token_ids,
-    load_causal_lm,
-    load_model_config,
-    load_tokenizer,
-    resolve_model_path,
-)
+from hybridrl.models import disable_dropout, end_token_ids, load_causal_lm
 from hybridrl.passes import Planner, Runner
 from hybridrl.prefetch import make_prefetcher
-from hybridrl.prompts import PromptOrder, check_columns, encode_prompt
+from hybridrl.prompts import PromptOrder
 from hybridrl.rewards import Rewards
 from hybridrl.rollout import RolloutStage
 from hybridrl.session import EngineSession
@@ -66,35 +52,15 @@ class TrainerSetup:
             torch.set_num_threads(t.threads)
         torch.backends.cuda.enable_cudnn_sdp(t.cudnn_attention)  # the process's; no-op without CUDA
         device = self.setup_distributed()
-        check_model_path(cfg.model.path, cfg.model.gguf_file)
-        if not t.resume and ckpt.list_checkpoints(self.run_dir):
-            raise ConfigError(
-                f"{self.run_dir} already holds checkpoints. Continue that run with --resume "
-                "(trainer.resume=true), or choose a new trainer.run_dir."
-            )
-        with distributed.main_first():  # one rank converts a GGUF file into the shared cache
-            model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
-        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        self.ctx = self.run_context(model_path, device)
-        self.data = self._build("dataset", cfg.data.source, cfg.data.options)
-        check_columns(self.data, cfg)
+        checked = preflight.check(cfg, device, self.run_dir)  # every check that needs no model
+        model_path, model_config = checked.model_path, checked.model_config
+        self.tokenizer, self.ctx, self.data = checked.tokenizer, checked.ctx, checked.data
+        self.evaluation = checked.evaluation  # the data.eval sets, checked
         self.prompts = PromptOrder(len(self.data), t.seed, cfg.data.shuffle)
-        model_config = load_model_config(model_path, cfg.model.trust_remote_code)
-        longest = 0  # prompt lengths, before any model is loaded
-        for i in range(min(len(self.data), 256)):
-            longest = max(longest, len(encode_prompt(self.data[i], cfg.data, self.tokenizer)[0]))
-        check_context(model_config, longest, cfg.rollout.max_tokens)
-        self.ctx = dataclasses.replace(self.ctx, prompt_tokens=longest)
-        self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)  # data.eval, checked
         # created the owner's alone (configs, logs, samples, checkpoints); by every rank at once under torchrun
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.ctx.is_main:
             write_config(self.run_dir / "config.yaml", cfg)
-        engine_cls = plugins.lookup("rollout engine", cfg.rollout.engine)
-        try:  # the engine is built after the policy (it takes a share of what memory is left)
-            engine_cls.check_launch(cfg.rollout.options, self.ctx)
-        except ValueError as e:
-            raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
 
         self.strategy = self._build("sharding strategy", cfg.sharding.strategy, cfg.sharding.options)
         budget = MicroBatches(t.micro_batch_size, t.micro_batch_tokens, model_config, self.strategy, device)
@@ -127,22 +93,13 @@ class TrainerSetup:
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.backends.cuda.enable_cudnn_sdp(t.cudnn_attention)  # the process's; no-op without CUDA
-        try:
-            device = resolve_device(t.device, per_rank=True)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        device = preflight.run_device(cfg)
         distributed.setup(device, timeout_s=t.timeout_s)
         self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
         try:
-            check_model_path(cfg.model.path, cfg.model.gguf_file)
-            with distributed.main_first():
-                model_path = resolve_model_path(cfg.model.path, cfg.model.gguf_file)
-            self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-            self.ctx = self.run_context(model_path, device)
-            model_config = load_model_config(model_path, cfg.model.trust_remote_code)
-            self.evaluation = Evaluation(cfg, self._build, self.tokenizer, model_config)
-            if not self.evaluation.sets:
-                raise ConfigError("data.eval holds no sets to evaluate; add one (docs/evaluation.md).")
+            checked = preflight.check(cfg, device, self.run_dir, train=False)  # every check that needs no model
+            model_path, self.tokenizer, self.ctx = checked.model_path, checked.tokenizer, checked.ctx
+            self.evaluation = checked.evaluation
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.rewards = Rewards(
                 [(r, self._build("reward function", r.function, r.options)) for r in cfg.rewards], device
@@ -164,27 +121,6 @@ class TrainerSetup:
                 if hasattr(self, part):
                     getattr(self, part).close()
             distributed.teardown()
-
-    def run_context(self, model_path: str, device: torch.device) -> RunContext:
-        """What the components learn of the run; the strategy and the passes join it once built."""
-        cfg, t = self.config, self.config.trainer
-        return RunContext(
-            model_path=model_path,
-            tokenizer=self.tokenizer,
-            device=device,
-            dtype=DTYPES[cfg.model.dtype],
-            seed=t.seed,
-            run_dir=self.run_dir,
-            rank=distributed.rank(),
-            world_size=distributed.world_size(),
-            local_rank=distributed.env_world()[2],
-            trust_remote_code=cfg.model.trust_remote_code,
-            dropout=cfg.model.dropout,
-            response_tokens=cfg.rollout.max_tokens,
-            steps=t.steps,
-            sampling=Sampling(**cfg.rollout.model_dump(include=set(Sampling.model_fields))),
-            responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
-        )
 
     def setup_models(self, model_path: str) -> None:
         """The policy (with its LoRA adapters), the reference when the algorithm needs one, the
@@ -220,17 +156,15 @@ class TrainerSetup:
         """This process's device; under torchrun, check the config for N ranks, join the process
         group, and take rank 0's run directory."""
         cfg = self.config
+        device = preflight.run_device(cfg)
         try:
-            device = resolve_device(cfg.trainer.device, per_rank=True)
             multi_process = plugins.lookup("sharding strategy", cfg.sharding.strategy).multi_process
-        except (ValueError, plugins.PluginError) as e:
+        except plugins.PluginError as e:
             raise ConfigError(str(e)) from None
-        check_world(cfg, distributed.env_world()[1], multi_process)
+        preflight.check_world(cfg, distributed.env_world()[1], multi_process)
         distributed.setup(device, timeout_s=cfg.trainer.timeout_s)
         self.run_dir = Path(distributed.broadcast_object(str(self.run_dir)))
         return device
 
     def _build(self, kind: str, name: str, options):
-        cls = plugins.lookup(kind, name)
-        with stage_errors(f"{kind} '{name}'", "setup"):
-            return cls(options, self.ctx)
+        return plugins.build(kind, name, options, self.ctx)

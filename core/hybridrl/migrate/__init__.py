@@ -99,6 +99,7 @@ def add_parser(subparsers) -> None:
 
 
 def command(args) -> int:
+    from hybridrl import preflight
     from hybridrl.config import load_config
 
     t = translate(args.framework, args.overrides, train_rows=args.train_rows, world_size=args.world_size)
@@ -111,12 +112,13 @@ def command(args) -> int:
     report = t.report.text()
     if report:
         print(report, file=sys.stderr)
-    try:  # relative paths are looked up beside the written file, as a run will
-        cfg = load_config(out) if args.output else load_config(data=yaml.safe_load(text))
-    except ConfigError as e:
-        print(f"error: the translated config does not validate: {e}", file=sys.stderr)
-        return 1
     where = args.output or "the config above"
+    try:  # as hybridrl validate checks it; relative paths are looked up beside the written file, as a run will
+        cfg = load_config(out) if args.output else load_config(data=yaml.safe_load(text))
+        preflight.check(cfg)
+    except preflight.FAILURES as e:
+        print(f"error: {where} does not validate: {e}", file=sys.stderr)
+        return 1
     print(
         f"{where}: valid (algorithm '{cfg.algorithm.name}', rollout '{cfg.rollout.engine}', "
         f"sharding '{cfg.sharding.strategy}', {cfg.trainer.steps} steps of {cfg.trainer.prompts_per_step} prompts)",

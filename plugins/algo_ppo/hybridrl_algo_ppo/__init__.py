@@ -15,16 +15,18 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from hybridrl import distributed
 from hybridrl import functional as F
-from hybridrl.components import INPUT_PATH, Algorithm, Trainable
+from hybridrl.components import Algorithm, Trainable
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import disable_dropout
+from hybridrl.models import disable_dropout, resolve_model_path
 from hybridrl.objective import PolicyLossOptions, PolicyObjective
+from hybridrl.options import MODEL_PATH
 from hybridrl.passes import runner_of
 from hybridrl_algo_ppo import functional as PF
 from hybridrl_algo_ppo.critic import load_value_model
 
 KL_KIND = Literal["k1", "abs", "k2", "k3"]
 CRITIC = "critic (algorithm 'ppo')"  # how messages name it
+CRITIC_PATH = "algorithm.critic_path"
 
 
 class PPO(Algorithm):
@@ -59,8 +61,10 @@ class PPO(Algorithm):
         critic: bool = Field(True, description="Train a value model; false: REINFORCE++ advantages, no critic.")
         critic_path: str | None = Field(
             None,
-            description="HF folder to initialise the critic from; default: the policy's model.",
-            json_schema_extra=INPUT_PATH,
+            description="Hugging Face model folder (or 'package:NAME', a folder in an installed package) to "
+            "initialise the critic from, checked before any model loads; no GGUF file. Default: the policy's model "
+            "(model.path, GGUF included).",
+            json_schema_extra=MODEL_PATH,
         )
         critic_arch: Literal["value_head", "token_classification"] = Field(
             "value_head",
@@ -131,9 +135,8 @@ class PPO(Algorithm):
 
     def _build_critic(self) -> None:
         o, ctx = self.options, self.ctx
-        model = load_value_model(
-            o.critic_path or ctx.model_path, o.critic_arch, ctx.dtype, len(ctx.tokenizer), o.trust_remote_code
-        )
+        path = resolve_model_path(o.critic_path, key=CRITIC_PATH, gguf_key=None) if o.critic_path else ctx.model_path
+        model = load_value_model(path, o.critic_arch, ctx.dtype, len(ctx.tokenizer), o.trust_remote_code)
         if not ctx.dropout:  # as the policy's: dropout makes the update's values differ from the old ones
             disable_dropout(model)
         self.critic = ctx.strategy.wrap(model.train(), trainable=True)

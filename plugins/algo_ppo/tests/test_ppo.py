@@ -227,6 +227,59 @@ def test_critic_with_a_smaller_vocabulary_is_refused(ctx, tmp_path):
         make_ppo(ctx, critic_path=str(tmp_path / "small"))
 
 
+def package(root, name: str, model=None) -> str:
+    """``package:NAME``: an installed package (on sys.path) holding ``model``'s files, or a GGUF file alone."""
+    import shutil
+
+    folder = root / name
+    if model is None:
+        folder.mkdir()
+        (folder / "m.gguf").write_bytes(b"")
+    else:
+        shutil.copytree(model, folder)
+    (folder / "__init__.py").write_text("")
+    return f"package:{name}"
+
+
+def test_critic_path_is_checked_before_any_model_loads(tiny_model, tmp_path, monkeypatch, capsys):
+    """As model.path is, by hybridrl validate and train, one error line; a package of GGUF files alone is
+    refused (the critic loads Hugging Face folders only; model.path's GGUF file starts it from the policy)."""
+    import yaml
+
+    import hybridrl.setup
+    from hybridrl import cli
+
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "run.yaml"
+
+    def one_error(command, critic_path):
+        config.write_text(yaml.safe_dump({
+            "model": {"path": tiny_model},
+            "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+            "rewards": [{"function": "reasoning_gym"}],
+            "algorithm": {"name": "ppo", "critic_path": critic_path},
+            "trainer": {"device": "cpu", "run_dir": str(tmp_path / "run")},
+        }))  # fmt: skip
+        assert cli.main([command, str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: algorithm.critic_path ") and err.count("\n") == 1, err
+        return err
+
+    gguf = package(tmp_path, "hybridrl_test_gguf_critic")
+    for command in ("validate", "train"):
+        assert f"'{gguf}' holds GGUF files only (m.gguf)" in one_error(command, gguf)
+    assert "'package:hybridrl_test_gguf_critc': package 'hybridrl_test_gguf_critc' is not installed. Did you mean " \
+        "'package:hybridrl_test_gguf_critic'?" in one_error("validate", "package:hybridrl_test_gguf_critc")  # fmt: skip
+    assert f"'{tmp_path / 'nowhere'}' does not exist" in one_error("train", str(tmp_path / "nowhere"))
+
+
+def test_a_critic_from_a_package_loads_from_its_folder(ctx, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    algo = make_ppo(ctx, critic_path=package(tmp_path, "hybridrl_test_critic", tiny_model))
+    assert algo.critic is not None
+
+
 def test_critic_dropout_is_off_like_the_policys(ctx, tmp_path):
     """A GPT-2 critic has dropout 0.1 in three places; with model.dropout false (the default) its
     values in train mode (the update) equal those in eval mode (the values pass)."""

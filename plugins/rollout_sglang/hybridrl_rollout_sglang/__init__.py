@@ -172,12 +172,13 @@ class SGLangEngine(RolloutEngine):
 
     @classmethod
     def check_launch(cls, options, ctx) -> None:
-        """Before any model loads: an in-process engine needs a GPU, and under torchrun runs one
-        engine per rank (SGLang has no mode in which training processes are an engine's TP workers)."""
+        """Before any model loads: an in-process engine needs a GPU and SGLang, and under torchrun runs
+        one engine per rank (SGLang has no mode in which training processes are an engine's TP workers)."""
         if options.base_url:
             return
-        if not backends.cuda_available():
-            backends.import_sglang()  # raises the error that names the alternatives
+        reason = backends.unavailable()
+        if reason:
+            raise ValueError(reason)
         if ctx.world_size > 1 and options.tp_size > 1:
             raise ValueError(
                 f"tp_size={options.tp_size} under torchrun: an in-process SGLang engine cannot span training "

@@ -12,9 +12,11 @@ and with SGLang 0.5.17 it gave outputs identical to a never-released engine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,22 +111,34 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+INSTALL = (
+    "Install it on the GPU machine with: pip install 'hybridrl-rollout-sglang[gpu]' (sglang>=0.5, which pins its "
+    "own torch); or set rollout.base_url to a running SGLang server; or use rollout.engine: vllm or hf."
+)
+
+
+def unavailable() -> str | None:
+    """Why the in-process engine cannot run on this machine and what to use instead, without importing
+    SGLang; None where it can."""
+    if not cuda_available():
+        return (
+            f"the in-process engine needs a CUDA GPU, and torch {torch.__version__} sees none. SGLang has no CPU "
+            "build on PyPI. Use rollout.engine: vllm or hf on this machine, or set rollout.base_url to a running "
+            "SGLang server."
+        )
+    if "sglang" in sys.modules:  # imported already (or blocked: None)
+        return None if sys.modules["sglang"] is not None else f"SGLang is not installed. {INSTALL}"
+    return None if importlib.util.find_spec("sglang") is not None else f"SGLang is not installed. {INSTALL}"
+
+
 def import_sglang():
     """``sglang``, or an error that says why it cannot run here and what to use instead."""
     if not cuda_available():
-        raise SGLangUnavailableError(
-            f"{COMPONENT}: the in-process engine needs a CUDA GPU, and torch {torch.__version__} sees "
-            "none. SGLang has no CPU build on PyPI. Use rollout.engine: vllm or hf on this machine, or set "
-            "rollout.base_url to a running SGLang server."
-        )
+        raise SGLangUnavailableError(f"{COMPONENT}: {unavailable()}")
     try:
         import sglang
     except Exception as e:  # ImportError, or a broken kernel package failing at import
-        raise SGLangUnavailableError(
-            f"{COMPONENT}: 'import sglang' failed ({type(e).__name__}: {e}). Install it on the GPU "
-            "machine with: pip install 'hybridrl-rollout-sglang[gpu]' (sglang>=0.5, which pins its own "
-            "torch); or set rollout.base_url to a running SGLang server; or use rollout.engine: vllm or hf."
-        ) from e
+        raise SGLangUnavailableError(f"{COMPONENT}: 'import sglang' failed ({type(e).__name__}: {e}). {INSTALL}") from e
     return sglang
 
 

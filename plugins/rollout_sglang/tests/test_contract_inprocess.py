@@ -29,6 +29,45 @@ def test_without_a_gpu_the_error_says_so_and_names_the_alternatives(make_engine)
     assert "rollout.engine: vllm or hf" in msg and "rollout.base_url" in msg
 
 
+def test_where_it_cannot_run_the_engine_is_one_error_line_before_any_model_loads(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """Real behaviour: rollout.engine sglang in a run on the CPU, from hybridrl validate and train."""
+    import yaml
+
+    import hybridrl.setup
+    from hybridrl import cli
+
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+        "rewards": [{"function": "reasoning_gym"}],
+        "rollout": {"engine": "sglang"},
+        "trainer": {"device": "cpu", "run_dir": str(tmp_path / "run")},
+    }))  # fmt: skip
+    for command in ("validate", "train"):
+        assert cli.main([command, str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: rollout engine 'sglang': the in-process engine ")
+        assert "rollout.base_url" in err and "rollout.engine: vllm or hf" in err
+
+
+def test_check_launch_refuses_a_missing_sglang_before_any_model_loads(sglang_module, tmp_path, monkeypatch):
+    """Contract test: CUDA present (faked), but no sglang package: refused with the install command."""
+    import sys
+
+    from hybridrl_rollout_sglang import SGLangEngine
+
+    ctx = RunContext("/m", None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+    SGLangEngine.check_launch(SGLangEngine.Options(), ctx)
+    monkeypatch.setitem(sys.modules, "sglang", None)  # what an absent package does to import
+    with pytest.raises(ValueError, match=r"SGLang is not installed.*hybridrl-rollout-sglang\[gpu\]"):
+        SGLangEngine.check_launch(SGLangEngine.Options(), ctx)
+    SGLangEngine.check_launch(SGLangEngine.Options(base_url="http://127.0.0.1:30000"), ctx)  # a server
+
+
 def test_missing_sglang_is_named_with_the_install_command(make_engine, sglang_module, monkeypatch):
     """Contract test: CUDA present (faked), but ``import sglang`` fails."""
     import sys
