@@ -4,13 +4,15 @@ the sync checked after every step; and the errors a user meets first."""
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridrl.engine_weights import checkpoint_tensors
 from hybridrl.errors import ConfigError, StageError
-from hybridrl.models import load_causal_lm, pin_long_rope
+from hybridrl.models import load_causal_lm, resolve_model_path
+from hybridrl.rope import pin_long_rope
 from hybridrl.testing import SevensPlugin, torchrun
 from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint, two_grpo_steps
 
@@ -52,7 +54,7 @@ def test_checkpoint_format_is_what_the_folder_holds(arch, checkpoints):
     """Experts fused by transformers go to engines one tensor per expert, as the checkpoint has them."""
     from safetensors.torch import load_file
 
-    model = load_causal_lm(checkpoints[arch], torch.bfloat16, torch.device("cpu"))
+    model = load_causal_lm(resolve_model_path(checkpoints[arch]), torch.bfloat16, torch.device("cpu"))
     got = dict(checkpoint_tensors(model, model.state_dict().items()))
     want = load_file(f"{checkpoints[arch]}/model.safetensors")
     assert any(".experts.gate_up_proj" in name for name in model.state_dict())  # fused in the trainer
@@ -71,7 +73,7 @@ def test_tied_output_layer_is_sent_once(checkpoints):
 def test_long_rope_uses_one_set_of_factors_for_every_length(arch, checkpoints):
     """transformers picks LongRoPE's factors by each batch's length; pinned, a sequence's logits do
     not depend on a longer one beside it (max_position_embeddings 512 > original 64: the long set)."""
-    model = load_causal_lm(checkpoints[arch], torch.float32, torch.device("cpu")).eval()
+    model = load_causal_lm(resolve_model_path(checkpoints[arch]), torch.float32, torch.device("cpu")).eval()
     short = torch.arange(3, 23)[None]
     with torch.no_grad():
         alone = model(short).logits[0]
@@ -80,18 +82,82 @@ def test_long_rope_uses_one_set_of_factors_for_every_length(arch, checkpoints):
     assert pin_long_rope(model)
 
 
+def test_long_rope_follows_the_engines_length(checkpoints):
+    """vLLM computes a LongRoPE model with its long factors when it serves past the original length,
+    with the short ones within it (its default length for these models: the original). Pinned to an
+    engine's length, the trained model computes every sequence as transformers computes a batch on
+    that side of the original length (64 here), and pinned again it follows a new length in place."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(checkpoints["phi3"])
+    free = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # transformers' per-batch choice
+    model = load_causal_lm(path, torch.float32, torch.device("cpu")).eval()
+    short = torch.arange(3, 23)[None]
+    past = torch.cat([short, torch.zeros(1, 80, dtype=torch.long)], 1)  # 100 positions: the long set
+    with torch.no_grad():
+        short_set, long_set = free(short).logits[0], free(past).logits[0, :20]
+        assert (short_set - long_set).abs().max() > 1e-3  # 100x the tolerance below
+        for context, want in ((60, short_set), (512, long_set), (64, short_set), (None, long_set)):
+            assert pin_long_rope(model, context)
+            torch.testing.assert_close(model(short).logits[0], want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model(past).logits[0, :20], want, rtol=1e-5, atol=1e-5)
+
+
+def test_phi3s_first_release_loads_from_a_repaired_config(checkpoints):
+    """Phi-3's first release gives ``rope_scaling: {type: su}`` and the original length beside it, which
+    transformers 5 refuses as it ships (its rename to longrope comes after it gathers the rope keys).
+    Resolved as a run resolves model.path, it loads: the same model as Phi-3's longrope release, the
+    checkpoint's own files untouched, the repaired folder made once."""
+    from transformers import AutoConfig
+
+    shipped = Path(checkpoints["phi3-su"])
+    text = (shipped / "config.json").read_text()
+    assert json.loads(text)["rope_scaling"]["type"] == "su"
+    assert "original_max_position_embeddings" not in json.loads(text)["rope_scaling"]
+    path = resolve_model_path(str(shipped))
+    assert path != str(shipped) and resolve_model_path(str(shipped)) == path
+    assert resolve_model_path(checkpoints["phi3"]) == checkpoints["phi3"]  # Phi-3.5's layout loads as it ships
+    assert (shipped / "config.json").read_text() == text
+    rope = AutoConfig.from_pretrained(path).rope_parameters
+    assert (rope["rope_type"], rope["original_max_position_embeddings"]) == ("longrope", 64)
+    su = load_causal_lm(path, torch.float32, torch.device("cpu")).eval()
+    longrope = load_causal_lm(resolve_model_path(checkpoints["phi3"]), torch.float32, torch.device("cpu")).eval()
+    ids = torch.arange(3, 90)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(su(ids).logits, longrope(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", ["phi3", "phi3-su"])
 def test_pinned_long_rope_reads_no_position_back_to_the_host(arch, checkpoints):
     """transformers' per-batch choice of LongRoPE's factors branches on the batch's largest position, a
     read back to the host that a CUDA graph capture refuses: Phi-3's decoding on a GPU failed at its
     first capture. Pinned, the rotary embedding is one graph (a branch on a tensor would break it)."""
-    model = load_causal_lm(checkpoints[arch], torch.float32, torch.device("cpu")).eval()
+    model = load_causal_lm(resolve_model_path(checkpoints[arch]), torch.float32, torch.device("cpu")).eval()
     rotary = model.model.rotary_emb
     x, positions = torch.zeros(1, 5, 64), torch.arange(60, 65)[None]
     want = rotary(x, positions)
     torch._dynamo.reset()
     got = torch.compile(rotary, backend="eager", fullgraph=True)(x, positions)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gemma2s_attention_is_soft_capped_as_vllm_computes_it(checkpoints):
+    """transformers' default attention since version 5, SDPA, leaves Gemma-2's soft-cap of the attention
+    scores out (3e-3 from vLLM per token on this checkpoint, whose scores reach the cap): the trained
+    models load with eager attention, which applies it, and SDPA asked for by name is refused."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(checkpoints["gemma2"])
+    model = load_causal_lm(path, torch.float32, torch.device("cpu")).eval()
+    assert model.config._attn_implementation == "eager"
+    ids = torch.arange(3, 60)[None]
+    with torch.no_grad():
+        got = model(ids).logits
+        sdpa = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")(ids).logits
+    assert (got - sdpa).abs().max() > 1e-3  # the cap acts on this checkpoint
+    with pytest.raises(ConfigError, match="soft-caps its scores") as e:
+        load_causal_lm(path, torch.float32, torch.device("cpu"), attn_implementation="sdpa")
+    assert "\n" not in str(e.value)
 
 
 def test_a_model_transformers_cannot_load_is_one_error_naming_the_folder(checkpoints, tmp_path):
@@ -133,7 +199,7 @@ def test_decoding_past_longropes_original_length_keeps_the_trainers_logprobs(n, 
     from hybridrl.components import Sampling, SamplingParams
     from hybridrl.passes import response_logprobs
 
-    path = checkpoints[arch]
+    path = resolve_model_path(checkpoints[arch])  # as a run loads it
     engine = static_engine(path, tmp_path, Sampling(ignore_eos=True), cache=cache)
     p = [engine.tokenizer(f"q{i} {'abcdefgh' * 6}"[: 44 + i])["input_ids"] for i in range(4)]
     out = engine.generate(p, SamplingParams(n=n, max_tokens=40, seed=0, ignore_eos=True))
@@ -157,7 +223,7 @@ def test_the_gpu_decoding_path_gives_the_trainers_logprobs(arch, checkpoints, fa
     from hybridrl.components import Sampling, SamplingParams
     from hybridrl.passes import response_logprobs
 
-    path = checkpoints[arch]
+    path = resolve_model_path(checkpoints[arch])  # as a run loads it
     engine = static_engine(path, tmp_path, Sampling())
     captured = fake_cuda_graphs(engine)
     tok = engine.tokenizer

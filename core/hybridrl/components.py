@@ -109,6 +109,12 @@ class RolloutEngine(Component):
         ``half_prompts``: half the prompts of the call that ran out, a value to suggest."""
         return "the engine's memory options"
 
+    def context_length(self) -> int | None:
+        """The longest prompt + response the engine serves, as it settled it (vLLM's max_model_len);
+        None where it has no limit of its own. Where a model computes positions by that length
+        (LongRoPE: Phi-3, Phi-3.5, Phi-4-mini; :mod:`hybridrl.rope`), the trainer's models follow it."""
+        return None
+
     def runs_apart(self) -> bool:
         """Whether the engine generates on other devices or in another process than training (a
         server), so that it can generate the next batch while the policy trains (rollout.async)."""

@@ -8,18 +8,18 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
-import inspect
 import logging
 import os
 import re
 import shutil
 import tempfile
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from hybridrl.rope import loadable_folder, pin_long_rope
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -82,10 +82,11 @@ def check_model_path(
 def resolve_model_path(
     path: str, gguf_file: str | None = None, key: str = "model.path", gguf_key: str | None = "model.gguf_file"
 ) -> str:
-    """A plain HF model folder for ``path``: GGUF files are converted once and cached."""
+    """A plain HF model folder for ``path``: GGUF files are converted once and cached, and so is a folder
+    whose first-release rope keys transformers 5 refuses (:func:`hybridrl.rope.loadable_folder`)."""
     check_model_path(path, gguf_file, key, gguf_key)
     folder = locate(path, key)
-    return str(folder) if gguf_file is None else str(convert_gguf(folder / gguf_file))
+    return str(loadable_folder(folder, cache_dir()) if gguf_file is None else convert_gguf(folder / gguf_file))
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -193,8 +194,29 @@ def load_causal_lm(
         raise _unloadable(path, e) from e
     except (OSError, KeyError, TypeError, AttributeError) as e:
         raise _unloadable(path, e) from e
+    capped = soft_capped_attention(model.config)
+    if capped and attn_implementation == "sdpa":
+        raise ConfigError(
+            f"model.attn_implementation '{attn_implementation}' would compute another model than {path}: its "
+            f"attention soft-caps its scores (attn_logit_softcapping {capped:g}, Gemma-2), which transformers' "
+            "SDPA attention leaves out, while vLLM and SGLang apply it. Leave model.attn_implementation unset "
+            "(eager), or use flash_attention_2 or flex_attention, which apply it."
+        )
+    if capped and not attn_implementation:
+        model.set_attn_implementation("eager")  # transformers' default, sdpa, leaves the soft-cap out
     pin_long_rope(model)
     return model.to(device)
+
+
+def soft_capped_attention(config) -> float | None:
+    """The cap of a model whose attention soft-caps its scores (Gemma-2: ``tanh(s / cap) * cap``), else None.
+
+    transformers applies it in its eager, flex and flash attention, but its SDPA attention (the
+    default since transformers 5) leaves it out: a Gemma-2 computed with SDPA differs from the
+    checkpoint's own model, and from what vLLM and SGLang sample with (about 1e-3 a token, growing
+    with the scores). Such models load with eager attention unless model.attn_implementation says
+    otherwise."""
+    return getattr(config.get_text_config(), "attn_logit_softcapping", None) or None
 
 
 def load_model_config(path: str, trust_remote_code: bool = False):
@@ -229,47 +251,6 @@ def _unloadable(path: str, e: Exception):
         "config.json against the model family's (a newer transformers may know it; trust_remote_code for "
         "models that ship their own code)."
     )
-
-
-def pin_long_rope(model: torch.nn.Module) -> bool:
-    """Give a LongRoPE model (Phi-3/3.5/4 with ``rope_scaling`` longrope or su) the frequencies
-    vLLM and SGLang use, for every sequence; returns whether it is one.
-
-    transformers switches between LongRoPE's short and long factors by the length of each batch
-    (long once a position passes ``original_max_position_embeddings``), so the same sequence gets
-    other logprobs in a batch with a longer one; vLLM and SGLang pick one set for the engine, the
-    long factors when it serves past the original length (at their default context, the model's
-    ``max_position_embeddings``). Pinned to that set here, the trainer, the reference and the hf
-    engine compute what those engines sample with: on a tiny Phi-3 the rollout/trainer logprob
-    difference falls from 4e-3 to that of float32 rounding.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = getattr(model, "config", None)
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type") != "longrope" or "original_max_position_embeddings" not in rope:
-        return False
-    original = rope["original_max_position_embeddings"]
-    long = config.max_position_embeddings > original
-    for module in model.modules():
-        if getattr(module, "rope_type", None) == "longrope" and hasattr(module, "original_inv_freq"):
-            seq_len = original + 1 if long else original
-            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, module.inv_freq.device, seq_len=seq_len)
-            # transformers' per-batch switch picks long_inv_freq past the original length and
-            # original_inv_freq below it: both are the pinned set now
-            module.long_inv_freq = inv_freq
-            module.original_inv_freq = inv_freq
-            module.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
-            # and that switch reads the batch's largest position back to the host, which a CUDA graph
-            # capture refuses (decoding on a GPU): the forward without the switch uses the pinned set
-            module.forward = types.MethodType(inspect.unwrap(type(module).forward), module)
-    # Phi-3's (and PhiMoE's) input preparation for generate drops the KV cache at the first token past
-    # the original length, to recompute it with the long factors; pinned, nothing needs recomputing,
-    # and generate would go on from an empty cache: the parent class's preparation keeps it
-    cls = type(model)
-    if "prepare_inputs_for_generation" in vars(cls):
-        model.prepare_inputs_for_generation = super(cls, model).prepare_inputs_for_generation
-    return True
 
 
 def compute_dtype(mixed_precision: str, dtype: torch.dtype, device: torch.device, option: str) -> torch.dtype | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hybridrl import checkpoint as ckpt
-from hybridrl import distributed, lora, plugins, preflight
+from hybridrl import distributed, lora, plugins, preflight, rope
 from hybridrl.agents import build_agent
 from hybridrl.config_files import write_config
 from hybridrl.errors import ConfigError
@@ -74,6 +74,7 @@ class TrainerSetup:
         )
         self.setup_models(model_path)
         self.engine = self._build("rollout engine", cfg.rollout.engine, cfg.rollout.options)
+        self.follow_engine_positions(model_config)
         pad = self.tokenizer.pad_token_id
         self.session = EngineSession(self.engine, cfg.rollout, t.seed, t.prompts_per_step, pad)  # its only caller
         agent = build_agent(self._build, cfg, self.session, self.tokenizer, end_token_ids(model_path, self.tokenizer))
@@ -151,6 +152,16 @@ class TrainerSetup:
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
         factor = functools.partial(lr_factor, t.warmup_steps, t.steps, t.lr_schedule, t.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def follow_engine_positions(self, model_config) -> None:
+        """A LongRoPE model's trained copies take the factors the engine's length selects (hybridrl.rope)."""
+        context = self.engine.context_length()
+        for model in (self.policy, self.ref):
+            if model is not None:
+                rope.pin_long_rope(model, context)
+        note = rope.describe(model_config, context, self.config.rollout.engine)
+        if note and self.ctx.is_main:
+            print(note, flush=True)
 
     def setup_distributed(self) -> torch.device:
         """This process's device; under torchrun, check the config for N ranks, join the process

@@ -7,11 +7,12 @@ beside ``rope_theta``, as Llama-3.1, Phi-3 and Qwen2 ship them, not transformers
 character-level tokenizer with a ChatML template with tools of :func:`hybridrl.testing.build_tiny_model`.
 
 Every model has 2 layers, attention heads of 32 (the smallest vLLM's CPU attention runs) and the
-feature that sets its family apart: Llama-3's rope scaling, Phi-3's longrope (and the first
-release's ``su``), Qwen3's q/k norms, Qwen3-MoE's and Mixtral's experts (fused in transformers 5,
-one tensor per expert in the checkpoint), Gemma-2's soft-capping and sliding window, Gemma-3's
-local/global layers, Mistral's sliding window, GPT-2's Conv1D layers and learned positions; tied
-and untied output layers.
+feature that sets its family apart: Llama-3's rope scaling, Phi-3's longrope (long factors far
+from the short ones; and the first release's ``su``), Qwen3's q/k norms, Qwen3-MoE's and
+Mixtral's experts (fused in transformers 5, one tensor per expert in the checkpoint), Gemma-2's
+soft-capping (attention scores that reach the cap) and sliding window, Gemma-3's local/global
+layers, Mistral's sliding window, GPT-2's Conv1D layers and learned positions; tied and untied
+output layers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _ATTENTION = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads"
 _COMMON = {**_ATTENTION, "intermediate_size": 96, "num_hidden_layers": 2, "max_position_embeddings": 512}
 _IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}
 _ROPE_FACTORS = [1.0 + i / 16 for i in range(16)]  # head_dim / 2 of them
+_LONG_ROPE_FACTORS = [1.0 + 6 * i / 15 for i in range(16)]  # up to 7, far from the short ones (as Phi-3's)
 
 
 def _config(arch: str, vocab: int):
@@ -51,7 +53,7 @@ def _config(arch: str, vocab: int):
         rope = {"rope_type": "llama3", **llama3, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
         return tf.LlamaConfig(**c, rope_parameters=rope, tie_word_embeddings=False)
     if arch in ("phi3", "phi3-su"):
-        rope = {"rope_type": "longrope", "short_factor": _ROPE_FACTORS, "long_factor": [2 * f for f in _ROPE_FACTORS]}
+        rope = {"rope_type": "longrope", "short_factor": _ROPE_FACTORS, "long_factor": _LONG_ROPE_FACTORS}
         rope |= {"original_max_position_embeddings": 64, "rope_theta": 10000.0}
         return tf.Phi3Config(**c, rope_parameters=rope, original_max_position_embeddings=64, tie_word_embeddings=False)
     if arch == "qwen2":
@@ -77,7 +79,8 @@ def _config(arch: str, vocab: int):
 
 def _legacy_rope_keys(folder: Path, arch: str) -> None:
     """config.json as the family's checkpoints ship it: ``rope_theta`` and ``rope_scaling`` (Phi-3's
-    first release: ``"type": "su"``) instead of transformers 5's ``rope_parameters``."""
+    first release: ``"type": "su"``, which transformers 5 refuses as it is: hybridrl.rope) instead of
+    transformers 5's ``rope_parameters``."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     rope = cfg.pop("rope_parameters", None)
@@ -87,6 +90,8 @@ def _legacy_rope_keys(folder: Path, arch: str) -> None:
     kind = rope.pop("rope_type", "default")
     if kind != "default":
         cfg["rope_scaling"] = {"type": "su" if arch == "phi3-su" else kind, **rope}
+        if kind == "longrope":  # Phi-3's and Phi-3.5's releases give the original length beside rope_scaling
+            del cfg["rope_scaling"]["original_max_position_embeddings"]
         if kind == "llama3":  # Llama-3.1's key name
             cfg["rope_scaling"] = {"rope_type": kind, **rope}
     path.write_text(json.dumps(cfg, indent=2))
@@ -108,6 +113,11 @@ def build_checkpoint(path, arch: str, seed: int = 0) -> str:
             for name, p in model.named_parameters():
                 if ".experts." in name:
                     p.normal_(0, 0.1)
+    if arch == "gemma2":  # scores that reach the attention's soft-cap, as a trained Gemma-2's do
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(8)
     model.generation_config = GenerationConfig(eos_token_id=[1, 0], pad_token_id=0, **SAMPLING_GENERATION_CONFIG)
     model.to(torch.bfloat16).save_pretrained(folder)
     _legacy_rope_keys(folder, arch)

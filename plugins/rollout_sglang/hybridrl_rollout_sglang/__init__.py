@@ -187,6 +187,13 @@ class SGLangEngine(RolloutEngine):
                 "its workers), or a separate SGLang server (rollout.base_url)."
             )
 
+    def context_length(self) -> int | None:
+        """The run's longest sequence (its longest prompt and rollout.max_tokens). SGLang picks LongRoPE's
+        factors for each forward batch, long when a position passes the original length: for a run
+        that stays within the original length that is the short set in every batch, which the trainer
+        then uses; past it, a batch's set depends on its sequences, and the trainer uses the long set."""
+        return (self.ctx.prompt_tokens or 0) + (self.ctx.response_tokens or 0) or None
+
     def memory_options(self, half_prompts: int) -> str:
         return f"rollout.mem_fraction_static (its share of the GPU) or rollout.batch_size (try {half_prompts})"
 

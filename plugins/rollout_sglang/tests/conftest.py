@@ -68,7 +68,12 @@ class ContractSGLang:
         gen = Path(model_path) / "generation_config.json"
         file = json.loads(gen.read_text()) if gen.is_file() else {}
         self.model_defaults = {k: file[k] for k in MODEL_DEFAULT_KEYS if k in file}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        # eager: the model as its checkpoint defines it, as SGLang computes it (transformers' SDPA leaves
+        # Gemma-2's attention soft-cap out); LongRoPE's factors picked per batch by the longest
+        # position, as SGLang picks them
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         # what SGLang's load_weights takes: the checkpoint's names and layouts
         self.checkpoint = dict(checkpoint_tensors(self.model, self.model.state_dict().items()))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if with_tokenizer else None

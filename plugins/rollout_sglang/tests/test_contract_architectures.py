@@ -2,26 +2,46 @@
 engine (conftest.py: SGLang's in-process API over transformers, loading weights in the checkpoint's
 format as SGLang's load_weights does): two GRPO steps with packed passes, the sync checked after each.
 
-Not here: Phi-3's LongRoPE. SGLang picks the short or long factors for each forward batch (any
-position past the original length: long), which no fake reproduces faithfully; the trainer pins
-the set vLLM uses (hybridrl.models.pin_long_rope)."""
+Phi-3's LongRoPE: SGLang picks the short or long factors for each forward batch (long where a
+position passes the original length), as the fake's transformers model does; the trainer takes the
+set of the run's longest sequence (hybridrl.rope). Runs that cross the original length within a
+response, whose batches SGLang computes with either set, are not covered."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from hybridrl.testing import SevensPlugin
 from hybridrl.testing_models import ARCHITECTURES, build_checkpoint, two_grpo_steps
 
-CASES = [a for a in ARCHITECTURES if not a.startswith("phi3")]
-
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("arch", CASES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_two_grpo_steps_keep_sglang_and_trainer_equal(arch, lora, tmp_path, sglang_module, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     model = build_checkpoint(tmp_path / arch, arch)
     rows = two_grpo_steps(model, tmp_path / "run", "sglang", lora, update_bucket_mb=0.05)
     assert [r["step"] for r in rows] == [1, 2]
     assert len(sglang_module.Engine.last.tensor_calls) >= 4  # buckets of whole layers, two syncs
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4, (arch, r["step"], r["rollout/logprob_diff_max"])
+        assert r["rollout/sync_check_diff_max"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phi3-su"])
+def test_longrope_within_the_original_length_trains_with_the_short_factors(
+    arch, tmp_path, sglang_module, register_plugin
+):
+    """A checkpoint shaped like Phi-3.5's (original length 256 of 8,192) in a run whose sequences stay
+    within the original length: SGLang computes every batch with the short factors, and so does the
+    trainer (above, the tiny Phi-3's prompts pass its original 64: the long ones)."""
+    register_plugin(SevensPlugin(), name="sevens")
+    model = Path(build_checkpoint(tmp_path / arch, arch))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg |= {"original_max_position_embeddings": 256, "max_position_embeddings": 8192}
+    (model / "config.json").write_text(json.dumps(cfg))
+    rows = two_grpo_steps(str(model), tmp_path / "run", "sglang")
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-4, (arch, r["step"], r["rollout/logprob_diff_max"])
         assert r["rollout/sync_check_diff_max"] < 1e-4

@@ -50,6 +50,10 @@ class VLLMEngine(RolloutEngine):
     def memory_options(self, half_prompts: int) -> str:
         return "rollout.gpu_memory_utilization (its share of the GPU) or rollout.engine_kwargs.max_num_seqs"
 
+    def context_length(self) -> int | None:
+        """vLLM's max_model_len, as it settled it (for LongRoPE models its default is the original length)."""
+        return self.backend.context
+
     def seeds_each_request(self) -> bool:
         return self.options.seed_requests
 

@@ -144,6 +144,7 @@ class LocalEngine:
             finally:
                 torch.set_num_threads = _set_num_threads
         self.load_seconds = time.perf_counter() - start
+        self.context = self.llm.model_config.max_model_len
         try:
             self.weight_sync = self._choose_weight_sync()
         except Exception:
@@ -345,6 +346,13 @@ def check_launch(options, ctx) -> None:
         raise ValueError(
             f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks of this run: under torchrun "
             f"an engine spans tensor_parallel_size consecutive ranks. Use a divisor of {world}."
+        )
+    longest = (ctx.prompt_tokens or 0) + (ctx.response_tokens or 0)
+    if options.max_model_len is not None and longest > options.max_model_len:
+        raise ValueError(
+            f"rollout.max_model_len={options.max_model_len} is shorter than the run's sequences: prompts of up "
+            f"to {ctx.prompt_tokens} tokens and rollout.max_tokens={ctx.response_tokens}. Set rollout.max_model_len "
+            f"to at least {longest}, or lower rollout.max_tokens."
         )
     if ctx.device.type == "cuda":
         check_memory_share(options.gpu_memory_utilization, ctx)

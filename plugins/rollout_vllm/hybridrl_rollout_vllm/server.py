@@ -43,6 +43,9 @@ class ServerEngine:
                 f"{', '.join(models)}. Set rollout.served_model to one of them."
             )
         self.model = options.served_model or models[0]
+        card = next(m for m in data if isinstance(m, dict) and m.get("id") == self.model)
+        length = card.get("max_model_len")  # vLLM's model card has it
+        self.context = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
         self.vocab = vocab_size(ctx)
         self.weights_dir = Path(options.server_weights_dir or Path(ctx.run_dir) / "vllm_server_weights")
         self.updates = 0

@@ -474,3 +474,30 @@ def test_eval_through_vllm_answers_as_the_hf_engine_does_greedily(model_dir, tmp
     m = vllm["sampled"].metrics
     assert len(vllm["sampled"].samples) == 6 * 4
     assert 0 <= m["pass@1"] <= m["pass@2"] <= m["pass@4"] <= 1 and m["pass@1"] == pytest.approx(m["mean@4"])
+
+
+def test_a_max_model_len_shorter_than_the_runs_sequences_is_one_error_line_before_any_model_loads(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """rollout.max_model_len below the longest prompt and rollout.max_tokens: vLLM would refuse the
+    prompts at the first generate call, a traceback after every model had loaded."""
+    import yaml
+
+    import hybridrl.setup
+    from hybridrl import cli
+
+    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": tiny_model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
+        "rewards": [{"function": "reasoning_gym"}],
+        "rollout": {"engine": "vllm", "max_model_len": 32, "max_tokens": 16},
+        "trainer": {"device": "cpu", "run_dir": str(tmp_path / "run")},
+    }))  # fmt: skip
+    for command in ("validate", "train"):
+        assert cli.main([command, str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith("error: rollout engine 'vllm': rollout.max_model_len=32 is shorter than the run's ")
+        assert "rollout.max_tokens=16. Set rollout.max_model_len to at least " in err

@@ -63,6 +63,7 @@ def server_greedy(engine, prompts, max_tokens):
 
 def test_generate_groups_samples_and_matches_trainer_logprobs(server, model_dir, tmp_path):
     engine = make_engine(model_dir, tmp_path, base_url=server)
+    assert engine.context_length() == 256  # the server's --max-model-len, from its /v1/models
     tok = load_tokenizer(model_dir)
     prompts = [tok(t)["input_ids"] for t in ["abc", "a much longer prompt"]]
     sp = SamplingParams(n=3, max_tokens=12, temperature=0.7, seed=5)
