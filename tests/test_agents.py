@@ -266,6 +266,8 @@ def test_agent_config_errors_name_the_choices(tiny_model, tmp_path, register_plu
         ConfigError, match="tool_options has options for python, which rollout.agent.tools does not list"
     ):
         load_config(data=run_config(tiny_model, tmp_path, {"environment": "tools", "tool_options": {"python": {}}}))
-    with pytest.raises(ConfigError, match=r"rollout.agent.tool_options.python \(tool 'python'\). Valid keys"):
+    with pytest.raises(
+        ConfigError, match=r"tool_options.python \(tool 'python'\). Did you mean 'timeout_s'\? Valid keys"
+    ):
         agent = {"environment": "tools", "tools": ["python"], "tool_options": {"python": {"timeout": 3}}}
         load_config(data=run_config(tiny_model, tmp_path, agent))
