@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium for the dashboard's browser test (tests/test_dashboard.py), which
+# Installs Debian's chromium for the dashboard's browser test (plugins/dashboard/tests/test_dashboard.py), which
 # drives it with the Python package playwright. Idempotent: does nothing if chromium is there.
 # Never use `playwright install`: it downloads its own browser build.
 set -euo pipefail

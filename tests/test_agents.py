@@ -10,7 +10,7 @@ from hybridrl import plugins
 from hybridrl.agents import AgentLoop, observation_ids
 from hybridrl.batch import Batch
 from hybridrl.builtin.environments import HermesParser
-from hybridrl.builtin.tools import Calculator, PythonTool
+from hybridrl.builtin.tools import Calculator
 from hybridrl.components import Environment, Observation, RunContext, SamplingParams
 from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
@@ -178,7 +178,8 @@ def test_tool_environment_answers_with_results_and_errors():
 
 @pytest.fixture(scope="module")
 def python_tool():
-    return PythonTool(PythonTool.Options(timeout_s=5, cpu_s=2, memory_mb=256), None)
+    cls = plugins.lookup("tool", "python")  # from the hybridrl-reward-python plugin
+    return cls(cls.Options(timeout_s=5, cpu_s=2, memory_mb=256), None)
 
 
 @pytest.mark.parametrize(

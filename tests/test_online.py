@@ -398,7 +398,7 @@ def test_the_config_must_rate_by_users_and_log_locally(tiny_model, tmp_path):
 
 
 def test_dashboard_shows_the_online_metrics(serving, tmp_path):
-    from hybridrl.dashboard.server import RunFiles
+    from hybridrl_dashboard.server import RunFiles
 
     s = serving(update_every=4)
     for _ in range(4):

@@ -33,7 +33,11 @@ def test_installed_plugin_is_found_through_its_entry_point():
     assert infos["grpo"]["package"] == "hybridrl-algo-grpo"
     assert infos["grpo"]["registered"] == {"algorithm": ["grpo"]}
     assert infos["hybridrl.builtin.rollout_hf"]["registered"] == {"rollout engine": ["hf"]}
-    assert infos["hybridrl.dashboard"]["registered"] == {"command": ["dashboard"]}
+    # the faces are first-party plugins, found through their entry points like any third party's
+    assert infos["dashboard"]["package"] == "hybridrl-dashboard"
+    assert infos["dashboard"]["registered"] == {"command": ["dashboard"]}
+    assert infos["migrate"]["registered"] == {"command": ["import"]}
+    assert infos["reward_python"]["registered"] == {"reward function": ["python"], "tool": ["python"]}
     assert infos["reward_hf"]["registered"]["command"] == ["serve-reward"]
 
 

@@ -1,4 +1,4 @@
-"""``hybridrl train | validate | eval | serve | export | import | plugins``."""
+"""``hybridrl train | validate | eval | serve | export | plugins`` (plugins add theirs: import, dashboard, serve-reward)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl import __version__, migrate, plugins
+from hybridrl import __version__, plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.errors import did_you_mean
 
@@ -93,8 +93,6 @@ def add_commands(sub) -> None:
         help="Also accept this Host/Origin (name, name:port, an origin, or *); loopback names always are.",
     )
     p.set_defaults(func=cmd_serve)
-
-    migrate.add_parser(sub)  # hybridrl import verl|trl (docs/migrating.md)
 
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")

@@ -21,7 +21,6 @@ ENTRY_POINT_GROUP = "hybridrl"
 BUILTIN_PLUGINS = (
     "hybridrl.builtin.rollout_hf",
     "hybridrl.builtin.rewards",
-    "hybridrl.builtin.python_reward",
     "hybridrl.builtin.sharding_single",
     "hybridrl.builtin.sharding_fsdp",
     "hybridrl.builtin.datasets",
@@ -29,7 +28,6 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.trackers",
     "hybridrl.builtin.environments",
     "hybridrl.builtin.tools",
-    "hybridrl.dashboard",
 )
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Source, Translation, check_keys
-from hybridrl.migrate.data_files import count_rows, data_section
-from hybridrl.migrate.verl_algorithm import VerlAlgorithm, expand
-from hybridrl.migrate.verl_keys import DEFAULTS, IGNORED, KNOWN, LOST, MOVED, OPEN, A, M, R
+from hybridrl_migrate.common import Source, Translation, check_keys
+from hybridrl_migrate.data_files import count_rows, data_section
+from hybridrl_migrate.verl_algorithm import VerlAlgorithm, expand
+from hybridrl_migrate.verl_keys import DEFAULTS, IGNORED, KNOWN, LOST, MOVED, OPEN, A, M, R
 
 ENGINES = {"vllm": "vllm", "sglang": "sglang", "hf": "hf"}
 LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"}

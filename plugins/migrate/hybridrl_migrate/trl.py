@@ -17,10 +17,10 @@ import math
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Source, Translation, check_keys
-from hybridrl.migrate.data_files import count_rows, data_section
-from hybridrl.migrate.trl_algorithm import TrlAlgorithm
-from hybridrl.migrate.trl_keys import DEFAULTS, IGNORED, KNOWN, LOST
+from hybridrl_migrate.common import Source, Translation, check_keys
+from hybridrl_migrate.data_files import count_rows, data_section
+from hybridrl_migrate.trl_algorithm import TrlAlgorithm
+from hybridrl_migrate.trl_keys import DEFAULTS, IGNORED, KNOWN, LOST
 
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 #: placeholders where TRL's settings do not say (the model and data are GRPOTrainer's arguments)

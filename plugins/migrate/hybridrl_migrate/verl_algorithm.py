@@ -1,14 +1,14 @@
 """verl's reward settings (the reward function, the reward model) and algorithm settings
 (adv_estimator, KL, clipping, losses, the critic, DAPO's options) as hybridrl's ``rewards`` and
-``algorithm`` sections: the part of :class:`hybridrl.migrate.verl.VerlTranslation` that reads them
+``algorithm`` sections: the part of :class:`hybridrl_migrate.verl.VerlTranslation` that reads them
 (docs/migrating.md, docs/algorithms.md)."""
 
 from __future__ import annotations
 
 import os
 
-from hybridrl.migrate.common import Translator
-from hybridrl.migrate.verl_keys import A, C
+from hybridrl_migrate.common import Translator
+from hybridrl_migrate.verl_keys import A, C
 
 #: verl's adv_estimator -> hybridrl's grpo estimator (gae is ppo with a critic)
 ESTIMATORS = {

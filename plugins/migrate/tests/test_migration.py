@@ -12,16 +12,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hybridrl_migrate import translate
 
 from hybridrl import cli, plugins
 from hybridrl.batch import Batch
 from hybridrl.config import load_config
 from hybridrl.errors import ConfigError
-from hybridrl.migrate import translate
 from hybridrl.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
+ROOT = Path(__file__).resolve().parents[3]  # the repository, for examples/
+FIXTURES = Path(__file__).parent / "fixtures"
 QUICKSTART, GSPO = "verl_quickstart_ppo.sh", "verl_gspo_qwen30b.sh"
 # verl's examples/data_preprocess/gsm8k.py appends this to every question
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -190,7 +190,7 @@ def test_verl_compute_score_gets_num_turns_and_rollout_reward_scores_as_verl_giv
 
 
 def script_items(name: str) -> list[str]:
-    """The key=value items of a verl command in fixtures/migrate (its comments left out)."""
+    """The key=value items of a verl command in fixtures/ (its comments left out)."""
     text = "\n".join(line for line in (FIXTURES / name).read_text().splitlines() if line[:1] != "#")
     return [item for item in shlex.split(text.replace("\\\n", " ")) if "=" in item]
 

@@ -2,10 +2,11 @@
 crashes or hangs replaced, the call it was running named.
 
 One module for both sides, importing the standard library only: :class:`FunctionPool` in the
-trainer, and the worker, a fresh interpreter (``python -m hybridrl.function_pool``; spawn
-semantics, nothing inherited from the trainer's memory) that starts in a fraction of a second plus
-the import of the user's file. The file is imported in the workers, never in the trainer, so its
-top-level code (a model loaded at import, a client opened) runs there.
+trainer, and the worker, a fresh interpreter (``python -m hybridrl_reward_python.function_pool``;
+spawn semantics, nothing inherited from the trainer's memory; the package's ``__init__`` imports
+only hybridrl's hook markers) that starts in a fraction of a second plus the import of the user's
+file. The file is imported in the workers, never in the trainer, so its top-level code (a model
+loaded at import, a client opened) runs there.
 
 The pipe between them is a socket of its own (``multiprocessing.connection``: pickled messages),
 not stdout, which the user's prints keep::
@@ -80,7 +81,7 @@ class FunctionPool:
     def _spawn(self) -> _Worker:
         mine, theirs = Pipe(duplex=True)
         fd = theirs.fileno()
-        cmd = [sys.executable, "-m", "hybridrl.function_pool", str(fd), self.path, self.function]
+        cmd = [sys.executable, "-m", "hybridrl_reward_python.function_pool", str(fd), self.path, self.function]
         # a session of its own: a Ctrl-C at the terminal is the trainer's to handle, not the workers'
         proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()  # the worker holds the only other end: its death reads as end-of-file here

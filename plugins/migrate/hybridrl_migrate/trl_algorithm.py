@@ -1,6 +1,6 @@
 """TRL's reward functions and loss settings (reward_funcs, beta, epsilon, loss_type,
 scale_rewards, vLLM importance sampling) as hybridrl's ``rewards`` and ``algorithm`` sections: the
-part of :class:`hybridrl.migrate.trl.TrlTranslation` that reads them (docs/migrating.md,
+part of :class:`hybridrl_migrate.trl.TrlTranslation` that reads them (docs/migrating.md,
 docs/algorithms.md)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate.common import Translator
+from hybridrl_migrate.common import Translator
 
 #: loss_type -> loss_agg_mode (docs/algorithms.md, loss aggregation)
 LOSS_TYPES = {

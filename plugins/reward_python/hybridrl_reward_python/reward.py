@@ -1,9 +1,9 @@
 """The ``python`` reward: a function from a Python file, written for verl (``compute_score``) or for
 TRL (a reward function), used as it is.
 
-Each response is one call, run in worker processes (:mod:`hybridrl.function_pool`) with a time
-limit, so that a call that hangs or crashes its process costs that response's score, names it,
-and never stops the run; a reward that fails for many responses stops the step instead.
+Each response is one call, run in worker processes (:mod:`hybridrl_reward_python.function_pool`)
+with a time limit, so that a call that hangs or crashes its process costs that response's score,
+names it, and never stops the run; a reward that fails for many responses stops the step instead.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from pydantic import Field, model_validator
 
 from hybridrl.components import INPUT_PATH, Options, RewardFunction
 from hybridrl.errors import ConfigError
-from hybridrl.function_pool import FunctionLoadError, FunctionPool
-from hybridrl.hookspecs import hookimpl
+from hybridrl_reward_python.function_pool import FunctionLoadError, FunctionPool
 
 #: what verl's reward managers pass to a custom ``compute_score``, by keyword
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -32,9 +31,9 @@ SHOWN_FAILURES = 3  # failed responses printed per step, the others counted
 
 def accepted_keywords(params: list | None, given: tuple[str, ...], main: str, where: str) -> tuple[str, ...] | None:
     """Which of the keywords ``given`` a function with ``params`` (``(name, kind, has_default)``, as
-    :func:`hybridrl.function_pool.describe` gives them) takes: None for all of them (it has
-    ``**kwargs``, or Python cannot tell). ConfigError when it cannot be called so: a parameter it
-    requires that is not given, a positional-only one, or no ``main`` (the response)."""
+    :func:`hybridrl_reward_python.function_pool.describe` gives them) takes: None for all of them
+    (it has ``**kwargs``, or Python cannot tell). ConfigError when it cannot be called so: a
+    parameter it requires that is not given, a positional-only one, or no ``main`` (the response)."""
     if params is None:
         return None
     names = [name for name, kind, _ in params if kind in KEYWORD_KINDS]
@@ -280,8 +279,3 @@ class PythonReward(RewardFunction):
 
     def close(self) -> None:
         self.pool.close()
-
-
-@hookimpl
-def register_reward_functions(register):
-    register("python", PythonReward)

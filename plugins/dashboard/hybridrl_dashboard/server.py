@@ -32,6 +32,7 @@ import yaml
 
 from hybridrl.config_files import redact
 from hybridrl.http import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
+from hybridrl_dashboard import INSTALL
 
 STATIC = Path(__file__).parent / "static"
 NUMERIC_SAMPLE_FIELDS = ("score", "advantage")
@@ -173,7 +174,7 @@ def plotly_js() -> Path:
     """plotly.min.js shipped inside the installed ``plotly`` package (found without importing it)."""
     spec = importlib.util.find_spec("plotly")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("hybridrl dashboard needs the plotly package: pip install 'hybridrl[dashboard]'")
+        raise ImportError(f"hybridrl dashboard needs the plotly package. {INSTALL}")
     path = Path(next(iter(spec.submodule_search_locations))) / "package_data" / "plotly.min.js"
     if not path.is_file():
         raise ImportError(f"The installed plotly package has no {path.name}; reinstall it: pip install -U plotly")

@@ -10,10 +10,9 @@ import sysconfig
 import time
 
 import pytest
-
-from hybridrl import sandbox
-from hybridrl.builtin.tools import PythonTool
-from hybridrl.sandbox import Limits, SandboxUnavailable, WasmSandbox
+from hybridrl_reward_python import sandbox
+from hybridrl_reward_python.sandbox import Limits, SandboxUnavailable, WasmSandbox
+from hybridrl_reward_python.tool import PythonTool
 
 TRAINER = os.getpid()
 
@@ -245,7 +244,9 @@ def test_without_wasmtime_the_tool_refuses_to_start_and_names_the_fix(monkeypatc
     monkeypatch.setattr(sandbox.importlib.util, "find_spec", lambda name: None if name == "wasmtime" else real(name))
     sandbox._runtime.cache_clear()
     try:
-        with pytest.raises(SandboxUnavailable, match=r"wasmtime is not installed.*pip install 'hybridrl\[sandbox\]'"):
+        with pytest.raises(
+            SandboxUnavailable, match=r"wasmtime is not installed.*pip install 'hybridrl-reward-python\[sandbox\]'"
+        ):
             PythonTool(PythonTool.Options(), None)
     finally:
         sandbox._runtime.cache_clear()

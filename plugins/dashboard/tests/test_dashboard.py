@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hybridrl_dashboard.server import JsonlTail
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config_files import dump_config, is_secret
-from hybridrl.dashboard.server import JsonlTail
 from hybridrl.http import ALLOWED_HOSTS_ENV, HostCheck
 
 STEPS, PROMPTS, N = 3, 2, 4
@@ -245,8 +245,7 @@ def test_secrets_are_redacted_in_config_yaml_and_on_the_page(tmp_path, dashboard
 
 def test_a_connection_that_sends_no_whole_request_is_closed(tmp_path, monkeypatch):
     import uvicorn
-
-    from hybridrl.dashboard import server as dash
+    from hybridrl_dashboard import server as dash
 
     monkeypatch.setattr(dash, "REQUEST_TIMEOUT", 0.5)
     sock = dash.bind("127.0.0.1", 0)

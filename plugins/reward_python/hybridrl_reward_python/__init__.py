@@ -1,0 +1,30 @@
+"""Python code in hybridrl: a reward function from a file, and a tool that runs the model's code.
+
+Reward function ``python`` (:mod:`.reward`): verl's ``compute_score`` or a TRL reward function,
+called in worker processes with a time limit per call (:mod:`.function_pool`). Tool ``python``
+(:mod:`.tool`): the model's code in a WebAssembly sandbox (:mod:`.sandbox`; the ``sandbox`` extra
+installs wasmtime).
+
+The components are imported when registered, not with the package: the reward's worker processes
+(``python -m hybridrl_reward_python.function_pool``) import this package and nothing more of it.
+"""
+
+from __future__ import annotations
+
+from hybridrl.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+@hookimpl
+def register_reward_functions(register):
+    from hybridrl_reward_python.reward import PythonReward
+
+    register("python", PythonReward)
+
+
+@hookimpl
+def register_tools(register):
+    from hybridrl_reward_python.tool import PythonTool
+
+    register("python", PythonTool)
