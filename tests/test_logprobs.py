@@ -206,7 +206,7 @@ def test_the_fused_output_layer_compiles_once_for_passes_of_any_number_of_tokens
     second dropped: nothing compiles after the first pass, with the eager layer's values and gradients."""
     import torch._dynamo
 
-    from hybridrl.models import allow_recompiles, recompile_reasons
+    from hybridrl.compile import allow_recompiles, recompile_reasons
 
     torch._dynamo.reset()
     allow_recompiles()

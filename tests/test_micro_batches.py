@@ -9,7 +9,7 @@ import torch
 from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
 from hybridrl.config import ConfigError, load_config
-from hybridrl.models import compile_seconds
+from hybridrl.compile import compile_seconds
 from hybridrl.passes import split_widest
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
@@ -296,7 +296,7 @@ def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plug
     import torch._dynamo
 
     from hybridrl import trainer
-    from hybridrl.models import recompile_reasons
+    from hybridrl.compile import recompile_reasons
 
     f = torch.compile(lambda x: x * 2)
     recompile_reasons()

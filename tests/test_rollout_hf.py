@@ -431,8 +431,8 @@ def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):
         return RunContext("", None, torch.device("cuda"), torch.float32, 0, tmp_path, response_tokens=32,
                           responses_per_call=256, steps=steps)  # fmt: skip
 
-    assert not compile_pays(ctx(40)) and not compile_pays(ctx(200))
-    assert compile_pays(ctx(300)) and compile_pays(ctx(None))
+    assert not compile_pays("auto", ctx(40)) and not compile_pays("auto", ctx(200))
+    assert compile_pays("auto", ctx(300)) and compile_pays("auto", ctx(None))
 
 
 @pytest.mark.parametrize(

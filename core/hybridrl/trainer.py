@@ -18,6 +18,7 @@ from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
+from hybridrl.compile import compile_seconds, recompile_reasons, recompiled
 from hybridrl.components import Trainable
 from hybridrl.config import RunConfig
 from hybridrl.engine_weights import engine_tensors
@@ -33,7 +34,7 @@ from hybridrl.metrics import (
     sample_rows,
     update_throughput,
 )
-from hybridrl.models import compile_seconds, is_checkpointing, recompile_reasons
+from hybridrl.models import is_checkpointing
 from hybridrl.setup import TrainerSetup
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
@@ -375,12 +376,3 @@ class Trainer(TrainerSetup):
                 logger.log_samples(step, samples)
         return metrics
 
-
-def recompiled(step: int, seconds: float, reasons: list[str]) -> str:
-    """The console's note on a step after the first that compiled again, with torch's reasons."""
-    seen = list(dict.fromkeys(reasons))
-    more = f"; and {len(seen) - 3} more" if len(seen) > 3 else ""
-    return (
-        f"step {step}: torch.compile compiled again ({len(reasons)}x, {seconds:.1f}s): {'; '.join(seen[:3])}{more}. "
-        "Set TORCH_LOGS=recompiles for the whole reasons; docs/observability.md, 'A slow step'."
-    )

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from hybridrl.compile import pays_back
 from hybridrl.models import DTYPES
 
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
@@ -25,13 +26,13 @@ GROUPED_ATTENTION = "hybridrl_grouped_decode"
 COMPILE_PAYS_TOKENS = 2_000_000
 
 
-def compile_pays(ctx) -> bool:
-    """Whether compiled decoding pays back its compilation over the run: at least
-    ``COMPILE_PAYS_TOKENS`` planned response tokens (steps x responses per call x max tokens), or
-    no planned end (``ctx.steps`` None)."""
-    if not ctx.steps:
-        return True
-    return ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) >= COMPILE_PAYS_TOKENS
+def compile_pays(choice: str, ctx) -> bool:
+    """Whether rollout.compile ``choice`` compiles decoding; auto: on CUDA when the run plans at least
+    ``COMPILE_PAYS_TOKENS`` response tokens (steps x responses per call x max tokens), or has no
+    planned end (``ctx.steps`` None); said once where it does not."""
+    planned = ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) if ctx.steps else None
+    counted = "response tokens (trainer.steps x responses x rollout.max_tokens)"
+    return pays_back(choice, "rollout.compile", ctx, planned, COMPILE_PAYS_TOKENS, counted)
 
 
 def keeps_prompt_width(compiled: bool, static: bool, cuda: bool, graph_tokens: int) -> bool:

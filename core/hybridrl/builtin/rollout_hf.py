@@ -44,7 +44,6 @@ from pydantic import Field, model_validator
 from torch._dynamo.utils import counters
 
 from hybridrl.builtin.hf_fast_path import (
-    COMPILE_PAYS_TOKENS,
     DecodeState,
     GraphStats,
     capturing,
@@ -61,10 +60,11 @@ from hybridrl.builtin.hf_fast_path import (
     use_grouped_decode_attention,
 )
 from hybridrl.builtin.hf_generate import generate_plain
+from hybridrl.compile import allow_recompiles
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import allow_recompiles, end_token_ids, load_causal_lm
+from hybridrl.models import end_token_ids, load_causal_lm
 
 STATIC_PAD_MULTIPLE = 64  # prompt-length bucket with the static cache
 KEPT_SHAPES = 2  # decoding loops kept, by shape: the rollouts' and an evaluation's
@@ -154,15 +154,7 @@ class HFEngine(RolloutEngine):
         super().__init__(options, ctx)
         o, cuda = options, ctx.device.type == "cuda"
         self.static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
-        pays = compile_pays(ctx)
-        self.compile = self.static and (o.compile == "on" or (o.compile == "auto" and cuda and pays))
-        if o.compile == "auto" and cuda and self.static and not pays and ctx.is_main:
-            print(
-                "rollout engine 'hf': compile auto: off, as the run's planned response tokens (trainer.steps x "
-                f"responses x rollout.max_tokens) would not pay back its compilation (about {COMPILE_PAYS_TOKENS:,}); "
-                "set rollout.compile: on to compile anyway",
-                flush=True,
-            )
+        self.compile = self.static and compile_pays(o.compile, ctx)
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
         self.model = load_causal_lm(ctx.model_path, dtype, ctx.device, ctx.trust_remote_code).eval()

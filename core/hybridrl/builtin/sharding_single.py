@@ -8,9 +8,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from hybridrl.compile import compile_blocks, pays_back
 from hybridrl.components import ShardingOptions, ShardingStrategy
 from hybridrl.hookspecs import hookimpl
-from hybridrl.models import compile_blocks, compute_dtype, enable_activation_checkpointing, master_weights
+from hybridrl.models import compute_dtype, enable_activation_checkpointing, master_weights
 from hybridrl.packing import pack_width
 
 
@@ -86,21 +87,10 @@ COMPILE_PAYS_TOKENS = 4_000_000
 
 def compiles(choice: str, ctx) -> bool:
     """Whether sharding.compile ``choice`` compiles the run's blocks (see the option); 'auto' says so once."""
-    if choice != "auto":
-        return choice == "on"
-    if ctx.device.type != "cuda":
-        return False
     tokens = (ctx.prompt_tokens or 0) + (ctx.response_tokens or 0)  # the longest sequence
-    planned = ctx.steps and ctx.steps * (ctx.responses_per_call or 0) * tokens
-    pays = not ctx.steps or planned >= COMPILE_PAYS_TOKENS
-    if not pays and ctx.is_main:
-        print(
-            f"sharding 'single': compile auto: off, as the run trains about {planned:,} tokens (trainer.steps x "
-            f"responses x (prompt + max_tokens)), under the {COMPILE_PAYS_TOKENS:,} that pay back compiling; "
-            "set sharding.compile: on to compile anyway",
-            flush=True,
-        )
-    return pays
+    planned = ctx.steps * (ctx.responses_per_call or 0) * tokens if ctx.steps else None
+    counted = "trained tokens (trainer.steps x responses x (prompt + max_tokens))"
+    return pays_back(choice, "sharding.compile", ctx, planned, COMPILE_PAYS_TOKENS, counted)
 
 
 @hookimpl

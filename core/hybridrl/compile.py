@@ -1,0 +1,182 @@
+"""torch.compile in one place: what is compiled (the passes' transformer blocks; the hf engine's
+decoding step compiles through :func:`allow_recompiles`), when ``compile: auto`` compiles
+(:func:`pays_back`), the clock of compile seconds and the reasons of recompilations, and the
+console's note on a step that compiled again (:func:`recompiled`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrl.models import find_blocks
+
+
+def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int, counted: str) -> bool:
+    """Whether a ``compile`` option (``option``, e.g. ``sharding.compile``) set to ``choice`` compiles:
+    on and off say so; auto compiles on a CUDA device when the run's ``planned`` tokens (None: no
+    planned end) reach ``threshold``, about what a first step's compiling costs in eager tokens, and
+    says once on the main rank where it does not (``counted``: what the planned tokens are)."""
+    if choice != "auto":
+        return choice == "on"
+    if ctx.device.type != "cuda":
+        return False
+    if planned is None or planned >= threshold:
+        return True
+    if ctx.is_main:
+        print(
+            f"{option} auto: off, as the run plans about {planned:,} {counted}, under the {threshold:,} that pay "
+            f"back compiling; set {option}: on to compile anyway",
+            flush=True,
+        )
+    return False
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block of ``model``, one compiled graph for every number of rows.
+
+    The first dimension of a block's inputs (the rows of a pass: packed rows, or responses) is
+    dynamic from the first call, so passes of other row counts reuse the graph instead of compiling
+    again mid-run; the others stay static, as the pass runner keeps a run's packed rows one width
+    (:attr:`hybridrl.components.ShardingStrategy.pack_width`): graphs of a dynamic width ran 1.6x
+    slower on an H200 (BENCHMARKS.md). A pass of one row compiles a graph of its own (torch.compile
+    specialises sizes 0 and 1)."""
+    allow_recompiles()
+    fuse_whatever_the_size()
+    for block in find_blocks(model):
+        block.forward = _rows_dynamic(torch.compile(block.forward))
+
+
+def fuse_whatever_the_size() -> None:
+    """Inductor's mix-order reduction (a norm's two backward reductions, over rows and over columns, in
+    one kernel) is chosen for passes of at least 5 Mi elements, a test that with the rows dynamic became
+    a guard on them: the first pass across it compiled the blocks again mid-run (an H200, 1024-token
+    responses: 5.3 s at step 2, ``1032192*hidden_states.size()[0] >= 5242880``). Its non-strict mode
+    skips those size tests, so one graph serves passes of every size. The setting is the process's, as
+    :func:`allow_recompiles`; where torch has no such mode, nothing changes."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
+        inductor.triton.mix_order_reduction_non_strict_mode = True
+
+
+def _rows_dynamic(compiled):
+    def forward(*args, **kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) for t in (t if isinstance(t, tuple) else (t,))]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim()]
+        rows = tensors[0].shape[0] if tensors else 0
+        if rows > 1:
+            for t in tensors:
+                if t.shape[0] == rows:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile since the first call: tracing and compiling
+    forward graphs, and backward graphs (compiled at their first backward pass, or within the
+    forward's compilation). torch reports each compilation's start and end once, however its phases
+    nest (:class:`_CompileClock`); a torch without that report gives 0."""
+    clock = _compile_clock()
+    clock.listen()  # again after a torch._dynamo.reset(), which drops the callbacks
+    return clock.seconds
+
+
+def recompile_reasons() -> list[str]:
+    """torch.compile's recompilations since the last call, one line each: the function and the
+    first guard that failed, e.g. ``forward (modeling_qwen2.py:261): tensor
+    'past_key_values.layers[0].keys' size mismatch at index 2. expected 128, actual 132``. Heard
+    from torch's ``recompiles`` log, kept quiet unless ``TORCH_LOGS=recompiles`` asks for it too; a
+    torch without that log gives none."""
+    clock = _compile_clock()
+    clock.listen()
+    reasons, clock.reasons = clock.reasons, []
+    return reasons
+
+
+def _reason_line(message: str) -> str:
+    lines = message.splitlines()
+    where = re.match(r"Recompiling function (\S+) in (.+):(\d+)", lines[0])
+    failed = next((line.strip()[2:] for line in lines[1:] if line.strip().startswith("- ")), "")
+    failed = re.sub(r"^\d+/\d+: ", "", failed).split("  #")[0].strip()
+    return f"{where[1]} ({Path(where[2]).name}:{where[3]}): {failed}" if where else lines[0]
+
+
+class _CompileClock(logging.Handler):
+    """The wall-clock seconds between torch.compile's outermost start and end reports (summing
+    torch's per-phase records instead counted a backward graph compiled inside its forward's
+    compilation twice: 83 s of compiling in a 70 s run), and the reasons of its recompilations."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seconds, self._start, self.reasons = 0.0, None, []
+        self.listen()
+
+    def listen(self) -> None:
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        if handler is not None and self._started not in handler.start_callbacks:
+            handler.register_start_callback(self._started)
+            handler.register_end_callback(self._ended)
+        log = logging.getLogger("torch._dynamo.guards.__recompiles")  # torch's "recompiles" artifact
+        if self not in log.handlers:
+            try:  # torch's private logging state: a torch without it gives no reasons
+                from torch._logging._internal import log_state
+
+                if not log_state.is_artifact_enabled("recompiles"):  # on for this handler alone, quiet
+                    log_state.enable_artifact("recompiles")
+                    log.propagate = False
+            except (ImportError, AttributeError):
+                return
+            log.setLevel(logging.DEBUG)
+            log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons = [*self.reasons[-15:], _reason_line(record.getMessage())]
+
+    def _started(self, _args) -> None:
+        self._start = time.perf_counter()
+
+    def _ended(self, _args) -> None:
+        if self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+@functools.cache
+def _compile_clock() -> _CompileClock:
+    return _CompileClock()
+
+
+RECOMPILE_LIMIT = 64  # graphs torch.compile keeps for one function once hybridrl compiles
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let torch.compile keep up to ``limit`` graphs for each function (its default is 8).
+
+    A compiled transformer block serves every layer of the policy and the reference model, and
+    their passes reach it in many variants, each with a graph of its own: with and without
+    gradients, with an attention mask (packed rows of several sequences, left-padded rows) or
+    without one (rows that one sequence fills), a first static graph and then a dynamic one, one
+    row (specialised). Likewise the hf engine's decoding step for each row count. Past the limit
+    torch.compile runs every further variant eagerly for the rest of the process (a warning, once).
+    The setting is the process's; it is only ever raised."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+    _compile_clock().listen()  # compile_seconds counts from here on
+
+
+def recompiled(step: int, seconds: float, reasons: list[str]) -> str:
+    """The console's note on a step after the first that compiled again, with torch's reasons."""
+    seen = list(dict.fromkeys(reasons))
+    more = f"; and {len(seen) - 3} more" if len(seen) > 3 else ""
+    return (
+        f"step {step}: torch.compile compiled again ({len(reasons)}x, {seconds:.1f}s): {'; '.join(seen[:3])}{more}. "
+        "Set TORCH_LOGS=recompiles for the whole reasons; docs/observability.md, 'A slow step'."
+    )
