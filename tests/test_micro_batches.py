@@ -8,8 +8,8 @@ import torch
 
 from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
-from hybridrl.config import ConfigError, load_config
 from hybridrl.compile import compile_seconds
+from hybridrl.config import ConfigError, load_config
 from hybridrl.passes import split_widest
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer

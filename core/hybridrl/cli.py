@@ -1,4 +1,4 @@
-"""``hybridrl train | validate | eval | serve | export | plugins`` (plugins add theirs: import, dashboard, serve-reward)."""
+"""``hybridrl train | validate | eval | serve | export | plugins``; plugins add theirs (import, dashboard)."""
 
 from __future__ import annotations
 
