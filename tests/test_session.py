@@ -1,16 +1,26 @@
 """The engine session (hybridrl.session): one caller of the engine whatever the thread, the policy
-version stamped under the lock, the seed rule written once."""
+version stamped under the lock, the seed rule written once, and the engine lifecycle
+(RolloutEngine's docstring) kept by the session alone: through real training with evaluation, the
+sync check, a resume and rollout.async, against an engine that raises on any call out of order."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import threading
 import time
 
+import pytest
 import torch
 
-from hybridrl.components import RolloutEngine, RolloutOutput, SamplingParams
-from hybridrl.config import RolloutConfig
+from hybridrl.components import RolloutEngine, RolloutOutput, RunContext, SamplingParams
+from hybridrl.config import RolloutConfig, load_config
+from hybridrl.errors import StageError
+from hybridrl.models import load_tokenizer
 from hybridrl.session import EngineSession, rollout_seed
+from hybridrl.testing import SevensPlugin
+from hybridrl.testing_engines import LifecycleError, StrictEngine, StrictPlugin
+from hybridrl.trainer import Trainer
 
 
 class Watched(RolloutEngine):
@@ -92,3 +102,123 @@ def test_the_step_seed_rule_and_each_engines_per_request_seeds():
     turns = SamplingParams(n=2, seeds=[10, 50])
     assert turns.prompt_seeds(2) == [10, 50] and turns.sample_seeds(2) == [10, 11, 50, 51]
     assert SamplingParams().prompt_seeds(3) is None and SamplingParams().sample_seeds(3) is None
+
+
+# -- the engine lifecycle ---------------------------------------------------------------------------
+
+PROMPT, SAMPLING = [[5, 6, 7]], SamplingParams(n=2, max_tokens=4, seed=0)
+
+
+@pytest.fixture
+def strict(tiny_model, tmp_path):
+    """A strict engine on the tiny model, and a copy of its weights (what a sync sends)."""
+    ctx = RunContext(tiny_model, load_tokenizer(tiny_model), torch.device("cpu"), torch.float32, 0, tmp_path)
+    engine = StrictEngine(StrictEngine.Options(), ctx)
+    return engine, [(k, v.clone()) for k, v in engine.hf.model.state_dict().items()]
+
+
+def names(engine) -> list[str]:
+    """The engine's calls but ``metrics``, each run of one call written once."""
+    return [k for k, _ in itertools.groupby(c for c, _ in engine.calls if c != "metrics")]
+
+
+def test_the_strict_engine_refuses_every_call_out_of_order(strict):
+    engine, weights = strict
+    first = engine.generate(PROMPT, SAMPLING)  # built awake
+    with pytest.raises(LifecycleError, match="wake_up while awake"):
+        engine.wake_up()
+    engine.sleep()
+    with pytest.raises(LifecycleError, match="generate while asleep"):
+        engine.generate(PROMPT, SAMPLING)
+    with pytest.raises(LifecycleError, match="sleep while asleep"):
+        engine.sleep()
+    with pytest.raises(LifecycleError, match="weights dropped by sleep and not sent since"):
+        engine.wake_up()
+    engine.update_weights(weights)  # asleep: allowed, and it stays asleep
+    with pytest.raises(LifecycleError, match="generate while asleep"):
+        engine.generate(PROMPT, SAMPLING)
+    engine.wake_up()
+    assert engine.generate(PROMPT, SAMPLING).token_ids == first.token_ids  # the weights came back whole
+    engine.close()
+    with pytest.raises(LifecycleError, match="generate while closed"):
+        engine.generate(PROMPT, SAMPLING)
+
+
+def test_the_session_wakes_the_engine_to_generate_and_only_after_a_weight_sync(strict):
+    engine, weights = strict
+    session = EngineSession(engine, RolloutConfig(n=2))
+    first = session.generate(PROMPT, SAMPLING)
+    session.before_training()
+    session.before_training()  # asleep already: nothing to do
+    with pytest.raises(StageError, match="asked to generate while asleep, before any weight sync"):
+        session.generate(PROMPT, SAMPLING)  # its sleep dropped the weights
+    session.sync(weights)  # asleep, as after training
+    again = session.generate(PROMPT, SAMPLING)
+    session.generate(PROMPT, SAMPLING)  # awake since
+    assert [c for c, _ in engine.calls] == ["generate", "sleep", "update_weights", "wake_up", "generate", "generate"]
+    assert [state for c, state in engine.calls if c == "update_weights"] == ["asleep"]
+    assert again.token_ids == first.token_ids
+
+
+HELD_OUT = {"name": "held", "source": "reasoning_gym", "task": "chain_sum", "size": 6, "seed": 1}
+
+
+def config(model, run_dir, engine, **trainer):
+    return {
+        "model": {"path": model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32, "eval": [HELD_OUT]},
+        "rollout": {"engine": engine, "n": 4, "max_tokens": 6},
+        "rewards": [{"function": "sevens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01},
+        "trainer": {"steps": 3, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "threads": 1, "run_dir": str(run_dir)}
+        | {"eval_every": 2}
+        | trainer,
+        "logging": {"loggers": ["jsonl"]},
+    }
+
+
+def training(run_dir) -> list[dict]:
+    """metrics.jsonl's rows without what measures time or the sync check (which runs at a resume's first step)."""
+    skip = ("timing/", "throughput/", "time", "async/", "rollout/sync_check")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
+
+
+@pytest.fixture
+def registered(register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    register_plugin(StrictPlugin(), name="strict")
+
+
+def test_training_with_evaluation_the_sync_check_and_a_resume_keeps_the_engine_lifecycle(
+    tiny_model, tmp_path, registered
+):
+    """Evaluation before training, after step 2 and after the last; the sync check's probes at the
+    first step of each run; a resume after step 2. The strict engine drops its weights at each
+    sleep: the run trains as one through hf only because each came back whole before a generation."""
+    plain = tmp_path / "hf"
+    Trainer(load_config(data=config(tiny_model, plain, "hf"))).train()
+    run = tmp_path / "strict"
+    first = Trainer(load_config(data=config(tiny_model, run, "strict", steps=2)))
+    first.train()
+    resumed = Trainer(load_config(data=config(tiny_model, run, "strict", resume=True)))
+    resumed.train()
+    assert training(run) == training(plain)
+    # asleep from the end of a step's rollouts to the sync after its update; evaluation and the sync
+    # check's probes wake it where it sleeps and leave it awake
+    gen, sleep, sync, wake = "generate", "sleep", "update_weights", "wake_up"
+    # eval 0, probe + step 1, probe; step 2, eval 2
+    assert names(first.engine) == [gen, sleep, sync, wake, gen, sleep, sync, wake, gen, "close"]
+    # the resume's sync; probe + step 3, probe, eval 3
+    assert names(resumed.engine) == [sync, gen, sleep, sync, wake, gen, "close"]
+    assert {state for c, state in first.engine.calls + resumed.engine.calls if c == sync} == {"awake", "asleep"}
+
+
+def test_rollout_async_never_puts_an_engine_apart_to_sleep(tiny_model, tmp_path, registered):
+    """The prefetch thread and the loop call the engine through the session, never at once."""
+    cfg = config(tiny_model, tmp_path, "strict", eval_every=1)
+    cfg["rollout"] |= {"async": 1, "runs_apart": True}
+    trainer = Trainer(load_config(data=cfg))
+    trainer.train()
+    assert trainer.prefetch is not None
+    assert set(names(trainer.engine)) == {"generate", "update_weights", "close"}

@@ -83,7 +83,18 @@ class Component:
 
 
 class RolloutEngine(Component):
-    """Generates responses and receives new policy weights in place."""
+    """Generates responses and receives new policy weights in place.
+
+    Lifecycle: awake (as built) or asleep. Its one caller, the engine session, alone changes the
+    state, and calls ``generate`` and ``sleep`` awake, ``wake_up`` asleep, and ``update_weights`` and
+    the rest in either state, which they leave as it is (asleep, ``update_weights`` maps the weights
+    alone: vLLM's ``wake_up(tags=["weights"])``, SGLang's resume of ``weights``). The session puts
+    the engine to sleep only for training and syncs it still asleep (the KV cache stays freed while
+    the trainer gathers the full tensors); between a ``sleep`` and the next ``wake_up`` it sends the
+    whole policy, so ``sleep`` may drop the weights (vLLM's level 2). Engines never wake themselves.
+    docs/plugins.md has the table; :class:`hybridrl.testing_engines.StrictEngine` raises on a call
+    out of order.
+    """
 
     #: what :meth:`update_weights` receives: ``"checkpoint"``, the names and layouts of the model
     #: folder's safetensors, each tensor once (for engines that load checkpoints), or
@@ -97,11 +108,12 @@ class RolloutEngine(Component):
         Called on every rank before any model loads; the engine itself is built after the policy."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        """``sampling.n`` responses to each prompt, with each sampled token's logprob; called awake."""
         raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full (unsharded) policy tensors, in :attr:`weight_format`, in place (buckets of
-        whole decoder layers may arrive over several calls of one sync)."""
+        """Load full (unsharded) policy tensors, in :attr:`weight_format`, in place (buckets of whole
+        decoder layers may arrive over several calls of one sync); awake or asleep, in that state."""
         raise NotImplementedError
 
     def memory_options(self, half_prompts: int) -> str:
@@ -132,10 +144,10 @@ class RolloutEngine(Component):
         return True
 
     def sleep(self) -> None:
-        """Free accelerator memory before training; a no-op where the engine cannot."""
+        """Free accelerator memory before training (awake; may drop the weights); a no-op where it cannot."""
 
     def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed, before generation."""
+        """Restore what :meth:`sleep` freed (and ``update_weights`` did not), before generation; asleep."""
 
     def metrics(self) -> dict[str, float]:
         """The engine's own figures of the latest step (timings, sizes), logged with the step's

@@ -219,7 +219,6 @@ class Evaluation:
         names the samples; the random state around it is left as it was."""
         state = ckpt.rng_state()
         try:
-            self.session.wake_up()
             results = [self._evaluate_set(es, step) for es in self.sets]
             self.session.metrics()  # the engine's figures of these calls: not the next step's
         finally:

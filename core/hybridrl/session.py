@@ -2,10 +2,13 @@
 
 Everything that needs the engine goes through one :class:`EngineSession`: the loop's rollouts,
 the prefetch thread's (``rollout.async``), the agent loop's turns, ``hybridrl serve``'s answers,
-the sync check's probe; and so do the engine's wake-up and sleep, its weight syncs, its figures
-and its release. The session
+the sync check's probe; and so do its weight syncs, its figures and its release. The session
 
 - serialises access: one engine call at a time, whatever thread makes it;
+- alone decides when the engine sleeps and wakes, and makes every call in the state the engine's
+  lifecycle allows (:class:`hybridrl.components.RolloutEngine`): :meth:`EngineSession.generate`
+  wakes a sleeping engine first, :meth:`EngineSession.before_training` puts it to sleep, and an
+  engine put to sleep is woken only after a weight sync. Its callers never wake or sleep it;
 - counts the policy version: ``updates`` (weight syncs of policy updates sent) and ``version``
   (the updates the engine's weights hold: fewer for a server that syncs every few updates), both
   changed under the lock of the sync, and stamped on each generation under the lock of that
@@ -62,6 +65,8 @@ class EngineSession:
         self.lock = threading.RLock()  # one engine call at a time
         self.updates = 0  # policy updates sent to the engine
         self.version = 0  # the updates the engine's weights hold
+        self.asleep = False  # engines are built awake
+        self.holds_weights = True  # False from a sleep (which may drop them) to the next weight sync
         self.check = SyncCheck(self)
 
     # -- sampling ---------------------------------------------------------------------------
@@ -82,28 +87,48 @@ class EngineSession:
     # -- calls ------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str = "generate") -> RolloutOutput:
-        """The engine's responses to ``prompts``, stamped with the policy version that sampled them."""
-        with self.lock, stage_errors(self.component, what), self._memory_errors(prompts, sampling):
-            out = self.engine.generate(prompts, sampling)
-            out.policy_version = self.version
+        """The engine's responses to ``prompts``, stamped with the policy version that sampled them;
+        a sleeping engine is woken first, and left awake."""
+        with self.lock:
+            self._wake()
+            with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
+                out = self.engine.generate(prompts, sampling)
+                out.policy_version = self.version
         return out
 
-    def wake_up(self) -> None:
-        """Restore the engine's memory before generating."""
-        with self.lock, stage_errors(self.component, "wake_up"):
-            self.engine.wake_up()
+    def before_training(self) -> None:
+        """Training comes next (the loop's rollouts are done): the engine sleeps, giving its memory to
+        the update, until the next :meth:`generate` wakes it, after the weight sync."""
+        with self.lock:
+            if self.asleep:
+                return
+            with stage_errors(self.component, "sleep"):
+                self.engine.sleep()
+            self.asleep, self.holds_weights = True, False
 
-    def sleep(self) -> None:
-        """Free the engine's memory for training."""
-        with self.lock, stage_errors(self.component, "sleep"):
-            self.engine.sleep()
+    def _wake(self) -> None:
+        """Wake a sleeping engine: only once it has weights again (its sleep may have dropped them)."""
+        if not self.asleep:
+            return
+        if not self.holds_weights:
+            raise StageError(
+                f"{self.component}: asked to generate while asleep, before any weight sync since it went to "
+                "sleep; its sleep may have dropped the weights (vLLM's sleep_level 2), so the engine session "
+                "wakes it only after one (RolloutEngine's lifecycle). Generate before "
+                "EngineSession.before_training(), or after the sync that follows training."
+            )
+        with stage_errors(self.component, "wake_up"):
+            self.engine.wake_up()
+        self.asleep = False
 
     def sync(self, tensors, update: bool = True) -> None:
         """Send the policy's weights (``tensors``: named tensors, or a callable that yields them once
-        the engine is free). ``update``: they hold one more policy update (a resume's or a check's
-        resync sends the same weights again)."""
+        the engine is free), in the state the engine is in (asleep after training: it loads the
+        weights alone). ``update``: they hold one more policy update (a resume's or a check's resync
+        sends the same weights again)."""
         with self.lock, stage_errors(self.component, "update_weights"):
             self.engine.update_weights(tensors() if callable(tensors) else tensors)
+            self.holds_weights = True
             if update:
                 self.updates += 1
                 if self.engine.holds_latest_weights():
@@ -154,7 +179,6 @@ class SyncCheck:
         """The engine samples one token ``samples`` times for ``prompt``; returns the largest, over
         ranks, mean |engine logprob - ``policy_logprobs(batch)``| of those tokens."""
         s = self.session
-        s.wake_up()  # the next step's rollout needs it awake anyway
         keys = self.rollout.model_dump(include={"temperature", "top_p", "top_k"})
         seed = rollout_seed(s.seed, step, PROBE_ROUND)  # the same on every rank
         out = s.generate([prompt], SamplingParams(**keys, n=samples, max_tokens=1, seed=seed), "generate (sync check)")

@@ -242,15 +242,14 @@ class Trainer(TrainerSetup):
     # -- stages -----------------------------------------------------------------------------
 
     def rollouts(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
-        """This step's rollouts, kept groups and metrics: generated now, around the engine's wake-up
-        and sleep, or taken from those generated while the last steps trained (rollout.async)."""
+        """This step's rollouts, kept groups and metrics: generated now (the session wakes the engine for
+        them and puts it to sleep before training), or taken from those generated while the last steps
+        trained (rollout.async)."""
         if self.prefetch is not None:
             with timer("rollout_wait"):
                 return self.prefetch.take(step)
-        with timer("rollout"):
-            self.session.wake_up()
-        out = self.collect(step, timer)
-        self.session.sleep()
+        out = self.collect(step, timer)  # the session wakes the engine as its calls need
+        self.session.before_training()  # the update comes next: the session puts the engine to sleep
         return out
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
@@ -375,4 +374,3 @@ class Trainer(TrainerSetup):
             if samples is not None:
                 logger.log_samples(step, samples)
         return metrics
-

@@ -1,7 +1,8 @@
 """The two ways to reach SGLang: ``sglang.Engine`` in this process, or a running server over HTTP.
 
-Both share the memory cycle of a colocated engine (:class:`Backend`). The trainer calls, per
-step: ``wake_up`` -> ``generate`` -> ``sleep`` -> (training) -> ``update_weights``. On
+Both share the memory cycle of a colocated engine (:class:`Backend`). The engine session calls,
+per step (the lifecycle of :class:`hybridrl.components.RolloutEngine`): ``generate`` -> ``sleep``
+-> (training) -> ``update_weights`` -> ``wake_up`` at the next ``generate``. On
 ``sleep`` SGLang's ``release_memory_occupation`` frees the KV cache, the CUDA graphs and
 (``release_weights``) the weights. Without SGLang's CPU copy of the weights
 (``weights_cpu_backup``) their memory comes back empty, so they come back through the
@@ -73,9 +74,10 @@ class Backend:
         if self.weights_lost:
             raise RuntimeError(
                 f"{COMPONENT}: the engine's weights were released by sleep() and no update_weights() "
-                "reloaded them (the trainer skips the sync of a step with nothing to train), so generating "
-                "now would use garbage. Set rollout.weights_cpu_backup: true (SGLang keeps a CPU copy while "
-                "released) or rollout.release_weights: false (only the KV cache and CUDA graphs are freed)."
+                "reloaded them (the engine session sends them before it wakes the engine; code that calls "
+                "the engine itself must too), so generating now would use garbage. Set "
+                "rollout.weights_cpu_backup: true (SGLang keeps a CPU copy while released) or "
+                "rollout.release_weights: false (only the KV cache and CUDA graphs are freed)."
             )
         return self._generate(request)
 

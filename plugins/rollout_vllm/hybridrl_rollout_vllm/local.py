@@ -154,8 +154,7 @@ class LocalEngine:
     # -- generation -------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
-        if self.asleep:
-            self.wake_up()
+        # awake: the engine session wakes the engine first (RolloutEngine's lifecycle)
         if sampling.stop and not self.detokenize:
             raise ValueError(
                 f"{NAME}: rollout.stop needs the engine's tokenizer, but engine_kwargs sets skip_tokenizer_init. "
@@ -228,8 +227,8 @@ class LocalEngine:
         return choose_weight_sync(self.options.weight_sync, blockers)
 
     def update_weights(self, named_tensors) -> None:
-        if "weights" in self.asleep:  # the weights' memory must be mapped before it is written
-            self._wake(["weights"])
+        if "weights" in self.asleep:  # a sync after training: the weights' memory is mapped to be written,
+            self._wake(["weights"])  # the KV cache waits for wake_up (RolloutEngine's lifecycle)
         limit = self.options.update_bucket_mb * 2**20
         count, size = 0, 0
         with self.threads(), _quiet_partial_reload():
