@@ -9,18 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hybridrl.http import (
-    ALLOWED_HOSTS_ENV,
-    FailedTokens,
-    HostCheck,
-    JsonHandler,
-    JsonServer,
-    ServiceError,
-    get_json,
-    listen,
-    post_json,
-    split_port,
-)
+from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, FailedTokens, HostCheck, JsonHandler, JsonServer, listen, split_port
 from hybridrl.testing import raw_request
 
 
@@ -106,7 +96,7 @@ def test_nothing_listening():
         post_json("http://127.0.0.1:9/x", {}, component="test", retries=0, timeout=2)
 
 
-# -- what every server checks (hybridrl.http.JsonHandler through listen) ----------------------
+# -- what every server checks (hybridrl.http_server.JsonHandler through listen) ----------------------
 
 
 class Echo(JsonHandler):

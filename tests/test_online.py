@@ -22,7 +22,7 @@ from hybridrl import plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.functional import baseline_advantages
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http import ALLOWED_HOSTS_ENV
+from hybridrl.http_server import ALLOWED_HOSTS_ENV
 from hybridrl.online import Server, baselines, make_server
 from hybridrl.online.learner import prompt_groups
 from hybridrl.testing import raw_request as send

@@ -2,7 +2,7 @@
 ``POST /v1/feedback``, ``GET /v1/status`` and ``GET /health``.
 
 On 127.0.0.1 unless told otherwise, with a token on any other address, request size and rate
-limits, and the checks every server of hybridrl makes (:mod:`hybridrl.http`: Host and Origin, the
+limits, and the checks every server of hybridrl makes (:mod:`hybridrl.http_server`: Host and Origin, the
 token before the body, throttled wrong tokens, timeouts). The endpoints are methods of
 :class:`Api`, which checks a request and calls the server (:class:`hybridrl.online.Server`).
 """
@@ -13,7 +13,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
 
 TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
 ROLES = {"system", "user", "assistant", "tool"}

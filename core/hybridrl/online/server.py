@@ -10,7 +10,7 @@ import uuid
 from hybridrl.checkpoint import make_private, private_files
 from hybridrl.components import Sampling, SamplingParams
 from hybridrl.config import ConfigError
-from hybridrl.http import require_token
+from hybridrl.http_server import require_token
 from hybridrl.online.api import TOKEN_ENV, BadRequest, make_server
 from hybridrl.online.batcher import Batcher
 from hybridrl.online.learner import Learner

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http import ALLOWED_HOSTS_ENV, is_loopback
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, is_loopback
 
 __version__ = "0.1.0"
 DEFAULT_PORT = 8265

@@ -15,7 +15,7 @@ the files since the last request, so the page follows a run that is still going.
 - ``GET /vendor/plotly.min.js``: plotly.js from the installed ``plotly`` Python package.
 
 Every request must name the server as this machine does (Host, and Origin when a page sends
-one: hybridrl.http.HostCheck), or it gets 403; a connection has REQUEST_TIMEOUT seconds for a
+one: hybridrl.http_server.HostCheck), or it gets 403; a connection has REQUEST_TIMEOUT seconds for a
 request's headers; an unexpected error is logged with an id, which alone is the reply.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from hybridrl.config_files import redact
-from hybridrl.http import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
 from hybridrl_dashboard import INSTALL
 
 STATIC = Path(__file__).parent / "static"

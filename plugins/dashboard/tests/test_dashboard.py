@@ -24,7 +24,7 @@ from hybridrl_dashboard.server import JsonlTail
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config_files import dump_config, is_secret
-from hybridrl.http import ALLOWED_HOSTS_ENV, HostCheck
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, HostCheck
 
 STEPS, PROMPTS, N = 3, 2, 4
 

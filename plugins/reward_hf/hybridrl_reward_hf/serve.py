@@ -4,7 +4,7 @@ POST /score  {"prompts": [...], "responses": [...], "answers"?, "metadata"?, "me
               "response_lengths"?}  ->  {"scores": [...], "rewards": {name: [...]}}
 GET  /health ->  {"status": "ok", "rewards": [{"name", "function", "weight"}, ...]}
 
-Standard library HTTP server (hybridrl.http: Host and Origin checks, the token checked before the
+Standard library HTTP server (hybridrl.http_server: Host and Origin checks, the token checked before the
 body is read, wrong tokens throttled, request timeouts), one scoring at a time (models are not
 re-entrant); bound to 127.0.0.1 unless told otherwise, and never beyond localhost without a token.
 """
@@ -22,7 +22,7 @@ from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, load_config
-from hybridrl.http import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, listen, require_token
+from hybridrl.http_server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, listen, require_token
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
 from hybridrl.shaping import ShapingState
 
@@ -118,7 +118,7 @@ def make_server(
     allow: tuple[str, ...] = (),
 ):
     """A server of ``rewards`` (not started: call serve_forever). ``allow``: Host names and origins it
-    answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS`` (hybridrl.http.HostCheck)."""
+    answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS`` (hybridrl.http_server.HostCheck)."""
     require_token("serve-reward", host, token, TOKEN_ENV)
 
     class Handler(JsonHandler):

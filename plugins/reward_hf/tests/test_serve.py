@@ -18,7 +18,8 @@ from hybridrl_reward_hf.serve import RewardSet, build_context, make_server
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.http import ALLOWED_HOSTS_ENV, ServiceError, get_json, post_json
+from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.http_server import ALLOWED_HOSTS_ENV
 from hybridrl.shaping import ShapingOptions
 from hybridrl.testing import raw_request as send
 

@@ -1,0 +1,396 @@
+"""What every server of hybridrl shares: binding, the checks made before a request body is read,
+JSON replies (standard library only; the client side is :mod:`hybridrl.http`).
+
+The servers (``hybridrl serve``, ``serve-reward``, and the dashboard through :class:`HostCheck`)
+check, in this order, before reading a body:
+
+1. **Host and Origin** (:class:`HostCheck`): the Host header must name the server as this machine
+   does (``127.0.0.1``, ``localhost`` or ``[::1]`` with the server's port, or the address it is
+   bound to), and an Origin header, when sent, must be such an address too. A web page elsewhere,
+   or one reached through DNS rebinding, gets 403. Other names are allowed with
+   ``$HYBRIDRL_ALLOWED_HOSTS`` (and the servers' ``allow`` arguments).
+2. **Wrong tokens** (:class:`FailedTokens`): an address that sent ``limit`` missing or wrong tokens
+   in ``window`` seconds gets 429 until the window has passed, whatever it sends.
+3. **The token**, when the server has one: 401 without ``Authorization: Bearer <token>``.
+4. **The body**: a POST must say ``Content-Type: application/json`` (415), and ``Content-Length``
+   (411 without it, 400 when it is not a plain number, 413 over the server's limit).
+
+Each connection has :data:`REQUEST_TIMEOUT` seconds to send a whole request (waiting between
+requests included), the listen backlog is :data:`BACKLOG`, and an unexpected error is logged with
+an id while the reply says only the id.
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import ipaddress
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+ALLOWED_HOSTS_ENV = "HYBRIDRL_ALLOWED_HOSTS"
+BACKLOG = 1024  # connections the kernel queues before the server accepts them (capped by somaxconn)
+REQUEST_TIMEOUT = 30.0  # seconds a connection has to send one whole request, the wait before it included
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def require_token(command: str, host: str, token: str | None, env: str) -> None:
+    """A server on an address other machines reach needs a token: ConfigError otherwise."""
+    from hybridrl.errors import ConfigError
+
+    if not is_loopback(host) and not token:
+        raise ConfigError(
+            f"{command}: --host {host} accepts connections from other machines, and no token is set. "
+            f"Pass --token (or set {env}), or keep the default --host 127.0.0.1."
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only (127.0.0.1, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -- what a server checks -------------------------------------------------------------------
+
+
+def allowed_hosts(extra: Iterable[str] = ()) -> list[str]:
+    """``extra`` and the entries of ``$HYBRIDRL_ALLOWED_HOSTS`` (separated by commas or spaces)."""
+    return [*extra, *re.split(r"[,\s]+", os.environ.get(ALLOWED_HOSTS_ENV, "").strip())]
+
+
+class HostCheck:
+    """Which Host and Origin headers a server on ``port`` answers: the loopback names with its port, the
+    address it is bound to (unless that is every address), and ``allow`` entries. An entry is ``name``
+    (that name with or without the server's port), ``name:port``, an origin ``scheme://name[:port]``
+    (that origin, and its ``name[:port]`` as Host), or ``*`` (no check: only behind a proxy that checks).
+    ``hint`` ends each refusal: where to allow another name."""
+
+    def __init__(self, bound: str, port: int, allow: Iterable[str] = (), hint: str = ""):
+        self.port, self.any = port, False
+        self.hosts: set[str] = set()
+        self.origins: set[str] = set()
+        self.hint = hint or f"list it in ${ALLOWED_HOSTS_ENV} to allow it"
+        bound = bound.strip("[]")
+        names = list(LOOPBACK_NAMES)
+        if bound and bound not in ("0.0.0.0", "::"):
+            names.append(f"[{bound}]" if ":" in bound else bound)
+        for name in names:
+            self._allow(name.lower(), port)
+        self.shown = ", ".join(f"{n}:{port}" for n in LOOPBACK_NAMES)
+        for entry in allow:
+            entry = entry.strip().lower().rstrip("/")
+            if entry == "*":
+                self.any = True
+            elif "://" in entry:
+                self.origins.add(entry)
+                self.hosts.add(entry.split("://", 1)[1])
+            elif entry:
+                name, entry_port = split_port(entry)
+                self._allow(name, entry_port if entry_port is not None else port, bare=entry_port is None)
+
+    def _allow(self, name: str, port: int, bare: bool = False) -> None:
+        self.hosts.add(f"{name}:{port}")
+        self.origins |= {f"http://{name}:{port}", f"https://{name}:{port}"}
+        if bare or port == 80:
+            self.hosts.add(name)
+            self.origins.add(f"http://{name}")
+        if bare or port == 443:
+            self.hosts.add(name)
+            self.origins.add(f"https://{name}")
+
+    def refusal(self, hosts: list[str] | None, origins: list[str] | None) -> str | None:
+        """Why a request with these Host and Origin headers (each a list, as sent) is refused; None: allowed."""
+        if self.any:
+            return None
+        if not hosts or len(hosts) > 1:
+            return "a request must send one Host header"
+        host = hosts[0].strip().lower()
+        if host not in self.hosts:
+            return f"Host '{host[:100]}' is not a name of this server ({self.shown}); {self.hint}"
+        if origins:
+            origin = origins[0].strip().lower()
+            if len(origins) > 1 or origin not in self.origins:
+                return f"a web page of Origin '{origin[:100]}' may not call this server; {self.hint}"
+        return None
+
+
+def split_port(hostport: str) -> tuple[str, int | None]:
+    """``("name", port)`` of ``name:port``, ``[v6]:port`` or a bare name (port None)."""
+    if hostport.startswith("["):
+        name, _, rest = hostport.partition("]")
+        name += "]"
+    elif hostport.count(":") == 1:
+        name, _, rest = hostport.partition(":")
+        rest = ":" + rest
+    elif ":" in hostport:  # an IPv6 address without brackets
+        return f"[{hostport}]", None
+    else:
+        return hostport, None
+    port = rest.removeprefix(":")
+    return name, int(port) if port.isdigit() else None
+
+
+class FailedTokens:
+    """Per client address, the times of its missing or wrong tokens: after ``limit`` of them within
+    ``window`` seconds it is refused (429) until the oldest is ``window`` old, so a guesser gets ``limit``
+    guesses a window. At most ``addresses`` addresses are remembered (the oldest forgotten first)."""
+
+    def __init__(self, limit: int = 10, window: float = 60.0, addresses: int = 4096):
+        self.limit, self.window, self.addresses = limit, window, addresses
+        self.times: OrderedDict[str, deque] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def wait(self, client: str) -> float:
+        """Seconds ``client`` must wait before its token is checked again; 0: it may try now."""
+        now = time.monotonic()
+        with self.lock:
+            times = self.times.get(client)
+            while times and now - times[0] > self.window:
+                times.popleft()
+            if not times:
+                self.times.pop(client, None)
+                return 0.0
+            return self.window - (now - times[0]) if len(times) >= self.limit else 0.0
+
+    def failed(self, client: str) -> None:
+        with self.lock:
+            self.times.setdefault(client, deque()).append(time.monotonic())
+            self.times.move_to_end(client)
+            while len(self.times) > self.addresses:
+                self.times.popitem(last=False)
+
+
+class HttpError(Exception):
+    """A request the server refuses: ``code`` is its HTTP status, the message its one-line reason."""
+
+    def __init__(self, code: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.code, self.headers = code, headers or {}
+
+
+def internal_error(command: str, what: str, exc: BaseException | None = None) -> dict:
+    """Log ``exc`` (default: the exception being handled) with a new id; the reply's body, which says
+    only the id."""
+    ref = uuid.uuid4().hex[:12]
+    trace = "".join(traceback.format_exception(exc)) if exc is not None else traceback.format_exc()
+    print(f"error: {command}: {what} failed (error id {ref}):\n{trace}", file=sys.stderr, flush=True)
+    return {"error": f"internal error (id {ref}): the server's log has the details", "error_id": ref}
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, none past ``deadline`` (time.monotonic()), each at most ``timeout`` seconds."""
+
+    def __init__(self, sock, timeout: float):
+        self.sock, self.timeout, self.deadline = sock, timeout, math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(min(self.timeout, left))
+        return self.sock.recv_into(buffer)
+
+
+class JsonServer(ThreadingHTTPServer):
+    """A threading HTTP server with a listen backlog of :data:`BACKLOG` and what its handlers check."""
+
+    request_queue_size = BACKLOG
+
+    def __init__(self, address, handler, *, command, token, max_body, max_body_name, timeout, allow, hint):
+        super().__init__(address, handler)
+        self.command, self.token, self.request_timeout = command, token, timeout
+        self.max_body, self.max_body_name = max_body, max_body_name or f"the limit of {max_body} bytes"
+        self.hosts = HostCheck(address[0], self.server_address[1], allowed_hosts(allow), hint)
+        self.failures = FailedTokens()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A request handler that answers JSON. A subclass lists its endpoints in :meth:`routes`; each
+    request passes the server's checks (the module docstring) and :meth:`throttle` before its route
+    runs, a POST's route gets the decoded JSON body, and what it returns is the 200 reply.
+    :class:`HttpError` is answered with its code and message, anything else with 500 and an id."""
+
+    protocol_version = "HTTP/1.1"
+    server: JsonServer
+    public: frozenset[tuple[str, str]] = frozenset()  # (method, path) of endpoints that need no token
+
+    def routes(self) -> dict[tuple[str, str], Callable]:
+        """``{(method, path): function}``: a GET's function takes nothing, a POST's the JSON body."""
+        return {}
+
+    def throttle(self) -> None:
+        """Called after the common checks, before the route: raise HttpError to refuse."""
+
+    def log_message(self, *args):  # no request lines: they would say nothing the replies do not
+        pass
+
+    def setup(self):
+        super().setup()
+        self.reader = _DeadlineReader(self.connection, self.server.request_timeout)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self):
+        self.reader.deadline = time.monotonic() + self.server.request_timeout
+        self.unread = False  # a body this request announced and nobody read: the connection closes after it
+        super().handle_one_request()
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        try:
+            self.admit(body=method == "POST", token=(method, path) not in self.public)
+            self.throttle()
+            routes = self.routes()
+            route = routes.get((method, path))
+            if route is None:
+                same = [f"{m} {p}" for m, p in routes if m == method] or [f"{m} {p}" for m, p in routes]
+                raise HttpError(404, f"no such endpoint {method} {path[:100]}: use {', '.join(same)}")
+            reply = route(self.read_json()) if method == "POST" else route()
+        except HttpError as e:
+            return self.send_json(e.code, {"error": str(e)}, e.headers)
+        except ConnectionError:  # the client went away while its body was read: nobody to answer
+            self.close_connection = True
+            return
+        except Exception:
+            reply = internal_error(self.server.command, f"{method} {path[:100]}")
+            return self.send_json(500, reply)
+        self.send_json(200, reply)
+
+    def admit(self, body: bool, token: bool = True) -> None:
+        """The checks of the module docstring, in order; raises HttpError. ``body``: a POST, whose body
+        is then announced and acceptable (``self.body_size`` bytes); ``token``: check the token."""
+        s, headers = self.server, self.headers
+        lengths = headers.get_all("Content-Length") or []
+        self.unread = bool(headers.get("Transfer-Encoding")) or any(v.strip() != "0" for v in lengths)
+        self.body_size = 0
+        reason = s.hosts.refusal(headers.get_all("Host"), headers.get_all("Origin"))
+        if reason:
+            raise HttpError(403, reason)
+        if s.token and token:
+            client = self.client_address[0]
+            wait = s.failures.wait(client)
+            if wait:
+                raise HttpError(
+                    429,
+                    "too many wrong tokens from this address: wait and retry",
+                    {"Retry-After": str(math.ceil(wait))},
+                )
+            sent = headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(sent, f"Bearer {s.token}".encode()):
+                s.failures.failed(client)
+                raise HttpError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if not body:
+            return
+        kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise HttpError(415, f"send the body as JSON with 'Content-Type: application/json' (got '{kind[:60]}')")
+        if headers.get("Transfer-Encoding"):
+            raise HttpError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
+        if not lengths:
+            raise HttpError(411, "a POST needs a Content-Length header")
+        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,18}", lengths[0].strip()):
+            raise HttpError(400, "Content-Length must be one number of bytes")
+        size = int(lengths[0])
+        if size > s.max_body:
+            raise HttpError(413, f"body of {size} bytes is over {s.max_body_name}")
+        self.body_size = size
+
+    def read_json(self):
+        """The request's body (``self.body_size`` bytes, checked by :meth:`admit`), decoded."""
+        try:
+            data = self.rfile.read(self.body_size)
+        except TimeoutError:
+            self.close_connection = True
+            raise HttpError(408, f"the body did not arrive within {self.server.request_timeout:g} s") from None
+        self.unread = False
+        if len(data) < self.body_size:
+            self.close_connection = True
+            raise HttpError(400, f"the body ended after {len(data)} of {self.body_size} bytes")
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the body is not JSON: {e}") from None
+
+    def send_json(self, code: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.connection.settimeout(self.server.request_timeout)  # a reply may take as long as a request
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        if self.unread:  # the rest of the stream is that body, not a request
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (a bad request line, an unknown method), as JSON."""
+        self.close_connection = True
+        self.unread = False
+        self.send_json(code, {"error": message or HTTPStatus(code).phrase})
+
+
+def listen(
+    command: str,
+    host: str,
+    port: int,
+    handler: type[JsonHandler],
+    *,
+    token: str | None = None,
+    max_body: int = 65536,
+    max_body_name: str = "",
+    allow: Iterable[str] = (),
+    hint: str = "",
+    timeout: float = REQUEST_TIMEOUT,
+) -> JsonServer:
+    """A server on ``host:port`` (not started), or a ConfigError naming the port's problem. ``token``:
+    required of every request (None: none); ``max_body``: the largest body in bytes, which a 413 reply
+    calls ``max_body_name``; ``allow``: more
+    names for :class:`HostCheck` beside those of ``$HYBRIDRL_ALLOWED_HOSTS``; ``hint``: where a user
+    allows another name; ``timeout``: seconds a connection has for one request."""
+    from hybridrl.errors import ConfigError
+
+    try:
+        return JsonServer(
+            (host, port),
+            handler,
+            command=command,
+            token=token,
+            max_body=max_body,
+            max_body_name=max_body_name,
+            timeout=timeout,
+            allow=allow,
+            hint=hint,
+        )
+    except OSError as e:
+        raise ConfigError(
+            f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another --port (0: any free one)."
+        ) from None
