@@ -295,8 +295,8 @@ def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plug
     torch's own recompiles log, which stays quiet; the first step's compiling is expected and says nothing."""
     import torch._dynamo
 
-    from hybridrl import trainer
-    from hybridrl.compile import recompile_reasons
+    from hybridrl import probes
+    from hybridrl.compile import recompile_reasons, recompiled
 
     f = torch.compile(lambda x: x * 2)
     recompile_reasons()
@@ -308,7 +308,7 @@ def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plug
     assert reason.endswith("): tensor 'x' size mismatch at index 0. expected 3, actual 5")
     assert "Recompiling" not in capsys.readouterr().err  # quiet unless TORCH_LOGS asks for it
 
-    note = trainer.recompiled(7, 3.99, [reason, reason, "b", "c", "d", "e"])
+    note = recompiled(7, 3.99, [reason, reason, "b", "c", "d", "e"])
     assert note.startswith(f"step 7: torch.compile compiled again (6x, 4.0s): {reason}; b; c; and 2 more. ")
 
     register_plugin(SevensPlugin(), name="sevens")
@@ -317,7 +317,7 @@ def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plug
     for logger in t.loggers:  # train() would open them
         logger.open(1, 0)
     heard = iter([[], ["first (a.py:1): at step 1"], [], ["forward (b.py:2): at step 2"]])
-    monkeypatch.setattr(trainer, "recompile_reasons", lambda: next(heard))
+    monkeypatch.setattr(probes, "recompile_reasons", lambda: next(heard))
     t.step(1)
     t.step(2)
     out = capsys.readouterr().out

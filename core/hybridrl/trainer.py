@@ -18,13 +18,11 @@ from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
-from hybridrl.compile import compile_seconds, recompile_reasons, recompiled
 from hybridrl.components import Trainable
 from hybridrl.config import RunConfig
 from hybridrl.engine_weights import engine_tensors
 from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite
 from hybridrl.forward import Outputs
-from hybridrl.heap import Collector
 from hybridrl.metrics import (
     Timer,
     WeightedStats,
@@ -35,6 +33,7 @@ from hybridrl.metrics import (
     update_throughput,
 )
 from hybridrl.models import is_checkpointing
+from hybridrl.probes import StepProbes
 from hybridrl.setup import TrainerSetup
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
@@ -52,7 +51,7 @@ class Trainer(TrainerSetup):
         self.extra_state: dict = {}  # more objects whose state_dict goes into checkpoints (hybridrl serve's learner)
         self.signals = StopSignals()
         self.pm = plugins.get_plugin_manager()
-        self.collector: Collector | None = None  # from open() to close(): the steps' garbage collections
+        self.probes = StepProbes()  # what a step measures beside its stages (garbage collection, compiling)
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
@@ -77,8 +76,8 @@ class Trainer(TrainerSetup):
                 for step in range(self.start_step + 1, t.steps + 1):
                     try:
                         metrics = self.step(step)
-                        if step == self.start_step + 1:  # and what its first step compiled and captured
-                            self.collector.freeze()
+                        if step == self.start_step + 1:
+                            self.probes.after_first_step()
                     except Exception as e:  # a collective that failed: say which rank went missing
                         if distributed.world_size() == 1 or not distributed.is_collective_failure(e):
                             raise
@@ -105,8 +104,8 @@ class Trainer(TrainerSetup):
         serve``), then ``on_train_start``. :meth:`close` ends it."""
         for logger in self.loggers:
             logger.open(steps, self.start_step)
-        self.collector = Collector()
-        self.collector.freeze()  # the models, the engine, the imports: alive for the whole run
+        self.probes = StepProbes(self.ctx.is_main)
+        self.probes.open()
         self.pm.hook.on_train_start(trainer=self)
 
     def close(self, metrics: dict[str, float] | None = None, finished: bool = False) -> None:
@@ -121,8 +120,7 @@ class Trainer(TrainerSetup):
         if self.prefetch is not None:
             self.prefetch.close()
         self.session.close()
-        if self.collector is not None:
-            self.collector.close()
+        self.probes.close()
         distributed.teardown(together=finished)
 
     def save(self, step: int, weights_only: bool = False) -> Path:
@@ -167,9 +165,7 @@ class Trainer(TrainerSetup):
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
         timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
-        compiled, _ = compile_seconds(), recompile_reasons()
-        if self.collector is not None:
-            self.collector.reset()
+        self.probes.start()
         check, first = self.session.check, step == self.start_step + 1
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
         if first:
@@ -193,12 +189,7 @@ class Trainer(TrainerSetup):
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
-        if self.collector is not None:  # within the stages above
-            metrics |= self.collector.metrics()
-        metrics["timing/compile"] = compile_seconds() - compiled  # torch.compile's, within the stages above
-        again = recompile_reasons()
-        if again and not first and self.ctx.is_main:  # a stall: a shape or a branch its graphs had not seen
-            print(recompiled(step, metrics["timing/compile"], again), flush=True)
+        metrics |= self.probes.finish(step, first)  # garbage collection and compiling, within the stages above
         if batch is not None:
             t = self.config.trainer
             seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
