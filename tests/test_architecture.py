@@ -90,13 +90,14 @@ def test_the_contract_stands_on_the_ground():
 
 def test_modules_of_a_few_hundred_lines_and_functions_that_fit_on_a_screen():
     """The house's sizes (STYLE.md): no module of the core or the plugins above 500 lines, no
-    function above 80. A module that grows past them holds two jobs; split it by job."""
+    function of the core above 60 (of a plugin, 80). A module that grows past them holds two jobs;
+    split it by job."""
     too_long = []
     for path in [*CORE.rglob("*.py"), *(ROOT / "plugins").glob("*/hybridrl_*/**/*.py")]:
-        source = path.read_text()
+        source, longest = path.read_text(), 60 if path.is_relative_to(CORE) else 80
         if len(source.splitlines()) > 500:
             too_long.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= longest:
                 too_long.append(f"{path.relative_to(ROOT)}: {node.name} is {node.end_lineno - node.lineno + 1} lines")
     assert not too_long, too_long

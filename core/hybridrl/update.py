@@ -34,6 +34,30 @@ def mini_batch_rows(mini_batch_size: int | None, batch_size: int) -> int:
     return mini_batch_size // distributed.world_size() if mini_batch_size else batch_size
 
 
+def accumulate(t: Trainable, mb: Batch, runner: Runner, stats: WeightedStats, on_nonfinite) -> bool:
+    """The gradients of one mini-batch ``mb``, pass by pass (their metrics into ``stats``); False where
+    a pass's loss was NaN/Inf on some rank (every rank then stops, ``on_nonfinite`` said so)."""
+    world = distributed.world_size()
+    # the global normaliser: what the mini-batch of every rank divides its loss by
+    total = distributed.sum_over_ranks(t.aggregation.normaliser(mb["response_mask"], real_rows(mb)))
+    size = t.micro_batch_size or runner.planner.size  # for out-of-memory messages
+    for part in runner.parts(t.model, mb, size=t.micro_batch_size):
+        device = part["responses"].device
+        with memory_errors(f"the update of the {t.label}", device, pass_sizes(part), pass_fix(part, size)):
+            loss, metrics = t.loss(part)
+            # ranks average gradients: world x this part's normaliser / the global one
+            weight = world * t.aggregation.normaliser(part["response_mask"]) / total if total > 0 else 0.0
+            (loss * weight).backward()  # a non-finite loss's gradients are dropped by the caller
+        # host syncs wait for queued device work: these after the backward pass, so that the
+        # forward and backward passes run without a pause between them
+        if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
+            value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
+            on_nonfinite(f"the loss of the {t.label} is {value}")
+            return False
+        stats.add(metrics, weight=float(part["response_mask"].sum()))
+    return True
+
+
 def run_update(
     t: Trainable,
     batch: Batch,
@@ -52,7 +76,6 @@ def run_update(
     raises to stop the run, or returns to skip that optimizer step. Returns the metrics: the loss's, token-weighted
     over passes and ranks, and ``<name>/grad_norm``, ``<name>/lr`` and (when steps were skipped)
     ``<name>/skipped_updates``."""
-    world = distributed.world_size()
     runner = passes if passes is not None else Runner(strategy=strategy)
     mini = mini_batch_rows(t.mini_batch_size, len(batch))
     gen = torch.Generator().manual_seed(seed * 7919 + step)
@@ -63,25 +86,7 @@ def run_update(
         order = torch.randperm(len(batch), generator=gen) if mini < len(batch) else torch.arange(len(batch))
         for mb in batch.select(order).split(mini):
             t.optimizer.zero_grad(set_to_none=True)
-            # the global normaliser: what the mini-batch of every rank divides its loss by
-            total = distributed.sum_over_ranks(t.aggregation.normaliser(mb["response_mask"], real_rows(mb)))
-            finite = True
-            size = t.micro_batch_size or runner.planner.size  # for out-of-memory messages
-            for part in runner.parts(t.model, mb, size=t.micro_batch_size):
-                device = part["responses"].device
-                with memory_errors(f"the update of the {t.label}", device, pass_sizes(part), pass_fix(part, size)):
-                    loss, metrics = t.loss(part)
-                    # ranks average gradients: world x this part's normaliser / the global one
-                    weight = world * t.aggregation.normaliser(part["response_mask"]) / total if total > 0 else 0.0
-                    (loss * weight).backward()  # a non-finite loss's gradients are dropped below
-                # host syncs wait for queued device work: these after the backward pass, so that the
-                # forward and backward passes run without a pause between them
-                if distributed.any_rank(not torch.isfinite(loss)):  # all ranks skip, or none
-                    value = loss.item() if not torch.isfinite(loss) else "NaN/Inf on another rank"
-                    on_nonfinite(f"the loss of the {t.label} is {value}")
-                    finite = False
-                    break
-                stats.add(metrics, weight=float(part["response_mask"].sum()))
+            finite = accumulate(t, mb, runner, stats, on_nonfinite)
             if finite:
                 grad_norm = strategy.clip_grad_norm(t.model, t.max_grad_norm)  # over all ranks
                 norms.append(grad_norm)  # the same on every rank

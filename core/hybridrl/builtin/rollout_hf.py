@@ -277,16 +277,7 @@ class HFEngine(RolloutEngine):
             return token[:, None], logprob[:, None]
         loop = self._loop(B, P, T, device)
         loop.reset(mask, self.pad_id)
-        if self._is_end is None:
-            # a table lookup per token: torch.isin over more than a few end ids sorts on the device and
-            # waits for it, which stalls the queue of compiled steps at every token
-            vocab = max(model.get_output_embeddings().weight.shape[0], max(self.eos_ids, default=0) + 1)
-            self._is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self._is_end[sorted(self.eos_ids)] = True
-        if self.compile and self._compiled_step is None:
-            allow_recompiles()  # a graph for each prompt width and sampling setting
-            self._compiled_step = torch.compile(self._step)  # rows dynamic (mark_dynamic); CUDA graphs: _run_steps
-
+        self._first_call(device)
         inputs = model.prepare_inputs_for_generation(
             ids, past_key_values=loop.cache, attention_mask=loop.full, position_ids=pos, use_cache=True,
             is_first_iteration=True,
@@ -328,6 +319,18 @@ class HFEngine(RolloutEngine):
             tokens, logprobs = tokens.clone(), logprobs.clone()  # warming up reuses the loop's buffers
             self._warm_up(first, T, sampling, warpers, compiled, ends)
         return tokens, logprobs
+
+    def _first_call(self, device) -> None:
+        """What decoding makes at its first call: the end-token table and, compiled, the compiled step."""
+        if self._is_end is None:
+            # a table lookup per token: torch.isin over more than a few end ids sorts on the device and
+            # waits for it, which stalls the queue of compiled steps at every token
+            vocab = max(self.model.get_output_embeddings().weight.shape[0], max(self.eos_ids, default=0) + 1)
+            self._is_end = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._is_end[sorted(self.eos_ids)] = True
+        if self.compile and self._compiled_step is None:
+            allow_recompiles()  # a graph for each prompt width and sampling setting
+            self._compiled_step = torch.compile(self._step)  # rows dynamic (mark_dynamic); CUDA graphs: _run_steps
 
     def _warm_up(self, first, tokens, sampling, warpers, compiled: bool, ends: bool):
         """Every run of steps a call of the run's own setting can reach, warmed up and captured now, at
