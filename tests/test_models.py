@@ -139,8 +139,8 @@ def test_flash_attention_without_its_package_is_one_error_before_any_model_loads
         assert one_error(capsys, command, config) == (
             "model.attn_implementation 'flash_attention_2' cannot be used here: flash-attn is not installed; it runs "
             "on CUDA GPUs only, and this run's device is cpu (trainer.device). Install flash-attn on a CUDA machine "
-            "(pip install flash-attn --no-build-isolation), or leave model.attn_implementation unset for "
-            "transformers' default (sdpa)."
+            "(pip install flash-attn --no-build-isolation), or leave model.attn_implementation unset "
+            "(transformers' sdpa; eager for a model whose attention soft-caps, as Gemma-2's)."
         )
     message = one_error(capsys, "train", run_config(tmp_path, path=tiny_model, attn_implementation="sdpaa"))
     assert message.startswith("model.attn_implementation 'sdpaa' cannot be used: transformers has no such attention. "

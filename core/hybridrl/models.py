@@ -186,7 +186,7 @@ def load_causal_lm(
         if attention and "attn" in str(e).lower():
             raise ConfigError(
                 f"model.attn_implementation '{attn_implementation}' cannot be used: {e} "
-                "Leave it unset for transformers' default (sdpa)."
+                "Leave it unset (transformers' sdpa; eager for a model whose attention soft-caps, as Gemma-2's)."
             ) from e
         raise _unloadable(path, e) from e
     except (OSError, KeyError, TypeError, AttributeError) as e:

@@ -177,7 +177,7 @@ def check_attention(name: str | None, device: torch.device) -> None:
         raise ConfigError(
             f"model.attn_implementation '{name}' cannot be used: transformers has no such attention."
             f"{did_you_mean(name, known)} Known: {', '.join(known)}, or a kernels hub id (org/name). Leave it "
-            "unset for transformers' default (sdpa)."
+            "unset (transformers' sdpa; eager for a model whose attention soft-caps, as Gemma-2's)."
         )
     if name not in FLASH_ATTENTION:
         return
@@ -189,7 +189,7 @@ def check_attention(name: str | None, device: torch.device) -> None:
         raise ConfigError(
             f"model.attn_implementation '{name}' cannot be used here: {'; '.join(reasons)}. Install {package} on "
             f"a CUDA machine (pip install {package} --no-build-isolation), or leave model.attn_implementation "
-            "unset for transformers' default (sdpa)."
+            "unset (transformers' sdpa; eager for a model whose attention soft-caps, as Gemma-2's)."
         )
 
 

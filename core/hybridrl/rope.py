@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -134,17 +135,17 @@ def loadable_folder(folder: Path, cache: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    for f in folder.resolve().iterdir():
-        if f.name != "config.json":
-            (tmp / f.name).symlink_to(f)
-    (tmp / "config.json").write_text(json.dumps(fixed, indent=2))
     try:
+        for f in folder.resolve().iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f)
+        (tmp / "config.json").write_text(json.dumps(fixed, indent=2))
         os.rename(tmp, out)
-    except OSError:  # another process made it first
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-        return out
+    except BaseException:  # half made, or another process made it first: never left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (out / "config.json").is_file():
+            return out
+        raise
     print(
         f"model: {folder} gives rope_scaling type su with original_max_position_embeddings beside it, which "
         f"transformers 5 refuses; it loads through a copy of its config.json with the length inside, in {out} "
