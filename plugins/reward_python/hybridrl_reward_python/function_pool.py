@@ -19,6 +19,10 @@ not stdout, which the user's prints keep::
 inspect's ``POSITIONAL_ONLY``... names, so the trainer can check them without importing the file.
 A coroutine function (``async def``), or a function that returns an awaitable, is run to completion
 on the worker's event loop.
+
+Each worker runs under :mod:`hybridrl_reward_python.process_tree`'s supervisor: whatever processes a
+call starts (a subprocess that runs the model's program, a daemon) end with the worker, when its call
+times out, when it crashes, and at :meth:`FunctionPool.close`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from multiprocessing import Pipe, connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
+
+from hybridrl_reward_python import process_tree
 
 
 class FunctionLoadError(Exception):
@@ -82,8 +88,9 @@ class FunctionPool:
         mine, theirs = Pipe(duplex=True)
         fd = theirs.fileno()
         cmd = [sys.executable, "-m", "hybridrl_reward_python.function_pool", str(fd), self.path, self.function]
-        # a session of its own: a Ctrl-C at the terminal is the trainer's to handle, not the workers'
-        proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        # a session of its own (a Ctrl-C at the terminal is the trainer's to handle, not the workers'), under a
+        # supervisor that ends every process the worker starts along with it
+        proc = process_tree.start(cmd, pass_fds=(fd,))
         theirs.close()  # the worker holds the only other end: its death reads as end-of-file here
         return _Worker(proc, mine, time.monotonic())
 
@@ -164,7 +171,8 @@ class FunctionPool:
         self._workers[self._workers.index(w)] = self._spawn()
 
     def close(self) -> None:
-        """Stop every worker: each exits when its pipe closes; one that does not within a second is killed."""
+        """Stop every worker: each exits when its pipe closes; one that does not within a second is killed.
+        Either way every process a worker started ends with it (:mod:`.process_tree`): none is left."""
         self._finalizer()
 
 
@@ -176,14 +184,15 @@ def _stop(workers: list[_Worker]) -> None:
         try:
             w.proc.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            _kill(w)
+            pass
+        _kill(w)  # ends what it started; waits for its supervisor, which has exited already if it did
     workers.clear()
 
 
 def _kill(w: _Worker) -> None:
+    """Ends the worker and every process it started, and waits until they are gone."""
     w.conn.close()
-    w.proc.kill()
-    w.proc.wait()
+    process_tree.stop(w.proc)
 
 
 def _exit_status(proc: subprocess.Popen) -> str:
@@ -242,7 +251,7 @@ def _error_line(e: BaseException, path: str) -> str:
 
 
 def _watch_parent() -> None:
-    """Exit when the trainer is gone, even while a call hangs."""
+    """Exit when the supervisor is gone (it ends the worker itself when the trainer is), even while a call hangs."""
     import threading
 
     parent = os.getppid()

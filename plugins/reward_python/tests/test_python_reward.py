@@ -2,6 +2,8 @@
 with a time limit per response; what reaches them, what comes back, and what a failure costs."""
 
 import json
+import os
+import sys
 import textwrap
 
 import pytest
@@ -127,6 +129,61 @@ def test_a_hanging_or_crashing_call_scores_0_names_the_response_and_the_pool_rec
         fn.close()
 
 
+DAEMON = """
+import os, time
+
+
+def compute_score(solution_str, ground_truth, pidfile):
+    # a daemon: the child forks and exits, the grandchild leaves the session and lives on
+    if os.fork() == 0:
+        if os.fork() == 0:
+            os.setsid()
+            with open(pidfile + ".part", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(pidfile + ".part", pidfile)
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    os.wait()
+    while not os.path.exists(pidfile):
+        time.sleep(0.01)
+    if solution_str == "hang":
+        time.sleep(60)
+    if solution_str == "crash":
+        os._exit(1)
+    return 1.0
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
+@pytest.mark.parametrize("then", ["hang", "crash", "return"])
+def test_a_daemon_the_function_starts_ends_with_its_worker(tmp_path, then):
+    """A call that starts a session-leaving grandchild, then times out, crashes its worker, or returns:
+    the grandchild ends with the worker that is replaced, or at close()."""
+    (tmp_path / "daemon.py").write_text(DAEMON)
+    pidfile = tmp_path / "daemon.pid"
+    fn = python_reward(
+        path=str(tmp_path / "daemon.py"), workers=1, timeout_s=1, max_error_rate=1, kwargs={"pidfile": str(pidfile)}
+    )
+    try:
+        scores, metrics = score(fn, verl_batch([then]))
+        pid = int(pidfile.read_text())
+        assert metrics["reward/python/errors"] == (0.0 if then == "return" else 1.0)
+        # a daemon of a call that went well is the function's own until close(); one of a failed call is gone
+        assert alive(pid) == (then == "return")
+    finally:
+        fn.close()
+    assert not alive(pid)
+
+
 def test_more_failures_than_max_error_rate_fail_the_step_naming_them(rewards_file):
     fn = python_reward(path=str(rewards_file), timeout_s=1, max_error_rate=0)
     try:
@@ -220,10 +277,9 @@ def test_path_is_found_beside_the_config_file(rewards_file, tmp_path, monkeypatc
 def test_a_reward_that_cannot_load_stops_the_run_before_any_model_loads(
     rewards_file, tiny_model, tmp_path, monkeypatch
 ):
-    import hybridrl.setup
-    from hybridrl.trainer import Trainer
+    import hybridrl.run
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = {
         "model": {"path": tiny_model},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
@@ -231,4 +287,4 @@ def test_a_reward_that_cannot_load_stops_the_run_before_any_model_loads(
         "trainer": {"run_dir": str(tmp_path / "run")},
     }
     with pytest.raises(ConfigError, match=r"my_rewards.py defines no function 'compute_scores'"):
-        Trainer(load_config(data=cfg)).setup()
+        hybridrl.run.build_run(load_config(data=cfg))

@@ -4,13 +4,14 @@ more, each refused or bounded; ordinary code still runs; the compiled module is 
 import dataclasses
 import json
 import os
-import signal
 import socket
+import sys
 import sysconfig
+import tempfile
 import time
 
 import pytest
-from hybridrl_reward_python import sandbox
+from hybridrl_reward_python import sandbox, sandbox_child, scratch
 from hybridrl_reward_python.sandbox import Limits, SandboxUnavailable, WasmSandbox
 from hybridrl_reward_python.tool import PythonTool
 
@@ -67,8 +68,11 @@ def test_each_call_starts_in_a_fresh_empty_folder(tool):
     assert tool({"code": "import os; print(os.listdir('.'))"}) == "[]\n"
 
 
+LIMITS = Limits(timeout_s=5, cpu_s=2, memory_mb=64, file_mb=1, disk_mb=1, output_bytes=100)
+
+
 def test_the_compiled_module_is_cached_and_a_broken_cache_is_replaced(tmp_path):
-    limits = Limits(timeout_s=5, cpu_s=2, memory_mb=64, file_mb=1, disk_mb=1, output_bytes=100)
+    limits = LIMITS
     cache = tmp_path / "cache"
     first = WasmSandbox(cache_dir=str(cache))
     assert first.run("print(1)", limits).stdout == "1\n" and first.compiles == 1
@@ -78,6 +82,67 @@ def test_the_compiled_module_is_cached_and_a_broken_cache_is_replaced(tmp_path):
     with open(again.module_path, "wb") as f:
         f.write(b"not a module")
     assert again.run("print(3)", limits).stdout == "3\n" and again.compiles == 1
+    assert oct(os.stat(again.module_path).st_mode & 0o777) == "0o600"
+
+
+def test_a_compile_cache_others_can_write_is_not_loaded_and_the_error_names_it(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    box = WasmSandbox(cache_dir=str(cache))
+    cache.mkdir()
+    planted = cache / os.path.basename(box.module_path)
+    planted.write_bytes(b"planted machine code")
+    cache.chmod(0o777)
+    started = []
+    monkeypatch.setattr(sandbox, "_spawn", lambda *a, **k: started.append(a) or pytest.fail("a child was started"))
+    refusal = rf"{cache} can be written by other users \(mode 777\).*Remove {cache}"
+    with pytest.raises(SandboxUnavailable, match=refusal):
+        box.run("print(1)", LIMITS)
+    assert started == [] and planted.read_bytes() == b"planted machine code"  # neither loaded nor replaced
+
+
+def test_the_child_refuses_an_untrusted_cache_even_when_the_trainer_checked_it_before(tmp_path, monkeypatch):
+    """A folder or file swapped in after the trainer's check: the loader checks what it opens."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    module = cache / "module.cwasm"
+    module.write_bytes(b"planted machine code")
+    module.chmod(0o600)
+    os.close(sandbox_child.open_trusted(str(module)))  # this user's, and nobody else can write it
+    for path, mode in ((module, 0o666), (cache, 0o777)):
+        path.chmod(mode)
+        with pytest.raises(PermissionError, match=rf"{path} can be written by other users \(mode {mode:o}\)"):
+            sandbox_child.open_trusted(str(module))
+    # through the child itself, the trainer's check skipped: it reports the cache untrusted, loads nothing
+    box = WasmSandbox(cache_dir=str(cache))
+    os.replace(module, box.module_path)
+    monkeypatch.setattr(sandbox_child, "untrusted", lambda path, st: None)  # in the trainer only
+    with pytest.raises(SandboxUnavailable, match=rf"cannot load its compiled module .*: {cache} can be written"):
+        box.run("print(1)", LIMITS)
+    assert open(box.module_path, "rb").read() == b"planted machine code" and box.compiles == 0
+
+
+def test_a_module_others_could_write_is_compiled_again(tmp_path, capfd, monkeypatch):
+    cache = tmp_path / "cache"
+    box = WasmSandbox(cache_dir=str(cache))
+    cache.mkdir(mode=0o700)
+    with open(box.module_path, "wb") as f:
+        f.write(b"planted machine code")
+    os.chmod(box.module_path, 0o666)
+    calls = []
+    run_once = WasmSandbox._run_once
+    monkeypatch.setattr(WasmSandbox, "_run_once", lambda self, *a: calls.append(1) or run_once(self, *a))
+    assert box.run("print(1)", LIMITS).stdout == "1\n"
+    assert calls == [1] and box.compiles == 1  # never tried: compiled again first
+    assert f"{box.module_path} can be written by other users (mode 666): not loaded" in capfd.readouterr().err
+    assert oct(os.stat(box.module_path).st_mode & 0o777) == "0o600"
+
+
+def test_a_cache_of_another_user_is_not_trusted(tmp_path, monkeypatch):
+    st = os.stat(tmp_path)
+    assert sandbox_child.untrusted(str(tmp_path), st) is None
+    monkeypatch.setattr(os, "getuid", lambda: st.st_uid + 1)
+    why = sandbox_child.untrusted(str(tmp_path), st)
+    assert why == f"{tmp_path} belongs to user id {st.st_uid}, not to this user ({st.st_uid + 1})"
 
 
 # -- escapes reported against the audit hook, and more ----------------------------------------
@@ -263,11 +328,89 @@ def test_sandbox_none_warns_and_still_bounds_time_and_output(capfd):
     assert "without a sandbox" in capfd.readouterr().err
     assert tool({"code": "print(6 * 7)"}) == "42\n"
     assert "more than 1 s of CPU" in refused(tool, "while True: pass")
-    # a child in a session of its own keeps stdout open: the call still ends when the program does
-    code = "import subprocess\np = subprocess.Popen(['sleep', '20'], start_new_session=True)\nprint(p.pid)"
-    start = time.monotonic()
-    pid = int(tool({"code": code}))
+
+
+# The program starts a daemon that keeps stdout open (the child forks and exits, the grandchild leaves
+# the session and writes its pid to {pidfile}), then ends, or runs into the time limit.
+DAEMON = """
+import os, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        os.setsid()
+        with open({pidfile!r} + ".part", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename({pidfile!r} + ".part", {pidfile!r})
+        time.sleep(600)
+        os._exit(0)
+    os._exit(0)
+os.wait()
+while not os.path.exists({pidfile!r}):
+    time.sleep(0.01)
+print("started")
+if {hang}:
+    time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
     try:
-        assert time.monotonic() - start < 10  # it used to wait for the child: 20 s
-    finally:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
+@pytest.mark.parametrize("hang", [False, True])
+def test_sandbox_none_ends_the_processes_the_program_started(tmp_path, hang):
+    tool = PythonTool(PythonTool.Options(sandbox="none", timeout_s=2, cpu_s=1), None)
+    code = DAEMON.format(pidfile=str(tmp_path / "daemon.pid"), hang=hang)
+    if hang:
+        assert "longer than 2 s" in refused(tool, code)
+    else:
+        assert tool({"code": code}) == "started\n"  # the call ends with the program, not with the daemon
+    assert not alive(int((tmp_path / "daemon.pid").read_text()))
+
+
+# -- the scratch folder ---------------------------------------------------------------------
+
+# 1,500 folders, one in the other: past the recursion limit of a recursive removal. (Past about 2,000
+# the path passes PATH_MAX: the watchdog, which sums the folder by path, then counts it as over disk_mb
+# and stops the program; test_scratch.py removes 3,000.)
+DEEP = """
+import os
+fd = os.open(".", os.O_RDONLY)
+for _ in range(1500):
+    os.mkdir("d", dir_fd=fd)
+    inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = inner
+print("deep")
+"""
+
+
+@pytest.mark.parametrize("kind", ["wasm", "none"])
+def test_a_deeply_nested_scratch_folder_is_removed(kind, tmp_path, monkeypatch, capfd):
+    # limits far above what it takes (the watchdog sums the folder every 0.1 s, on the child's CPU time)
+    tool = PythonTool(PythonTool.Options(sandbox=kind, timeout_s=60, cpu_s=30, memory_mb=256), None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert tool({"code": DEEP}) == "deep\n"
+    assert os.listdir(tmp_path) == [] and "left behind" not in capfd.readouterr().err
+
+
+def test_a_scratch_folder_that_cannot_be_removed_is_reported(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tool = PythonTool(PythonTool.Options(sandbox="none"), None)
+
+    def busy(path, *, dir_fd=None):
+        raise OSError(16, "Device or resource busy", path)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    assert tool({"code": "import os; os.mkdir('x'); print(1)"}) == "1\n"
+    monkeypatch.undo()
+    (left,) = os.listdir(tmp_path)
+    assert (
+        f"warning: python tool: a call's scratch folder was left behind: could not remove {tmp_path / left}: "
+        "[Errno 16] Device or resource busy: 'x' (and 1 more failures). Remove it by hand."
+    ) in capfd.readouterr().err
+    scratch.remove_tree(str(tmp_path / left))
