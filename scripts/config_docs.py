@@ -22,7 +22,6 @@ SECTIONS = [
     ("sharding", config.ShardingConfig, "sharding strategy"),
     ("trainer", config.TrainerConfig, None),
     ("logging", config.LoggingConfig, "logger"),
-    ("online", config.OnlineConfig, None),
 ]
 
 
@@ -59,9 +58,22 @@ def main() -> str:
         "  (`trainer.run_dir`, tracker folders) is relative to the current directory.",
         "- **on/off**: YAML reads `on`, `off`, `yes` and `no` as booleans; an option whose words are `on`/`off`",
         "  (`compile`, `rollout_correction`, ...) takes them as those words.",
-        "- **Secrets**: `${env:VAR}` in any string is the environment variable VAR; the run's `config.yaml`",
-        "  writes the reference again, and other values under secret-looking keys (`api_key`, `token`) as",
-        "  `<redacted>`.",
+        "- **Secrets**: `${env:VAR}` in any string is the environment variable VAR; the run's `config.yaml`,",
+        "  its logs (sample text, metric names) and the dashboard write the reference again wherever the value",
+        "  would appear (values of 8 characters or more; a shorter one only at its own key). An option that is",
+        "  a secret (`api_key`, `token`) has the type `Secret`: no dump, log or error shows it, and `config.yaml`",
+        "  writes `<redacted>`. Free-form options (`engine_kwargs`, a reward's `kwargs`) are scrubbed by shape:",
+        "  strings under keys named like `Authorization`, `*_token`, `*_key`, `*_keys`, `*_tokens` (not",
+        "  `max_tokens`), `*_secret`, `*_password`, `bearer` or `cookie` become `<redacted>`, and so do bearer",
+        "  credentials, the user-info of URLs (`https://<redacted>@host`) and secret query values",
+        "  (`?api_key=<redacted>`) in any string. A config with `<redacted>` in it, run again, is refused with",
+        "  a message naming the key: give the secret as `${env:VAR}` or with an override.",
+        "- **YAML** is read with PyYAML's safe loader and limits of hybridrl's own, since PyYAML has none and",
+        '  no maintained loader adds them: a document whose aliases expand it past 100,000 values (a "billion',
+        '  laughs") or into itself, an integer of more than 100 digits, a number that is not finite (`.inf`,',
+        "  `1.0e+400`) and nesting deeper than Python reads are each one error naming the file, line and column,",
+        "  before anything expands. Anchors and aliases within that (`<<: *defaults`) work as usual. `hybridrl",
+        "  import` reads verl's and TRL's files the same way (and JSON files with the same number limits).",
         "- **The run's `config.yaml`** holds every option, the plugins' defaults included: rerunning it runs",
         "  the same configuration even after a default changes.",
         "",
@@ -77,6 +89,9 @@ def main() -> str:
                 if entry.cls.__doc__:
                     out += [" ".join(entry.cls.__doc__.split()), ""]
                 out += (table(opts) if opts.model_fields else [f"No options of its own in `{where}`."]) + [""]
+    for name, entry in sorted(plugins.config_sections().items()):  # top-level sections of plugins (serve's online)
+        out += [f"## `{name}`", "", f"The section of the plugin `{entry.plugin}` ({entry.package}).", ""]
+        out += table(entry.cls) + [""]
     return "\n".join(out)
 
 

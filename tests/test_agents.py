@@ -232,25 +232,27 @@ def run_config(model, run_dir, agent, **rollout):
 
 
 def test_multi_turn_grpo_trains_on_sampled_tokens(tiny_model, tmp_path, register_plugin):
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     register_plugin(Plugins(), name="agent-plugins")
     register_plugin(SevensPlugin(), name="sevens")
     cfg = run_config(tiny_model, tmp_path / "run", {"environment": "go_on", "max_turns": 3})
-    metrics = Trainer(load_config(data=cfg)).train()
+    metrics = Trainer(build_run(load_config(data=cfg))).train()
     assert metrics["agent/turns_mean"] > 1 and metrics["agent/observation_tokens_mean"] > 0
     assert metrics["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on every sampled token
     assert metrics["agent/trajectory_length_mean"] > metrics["response_length/mean"]
 
 
 def test_an_environment_that_raises_is_named(tiny_model, tmp_path, register_plugin):
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     register_plugin(Plugins(), name="agent-plugins")
     register_plugin(SevensPlugin(), name="sevens")
     cfg = run_config(tiny_model, tmp_path / "run", {"environment": "broken"})
     with pytest.raises(StageError, match="environment 'broken' failed in step: KeyError: 'no such state'"):
-        Trainer(load_config(data=cfg)).train()
+        Trainer(build_run(load_config(data=cfg))).train()
 
 
 def test_agent_config_errors_name_the_choices(tiny_model, tmp_path, register_plugin):

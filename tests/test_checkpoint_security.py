@@ -4,6 +4,7 @@ skipped on resume. The fsdp reader on a process group of one, and a resume by tw
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import yaml
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed
 from hybridrl.config import load_config
+from hybridrl.run import build_run
 from hybridrl.testing import small_model, torchrun
 from hybridrl.trainer import Trainer
 
@@ -45,7 +47,7 @@ def config(model, run_dir, **trainer):
 def trained(tiny_model, tmp_path_factory):
     """A run with checkpoints step-000001 and step-000002, copied afresh by each test."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    Trainer(load_config(data=config(tiny_model, run))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, run)))).train()
     return run
 
 
@@ -58,7 +60,9 @@ def run(trained, tmp_path):
 
 
 def resume(tiny_model, run, steps=2) -> Trainer:
-    trainer = Trainer(load_config(data=config(tiny_model, run, steps=steps), overrides=["trainer.resume=true"]))
+    trainer = Trainer(
+        build_run(load_config(data=config(tiny_model, run, steps=steps), overrides=["trainer.resume=true"]))
+    )
     trainer.train()
     return trainer
 
@@ -132,17 +136,16 @@ def test_fsdp_metadata_may_point_only_at_files_of_its_folder(fsdp, tmp_path):
 
 
 def test_state_files_run_no_code_even_with_meta_json_rewritten(tiny_model, run, tmp_path):
-    trainer = Trainer(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"]))
-    trainer.setup()
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"])))
     path = ckpt.latest_checkpoint(run)
     marker = tmp_path / "ran"
     with open(path / "state.pt", "wb") as f:
         pickle.dump({"step": Payload(marker)}, f, protocol=2)
     with pytest.raises(ckpt.CheckpointError, match=r"step-000002/state.pt has \d+ bytes, not the \d+ written"):
-        ckpt.load_checkpoint(trainer, path)
+        ckpt.load_checkpoint(trainer.run, trainer.stateful_components(), path)
     relist(path)  # the list is no signature; the reader is what refuses
     with pytest.raises(ckpt.CheckpointError, match=r"state.pt holds more than tensors and plain data: .*posix.mkdir"):
-        ckpt.load_checkpoint(trainer, path)
+        ckpt.load_checkpoint(trainer.run, trainer.stateful_components(), path)
     assert not marker.exists()
 
 
@@ -162,12 +165,11 @@ def flip_last_byte(file):
     ids=["changed", "missing", "added", "unlisted"],
 )
 def test_a_checkpoint_changed_since_its_run_wrote_it_is_refused(tiny_model, run, damage, message):
-    trainer = Trainer(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"]))
-    trainer.setup()
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"])))
     path = ckpt.latest_checkpoint(run)
     damage(path)
     with pytest.raises(ckpt.CheckpointError, match=message):
-        ckpt.load_checkpoint(trainer, path)
+        ckpt.load_checkpoint(trainer.run, trainer.stateful_components(), path)
 
 
 def test_export_refuses_a_link_in_the_checkpoint(run, tmp_path):
@@ -262,3 +264,161 @@ def test_two_torchrun_ranks_skip_the_same_damaged_fsdp_checkpoints(tiny_model, t
     assert warnings[2].startswith(f"warning: checkpoint step-000002 cannot be loaded ({shard} has ")
     assert all(w.endswith("resuming from step-000001 instead.") for w in warnings)
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_rotation_counts_only_the_runs_own_checkpoints(tmp_path):
+    """A stray folder named like a later step, or one that does not verify, is neither counted nor
+    deleted: keep_last: 1 keeps the checkpoint just written (it deleted it for step-999999 before)."""
+    from hybridrl.checkpoint_files import META, file_list
+
+    root = ckpt.checkpoint_dir(tmp_path)
+
+    def written(step: int):
+        path = root / f"step-{step:06d}"
+        path.mkdir(parents=True)
+        (path / "state.pt").write_bytes(b"x" * step)
+        (path / META).write_text(json.dumps({"step": step, "files": file_list(path)}))
+        return path
+
+    old, damaged, newest = written(1), written(2), written(3)
+    (damaged / "state.pt").write_bytes(b"changed")  # no longer what its meta.json says
+    stray = root / "step-999999"
+    stray.mkdir()
+    assert ckpt.rotate(tmp_path, 1, newest) == [old]
+    assert not old.exists() and damaged.is_dir() and newest.is_dir() and stray.is_dir()
+    assert ckpt.rotate(tmp_path, 2, newest) == []  # the damaged one is not counted: nothing else to drop
+
+
+# -- full-file digests; export and eval check the checkpoint as a resume does ---------------------------
+
+
+def test_every_file_is_listed_with_its_full_sha256_and_a_same_size_change_of_a_large_one_is_refused(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Files over DIGEST_MAX_BYTES (patched down: the weights, the optimizer state are such files) had their
+    size alone in meta.json, so a same-size change passed. Now every file has the SHA-256 taken as it was
+    written; a size-only entry (the old format) is still accepted for such a file."""
+    from hybridrl import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "DIGEST_MAX_BYTES", 64)
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
+    path = ckpt.save_checkpoint(trainer.run, trainer.stateful_components(), 1)
+    files = json.loads((path / "meta.json").read_text())["files"]
+    assert {"optimizer.pt", "state.pt", "policy/model.safetensors"} <= files.keys()
+    assert all(entry.get("sha256") == checkpoint_files.sha256(path / rel) for rel, entry in files.items())
+    weights = path / "policy" / "model.safetensors"
+    flip_last_byte(weights)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"{weights} differs from the file its run wrote")):
+        ckpt.verify(path)
+    assert sum(not _verifies(path, share=(k, 2)) for k in (0, 1)) == 1  # two ranks, each hashing half the files
+    flip_last_byte(weights)  # back as written; then meta.json as an earlier hybridrl wrote it: its size alone
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]["policy/model.safetensors"]["sha256"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert ckpt.verify(path)["step"] == 1
+
+
+def _verifies(path, **kwargs) -> bool:
+    try:
+        ckpt.verify(path, **kwargs)
+    except ckpt.CheckpointError:
+        return False
+    return True
+
+
+def export(*args) -> tuple[int, str]:
+    """``hybridrl export ARGS`` in this process: its exit status and what it wrote to stderr."""
+    import contextlib
+    import io
+
+    from hybridrl.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["export", *map(str, args)])
+    return code, err.getvalue()
+
+
+def test_export_checks_the_policy_as_a_resume_does_and_copies_a_hard_link_as_a_new_file(run, tmp_path):
+    path = ckpt.latest_checkpoint(run)
+    weights, elsewhere = path / "policy" / "model.safetensors", tmp_path / "elsewhere.safetensors"
+    os.link(weights, elsewhere)  # the same file under a name outside the checkpoint
+    code, err = export(path, tmp_path / "hf")
+    assert code == 0, err
+    copied = tmp_path / "hf" / "model.safetensors"
+    assert copied.read_bytes() == weights.read_bytes() and copied.stat().st_nlink == 1
+    assert copied.stat().st_ino not in {weights.stat().st_ino, elsewhere.stat().st_ino}
+    flip_last_byte(elsewhere)  # changed through the other name: the checkpoint's file changed with it
+    code, err = export(path, tmp_path / "hf2")
+    assert (
+        code == 2
+        and err == f"error: {weights} differs from the file its run wrote (SHA-256 in {path / 'meta.json'}).\n"
+    )
+    assert not (tmp_path / "hf2").exists() and not list(tmp_path.glob(".hf2*"))
+
+
+def test_export_onto_a_file_is_one_error_line(run, tmp_path):
+    (tmp_path / "model.bin").write_text("not a folder")
+    code, err = export(ckpt.latest_checkpoint(run), tmp_path / "model.bin")
+    assert (
+        code == 2
+        and err
+        == f"error: {tmp_path / 'model.bin'} is a file; hybridrl export writes a folder. Give a new folder's path.\n"
+    )
+
+
+def test_export_on_a_full_disk_is_one_error_line_and_leaves_no_half_written_folder(run, tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    real_copyfile = shutil.copyfile
+    copied = []
+
+    def copyfile(src, dst, **kwargs):  # the first file fits, the second fills the disk
+        if copied:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        copied.append(real_copyfile(src, dst, **kwargs))
+        return dst
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+    code, err = export(ckpt.latest_checkpoint(run), tmp_path / "out" / "hf")
+    assert code == 1 and copied and err.count("\n") == 1
+    assert err.startswith(f"error: hybridrl export: {tmp_path / 'out'} is full (") and " GiB free" in err
+    assert list((tmp_path / "out").iterdir()) == []  # neither the folder nor its temporary sibling
+
+
+def test_eval_checks_the_checkpoint_it_evaluates(tiny_model, run):
+    from hybridrl import evaluation
+
+    path = ckpt.latest_checkpoint(run)
+    cfg = load_config(data=config(tiny_model, run))
+    assert evaluation.model_to_evaluate(cfg, str(path), None) == (f"checkpoint {path}", 2)
+    flip_last_byte(path / "policy" / "config.json")
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"{path / 'policy' / 'config.json'} differs from")):
+        evaluation.model_to_evaluate(load_config(data=config(tiny_model, run)), str(path), None)
+
+
+def test_merged_export_on_a_full_disk_is_one_error_line_too(tiny_model, tmp_path, monkeypatch):
+    """``export --merged`` writes through safetensors, whose error words a full disk its own way."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import PreTrainedModel
+
+    from hybridrl.checkpoint_files import META, file_list
+    from hybridrl.models import load_causal_lm, load_tokenizer
+
+    step = ckpt.checkpoint_dir(tmp_path / "run") / "step-000001"
+    model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    get_peft_model(model, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(step / "policy")
+    load_tokenizer(tiny_model).save_pretrained(step / "policy")
+    (step / META).write_text(json.dumps({"step": 1, "files": file_list(step)}))
+
+    def full(self, *args, **kwargs):  # the message safetensors gives (its SafetensorError is no OSError)
+        raise RuntimeError('Error while serializing: IoError(Os { code: 28, message: "No space left on device" })')
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    code, err = export(step, tmp_path / "out" / "hf", "--merged")
+    last = err.replace("\r", "\n").splitlines()[-1]  # after transformers' loading bar
+    assert code == 1 and last.startswith(f"error: hybridrl export: {tmp_path / 'out'} is full (")
+    assert list((tmp_path / "out").iterdir()) == []

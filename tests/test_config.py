@@ -4,10 +4,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import Field
 
 from hybridrl import plugins
+from hybridrl.components import Options
 from hybridrl.config import ConfigError, apply_overrides, load_config
 from hybridrl.config_files import dump_config
+from hybridrl.hookspecs import hookimpl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,3 +197,106 @@ def test_prompts_shared_and_sequences_packed_at_once_is_refused():
     with pytest.raises(ConfigError, match="share_prompts and trainer.pack_sequences are both true"):
         load({"trainer": {"share_prompts": True, "pack_sequences": True}})
     assert load({"trainer": {"share_prompts": True}}).trainer.pack_sequences == "auto"
+
+
+class ReportOptions(Options):
+    every: int = Field(10, gt=0)
+    title: str = "run"
+
+
+class ReportSection:
+    """A plugin that owns a top-level section of the run config, as hybridrl-serve owns 'online'."""
+
+    def __init__(self, name="report"):
+        self.name = name
+
+    @hookimpl
+    def register_config_sections(self, register):
+        register(self.name, ReportOptions)
+
+
+def test_a_plugin_section_is_validated_overridden_and_written_out(register_plugin, tmp_path):
+    register_plugin(ReportSection(), name="report-plugin")
+    cfg = load({"report": {"every": 5}}, overrides=["report.title=mine"])
+    assert (cfg.section("report").every, cfg.section("report").title) == (5, "mine")
+    assert cfg.complete()["report"] == {"every": 5, "title": "mine"}
+    assert yaml.safe_load(dump_config(cfg))["report"] == {"every": 5, "title": "mine"}  # the run's config.yaml
+    assert load().section("report") == ReportOptions()  # left out: the defaults
+    assert load_config(data=yaml.safe_load(dump_config(cfg))).section("report").title == "mine"
+    with pytest.raises(ConfigError, match=r"^Unknown key 'evry' in report \(plugin 'report-plugin'\)\. Did you mean"):
+        load({"report": {"evry": 5}})
+    with pytest.raises(ConfigError, match=r"^report.every: Input should be greater than 0"):
+        load(overrides=["report.every=0"])
+
+
+def test_an_unknown_top_level_key_lists_the_core_sections_and_the_plugins(register_plugin):
+    register_plugin(ReportSection(), name="report-plugin")
+    with pytest.raises(ConfigError) as e:
+        load({"reprot": {}})
+    msg = str(e.value)
+    assert msg.startswith("Unknown key 'reprot' in the top level. Did you mean 'report'? Valid keys: algorithm, ")
+    assert "trainer; and the plugins' sections: " in msg and "report (plugin 'report-plugin')" in msg
+
+
+def test_a_plugin_section_named_as_a_core_section_is_refused(register_plugin):
+    register_plugin(ReportSection("trainer"), name="greedy-plugin")
+    with pytest.raises(ConfigError, match="'greedy-plugin' .* registers the config section 'trainer', a section of"):
+        load()
+
+
+def test_a_negative_weight_decay_is_refused():
+    with pytest.raises(ConfigError, match=r"trainer\.weight_decay"):
+        load(overrides=["trainer.weight_decay=-1e9"])
+    assert load(overrides=["trainer.weight_decay=0.1"]).trainer.weight_decay == 0.1
+
+
+def laughs(levels: int) -> str:
+    """A "billion laughs": each level a list of ten aliases of the one before (10**levels values)."""
+    lines = ['a0: &a0 ["lol"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_that_would_stop_the_process_is_one_error_line(tmp_path):
+    """Aliases that expand a document (a billion laughs) or make it hold itself, integers longer than
+    int() reads, numbers that are not finite and nesting deeper than Python recurses: each one
+    ConfigError line naming the file, before anything expands (PyYAML has no such limits of its own)."""
+    from hybridrl.config_files import load_yaml
+
+    path = tmp_path / "cfg.yaml"
+    cases = [
+        (yaml.safe_dump(BASE) + laughs(6), r"its aliases expand it to more than 100,000 values"),
+        (yaml.safe_dump(BASE) + "x: &x [*x]\n", r"an alias at line \d+ refers to a value that holds it"),
+        (yaml.safe_dump(BASE) + f"trainer: {{steps: {'7' * 100_000}}}\n", r"77777777777777777777 is out of range"),
+        (yaml.safe_dump(BASE) + "trainer: {lr: 1.0e+400}\n", r"1\.0e\+400 is out of range \(line \d+, column \d+\)"),
+        ("model: " + "[" * 20_000 + "]" * 20_000 + "\n", "it nests values too deep to read"),
+    ]
+    for text, message in cases:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^{path} is not valid YAML.*{message}") as e:
+            load_config(path)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="Override 'rewards.0.kwargs=.*' is not valid YAML.*out of range"):
+        load(overrides=["rewards.0.kwargs={scale: .inf}"])
+    with pytest.raises(ConfigError, match="Override 'trainer.x=.*' is not valid YAML.*too deep"):
+        load(overrides=["trainer.x=" + "[" * 20_000 + "]" * 20_000])
+    with pytest.raises(ConfigError, match="more than 100,000 values"):
+        load_yaml(laughs(9), "laughs.yaml")  # a billion, refused as fast as the thousand
+    text = "base: &base {n: 4, temperature: 0.7}\nrollout: {<<: *base, n: 8}\n"
+    assert load_yaml(text, "ok.yaml")["rollout"] == {"n": 8, "temperature": 0.7}  # aliases a config needs still work
+
+
+def test_hybridrl_import_reads_files_with_the_same_limits(tmp_path):
+    migrate = pytest.importorskip("hybridrl_migrate")
+    cases = [
+        ("a.yaml", laughs(9), "its aliases expand it to more than 100,000 values"),
+        ("b.json", '{"lr": 1e400}', "the number 1e400 is out of range"),
+        ("c.json", '{"n": ' + "7" * 100_000 + "}", "the number 77777777777777777777 is out of range"),
+        ("d.json", '{"x": NaN}', "the number NaN is out of range"),
+        ("e.json", '{"x": ' + "[" * 20_000 + "]" * 20_000 + "}", "not valid JSON: maximum recursion depth"),
+        ("f.yaml", "x: " + "[" * 20_000 + "]" * 20_000, "too deep"),
+    ]
+    for name, text, message in cases:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=message) as e:
+            migrate.read_file(str(tmp_path / name))
+        assert "\n" not in str(e.value) and name in str(e.value)

@@ -10,6 +10,7 @@ import torch
 
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
@@ -19,7 +20,7 @@ class StepRecorder:
         self.steps, self.started, self.ended = [], False, False
 
     @hookimpl
-    def on_train_start(self, trainer):
+    def on_train_start(self, run):
         self.started = True
 
     @hookimpl
@@ -56,7 +57,7 @@ def test_grpo_learns_a_simple_reward(tiny_model, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     recorder = register_plugin(StepRecorder(), name="recorder")
     cfg = load_config(data=tiny_config(tiny_model, tmp_path / "run"))
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]
@@ -97,7 +98,7 @@ def test_the_run_freezes_its_heap_at_start_and_after_step_1_and_logs_each_steps_
     register_plugin(SevensPlugin(), name="sevens")
     recorder = register_plugin(FreezeRecorder(), name="freeze-recorder")
     cfg = load_config(data=tiny_config(tiny_model, tmp_path / "run", steps=3))
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
 
     first, second, *later = recorder.frozen
     assert first > 10_000  # torch, transformers, the models: frozen when the run starts
@@ -113,7 +114,7 @@ def test_several_updates_per_step_use_old_logprobs(tiny_model, tmp_path, registe
     cfg = load_config(
         data=tiny_config(tiny_model, tmp_path / "run", steps=2, mini_batch_size=16, micro_batch_size=8, epochs=2)
     )
-    metrics = Trainer(cfg).train()
+    metrics = Trainer(build_run(cfg)).train()
     assert metrics["actor/ppo_kl"] != 0.0  # the second minibatch sees a policy that moved
     assert metrics["rollout/logprob_diff_mean"] < 1e-4  # old logprobs computed before any update
 
@@ -165,4 +166,4 @@ def test_unavailable_device_is_named(device, tiny_model, tmp_path, register_plug
     register_plugin(SevensPlugin(), name="sevens")
     cfg = load_config(data=tiny_config(tiny_model, tmp_path / "run", device=device))
     with pytest.raises(ValueError, match="trainer.device is 'cuda', but torch sees no CUDA device"):
-        Trainer(cfg).train()
+        build_run(cfg)

@@ -14,6 +14,7 @@ from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
 from hybridrl.evaluation import pass_at_k, summarize
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin, torchrun
 from hybridrl.trainer import Trainer
 
@@ -136,9 +137,9 @@ def test_two_sets_of_one_name_are_refused():
 
 
 def no_model_loads(monkeypatch):
-    import hybridrl.setup
+    import hybridrl.run
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 def write_jsonl(path, rows):
@@ -150,7 +151,7 @@ def test_a_set_that_yields_no_prompts_is_refused_before_any_model_loads(tiny_mod
     no_model_loads(monkeypatch)
     empty = {"name": "empty", "source": "hf", "path": "json", "data_files": write_jsonl(tmp_path / "e.jsonl", [])}
     with pytest.raises(ConfigError, match=r"data.eval\[0\].*yields no prompts") as e:
-        Trainer(load_config(data=config(tiny_model, tmp_path / "run", [empty]))).setup()
+        build_run(load_config(data=config(tiny_model, tmp_path / "run", [empty])))
     assert len(str(e.value).splitlines()) == 1
 
 
@@ -161,7 +162,7 @@ def test_a_reward_that_needs_an_answer_the_set_lacks_is_refused_before_any_model
     questions = write_jsonl(tmp_path / "q.jsonl", [{"question": "1 + 1 =", "data_source": "toy"}])
     eval_set = {"name": "toy", "source": "hf", "path": questions, "rewards": [{"function": "answer_match"}]}
     with pytest.raises(ConfigError) as e:
-        Trainer(load_config(data=config(tiny_model, tmp_path / "run", [eval_set]))).setup()
+        build_run(load_config(data=config(tiny_model, tmp_path / "run", [eval_set])))
     message = str(e.value)
     assert len(message.splitlines()) == 1
     assert "data.eval[0] (set 'toy'): reward 'answer_match' (function 'answer_match') reads the rows' answer" in message
@@ -175,9 +176,9 @@ class EvaluateAgain:
     """At the end of training (the engine still open): evaluate once more, with the random state around."""
 
     @hookimpl
-    def on_train_end(self, trainer):
+    def on_train_end(self, run):
         self.before = torch.get_rng_state(), random.getstate()
-        self.results = trainer.evaluation.evaluate(3)
+        self.results = run.evaluation.evaluate(3)
         self.state = torch.get_rng_state(), random.getstate()
 
 
@@ -185,10 +186,10 @@ def test_eval_is_logged_at_its_steps_saves_its_samples_and_changes_no_training(
     tiny_model, tmp_path, sevens, register_plugin
 ):
     plain = tmp_path / "plain"
-    Trainer(load_config(data=config(tiny_model, plain))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, plain)))).train()
     run = tmp_path / "eval"
     again = register_plugin(EvaluateAgain(), name="again")
-    Trainer(load_config(data=config(tiny_model, run, [HELD_OUT, SAMPLED], eval_every=2))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, run, [HELD_OUT, SAMPLED], eval_every=2)))).train()
 
     assert training(run) == training(plain)  # bit for bit: no random state, seed or engine figure moved
     evals = [r for r in rows(run) if "eval/held/mean@1" in r]
@@ -213,10 +214,12 @@ def test_eval_is_logged_at_its_steps_saves_its_samples_and_changes_no_training(
 
 def test_a_resumed_run_with_eval_is_the_uninterrupted_one(tiny_model, tmp_path, sevens):
     straight = tmp_path / "straight"
-    Trainer(load_config(data=config(tiny_model, straight, [HELD_OUT], steps=4, eval_every=3))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, straight, [HELD_OUT], steps=4, eval_every=3)))).train()
     resumed = tmp_path / "resumed"
-    Trainer(load_config(data=config(tiny_model, resumed, [HELD_OUT], steps=2, eval_every=3))).train()
-    Trainer(load_config(data=config(tiny_model, resumed, [HELD_OUT], steps=4, eval_every=3, resume=True))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, resumed, [HELD_OUT], steps=2, eval_every=3)))).train()
+    Trainer(
+        build_run(load_config(data=config(tiny_model, resumed, [HELD_OUT], steps=4, eval_every=3, resume=True)))
+    ).train()
 
     assert training(resumed) == training(straight)
     # the interrupted run evaluated after its last step (2) as well; the resumed one did not evaluate again
@@ -245,7 +248,7 @@ def test_with_rollout_async_eval_changes_no_queued_batch(tiny_model, tmp_path, s
     for name, sets in [("plain", []), ("eval", [HELD_OUT])]:
         cfg = config(tiny_model, tmp_path / name, sets, steps=4, eval_every=1)
         cfg["rollout"] |= {"engine": "hf_apart", "async": 1}
-        trainer = Trainer(load_config(data=cfg))
+        trainer = Trainer(build_run(load_config(data=cfg)))
         trainer.train()
         assert trainer.prefetch is not None
         runs[name] = training(tmp_path / name)
@@ -264,7 +267,7 @@ def test_the_eval_command_reports_a_checkpoint_the_base_model_and_a_folder(tiny_
     cfg["rewards"] = [{"function": "format", "pattern": "7"}]
     path = tmp_path / "cfg.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    Trainer(load_config(path)).train()
+    Trainer(build_run(load_config(path))).train()
     trained = [r for r in rows(tmp_path / "run") if r["step"] == 1 and "eval/held/score" in r][0]
 
     def cli(*args):

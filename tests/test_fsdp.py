@@ -80,22 +80,25 @@ def config(model_path, run_dir, strategy="single", **sections):
 
 def one_step(model, run_dir, strategy: str, case: dict) -> tuple[dict, dict]:
     """Full parameters after one update of the trainer on the fixed batch, and its metrics."""
+    import dataclasses
+
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     sections = {k: v for k, v in case.items() if k != "drop_group"}
-    trainer = Trainer(load_config(data=config(model, run_dir, strategy, **sections)))
-    trainer.setup()
-    params = [p for p in trainer.policy.parameters() if p.requires_grad]
-    trainer.optimizer = torch.optim.SGD(params, lr=LR)
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
-    batch = fixed_batch(trainer.tokenizer, LENGTHS, case.get("drop_group"))
-    batch = even_out(batch, batch).to(trainer.ctx.device)
+    run = build_run(load_config(data=config(model, run_dir, strategy, **sections)))
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    trainer = Trainer(dataclasses.replace(run, optimizer=optimizer, scheduler=scheduler))  # the run, with SGD
+    batch = fixed_batch(run.tokenizer, LENGTHS, case.get("drop_group"))
+    batch = even_out(batch, batch).to(run.ctx.device)
     trainer.compute_logprobs(batch)
-    trainer.algorithm.compute_advantages(batch)
+    run.algorithm.compute_advantages(batch)
     metrics = trainer.update(batch, step=1)
     full = {name: t.clone() for name, t in trainer.policy_tensors()}  # LoRA: merged, base names
-    trainer.engine.close()
+    run.engine.close()
     return full, metrics
 
 
@@ -336,14 +339,14 @@ def under_torchrun(monkeypatch, world: int):
 )
 def test_config_that_cannot_split_over_ranks_is_refused(tiny_model, tmp_path, monkeypatch, strategy, trainer, message):
     from hybridrl.config import ConfigError, load_config
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import build_run
 
     data = config(tiny_model, tmp_path / "run", strategy, trainer=trainer)
     data["rollout"]["n"] = 3  # 12 responses a step: a mini-batch of 3 is valid on one process
     cfg = load_config(data=data)
     under_torchrun(monkeypatch, 2)
     with pytest.raises(ConfigError, match=message):
-        Trainer(cfg).setup_distributed()  # before any process group or model
+        build_run(cfg)  # before any process group or model
     assert not distributed.initialized()
 
 
@@ -463,20 +466,21 @@ def stall_worker(config_path: str) -> None:
     import time
 
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
-    trainer = Trainer(load_config(config_path))
+    trainer = Trainer(build_run(load_config(config_path)))
     real = Trainer.step
 
     def step(self, n):
         if n == 2 and distributed.rank() == 1:
-            sync = self.engine.update_weights
+            sync = self.run.engine.update_weights
 
             def stalled(named_tensors):
                 time.sleep(60)
                 sync(named_tensors)
 
-            self.engine.update_weights = stalled
+            self.run.engine.update_weights = stalled
         return real(self, n)
 
     Trainer.step = step
@@ -524,14 +528,17 @@ def test_ranks_that_finished_leave_the_process_group_together(monkeypatch):
 def test_train_leaves_together_only_when_the_run_finished(tiny_model, tmp_path, monkeypatch):
     """Trainer.train asks the ranks to leave together after its last step, not after a failure."""
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     left = []
     monkeypatch.setattr(distributed, "teardown", lambda together=False: left.append(together))
     cfg = config(tiny_model, tmp_path / "ok", trainer={"save_final": False, "eval_before_train": False})
-    Trainer(load_config(data=cfg)).train()
+    Trainer(build_run(load_config(data=cfg))).train()
     assert left == [True]
-    failing = Trainer(load_config(data=config(tiny_model, tmp_path / "failed", trainer={"save_final": False})))
+    failing = Trainer(
+        build_run(load_config(data=config(tiny_model, tmp_path / "failed", trainer={"save_final": False})))
+    )
     monkeypatch.setattr(failing, "step", lambda step: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.train()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hybridrl.config import ConfigError, load_config
-from hybridrl.trainer import Trainer
+from hybridrl.run import build_run
 
 BASE = {
     "model": {"path": "unused"},
@@ -35,7 +35,7 @@ def test_non_finite_numbers_are_refused_naming_the_key(extra, key):
     assert "\n" not in str(e.value).strip() or key in str(e.value).splitlines()[0]
 
 
-def trainer_for(tiny_model, tmp_path, data=None, **rollout):
+def run_for(tiny_model, tmp_path, data=None, **rollout):
     cfg = {
         **BASE,
         "model": {"path": tiny_model},
@@ -44,15 +44,15 @@ def trainer_for(tiny_model, tmp_path, data=None, **rollout):
         "trainer": {"steps": 1, "prompts_per_step": 2, "run_dir": str(tmp_path / "run")},
         "logging": {"loggers": ["jsonl"]},
     }
-    return Trainer(load_config(data=cfg))
+    return build_run(load_config(data=cfg))
 
 
 def test_max_tokens_beyond_the_models_context_is_refused_before_it_loads(tiny_model, tmp_path, monkeypatch):
-    import hybridrl.setup
+    import hybridrl.run
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match=r"rollout.max_tokens=1000000000 .* context of 256 tokens .* at most \d+"):
-        trainer_for(tiny_model, tmp_path, max_tokens=10**9).setup()
+        run_for(tiny_model, tmp_path, max_tokens=10**9)
 
 
 def write_jsonl(path, rows):
@@ -63,7 +63,7 @@ def write_jsonl(path, rows):
 def test_an_empty_dataset_is_one_error(tiny_model, tmp_path):
     data = {"source": "hf", "path": "json", "data_files": write_jsonl(tmp_path / "empty.jsonl", [])}
     with pytest.raises(ConfigError, match="yields no prompts"):
-        trainer_for(tiny_model, tmp_path, data=data).setup()
+        run_for(tiny_model, tmp_path, data=data)
 
 
 @pytest.mark.parametrize("value", [None, ""])
@@ -72,7 +72,7 @@ def test_a_row_without_a_prompt_is_refused_not_trained_on_as_text(value, tiny_mo
     data = {"source": "hf", "path": "json", "data_files": write_jsonl(tmp_path / "d.jsonl", rows)}
     data |= {"prompt_column": "prompt", "answer_column": "answer"}
     with pytest.raises(ConfigError, match=rf"a row's prompt \(field 'prompt'\) is {value!r}"):
-        trainer_for(tiny_model, tmp_path, data=data).setup()
+        run_for(tiny_model, tmp_path, data=data)
 
 
 def one_error(capsys, command: str, config: dict, tmp_path) -> str:
@@ -95,9 +95,9 @@ def test_columns_the_prompts_and_rewards_read_are_checked_before_any_model_loads
 ):
     """The training rows and every eval set's, against what the prompts (prompt column, template) and each
     reward (RewardFunction.needs) read: one error line from hybridrl validate, train and eval, no model loaded."""
-    import hybridrl.setup
+    import hybridrl.run
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     rows = write_jsonl(tmp_path / "q.jsonl", [{"question": "1 + 1 =", "data_source": "toy"}])
     config = {
         "model": {"path": tiny_model},
@@ -155,7 +155,7 @@ def test_the_printed_resume_command_parses_as_printed():
 
 
 def test_a_runs_folder_and_config_are_the_owners_alone(tiny_model, tmp_path, monkeypatch):
-    import hybridrl.setup
+    import hybridrl.run
 
     class Loaded(Exception):
         pass
@@ -163,9 +163,9 @@ def test_a_runs_folder_and_config_are_the_owners_alone(tiny_model, tmp_path, mon
     def stop(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", stop)  # stop once the run's files are written
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", stop)  # stop once the run's files are written
     with pytest.raises(Loaded):
-        trainer_for(tiny_model, tmp_path).setup()
+        run_for(tiny_model, tmp_path)
     run = tmp_path / "run"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     assert stat.S_IMODE((run / "config.yaml").stat().st_mode) == 0o600

@@ -154,15 +154,15 @@ def test_the_trainer_turns_dropout_off_unless_asked(tiny_model, tmp_path, keep, 
     import shutil
 
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.testing import SevensPlugin
-    from hybridrl.trainer import Trainer
 
     register_plugin(SevensPlugin(), name="sevens")
     folder = tmp_path / "model"
     shutil.copytree(tiny_model, folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"attention_dropout": 0.5}))
-    t = Trainer(load_config(data={
+    run = build_run(load_config(data={
         "model": {"path": str(folder), "dropout": keep},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
         "rewards": [{"function": "sevens"}],
@@ -170,8 +170,7 @@ def test_the_trainer_turns_dropout_off_unless_asked(tiny_model, tmp_path, keep, 
         "trainer": {"run_dir": str(tmp_path / "run")},
         "logging": {"loggers": []},
     }))  # fmt: skip
-    t.setup()
-    for model in (t.policy, t.ref):
+    for model in (run.policy, run.ref):
         rates = {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")}
         assert rates == ({0.5} if keep else {0.0})
 
@@ -322,6 +321,7 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     'auto' packs where prompts are not shared)."""
     from hybridrl import passes, trainer
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.testing import SevensPlugin
 
     calls = []
@@ -333,7 +333,7 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     run = passes.run_logprobs
     monkeypatch.setattr(passes, "run_logprobs", recording)
     register_plugin(SevensPlugin(), name="sevens")
-    t = trainer.Trainer(load_config(data={
+    t = trainer.Trainer(build_run(load_config(data={
         "model": {"path": tiny_model},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 8},
         "rollout": {"n": 4, "max_tokens": 6},
@@ -341,13 +341,12 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
         "algorithm": {"name": "grpo", "kl_coef": 0.05},
         "trainer": {"prompts_per_step": 2, "share_prompts": share, "run_dir": str(tmp_path / "run")},
         "logging": {"loggers": []},
-    }))  # fmt: skip
-    t.setup()
-    for logger in t.loggers:  # train() would open them
+    })))  # fmt: skip
+    for logger in t.run.loggers:  # train() would open them
         logger.open(1, 0)
     t.step(1)
-    assert {model is t.ref for model, _ in calls} == {True, False}  # the reference's pass and the policy's
-    planner = t.passes.planner  # trainer.share_prompts and trainer.pack_sequences resolved, there alone
+    assert {model is t.run.ref for model, _ in calls} == {True, False}  # the reference's pass and the policy's
+    planner = t.run.passes.planner  # trainer.share_prompts and trainer.pack_sequences resolved, there alone
     assert (planner.share, planner.pack) == (share == "auto", share is False)
     # packed where that saves tokens, which these sequences of nearly equal lengths do not: padded
     assert {layout for _, layout in calls} == {passes.SHARED if share == "auto" else passes.PADDED}

@@ -13,6 +13,7 @@ from hybridrl.config import ConfigError, LoraOptions, load_config
 from hybridrl.hookspecs import hookimpl
 from hybridrl.models import disable_dropout, load_causal_lm
 from hybridrl.passes import response_logprobs
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin, build_tiny_model, fixed_batch, hf_greedy, policy_greedy, small_model
 from hybridrl.trainer import Trainer
 
@@ -39,23 +40,22 @@ def metrics(run_dir):
 
 def test_only_adapters_train_and_the_reference_is_the_base(tiny_model, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "run")))
-    t.setup()
-    trained = [n for n, p in t.policy.named_parameters() if p.requires_grad]
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
+    trained = [n for n, p in t.run.policy.named_parameters() if p.requires_grad]
     assert trained and all(".lora_" in n for n in trained)
-    in_optimizer = sum(p.numel() for g in t.optimizer.param_groups for p in g["params"])
-    assert in_optimizer == sum(p.numel() for n, p in t.policy.named_parameters() if p.requires_grad)
-    assert t.ref is None  # no second copy of the model
+    in_optimizer = sum(p.numel() for g in t.run.optimizer.param_groups for p in g["params"])
+    assert in_optimizer == sum(p.numel() for n, p in t.run.policy.named_parameters() if p.requires_grad)
+    assert t.run.ref is None  # no second copy of the model
     with torch.no_grad():  # make the adapters do something, then check the reference ignores them
-        for n, p in t.policy.named_parameters():
+        for n, p in t.run.policy.named_parameters():
             if "lora_B" in n:
                 p.normal_()
-    batch = fixed_batch(t.tokenizer, [[3, 5], [4, 2]])
+    batch = fixed_batch(t.run.tokenizer, [[3, 5], [4, 2]])
     t.compute_logprobs(batch)
     base = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         want, _ = response_logprobs(base, batch.input_ids, batch.attention_mask, batch["responses"].shape[1])
-        with_adapters, _ = response_logprobs(t.policy, batch.input_ids, batch.attention_mask, 5)
+        with_adapters, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 5)
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(batch["ref_logprobs"][mask], want[mask], atol=1e-5, rtol=1e-5)
     assert (with_adapters[mask] - want[mask]).abs().max() > 1e-2
@@ -153,13 +153,16 @@ def test_convolutions_merge_and_layers_without_a_merge_are_refused():
 
 
 class EngineFollows:
-    """At the end of training: the engine's greedy output is the merged policy's."""
+    """At the end of training: the engine's greedy output is the merged policy's (the weights the
+    loop sends its engine, :meth:`Trainer.policy_tensors`: the test sets ``trainer`` before training)."""
+
+    trainer = None
 
     @hookimpl
-    def on_train_end(self, trainer):
+    def on_train_end(self, run):
         prompts = [[5, 6, 7], [9, 10, 11, 12]]
-        self.want = policy_greedy(trainer, prompts, 8)
-        engine = trainer.engine.model  # the hf engine's own copy
+        self.want = policy_greedy(self.trainer, prompts, 8)
+        engine = run.engine.model  # the hf engine's own copy
         self.got = hf_greedy(engine, prompts, 8)
 
 
@@ -167,16 +170,17 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(tiny_model, tmp_p
     register_plugin(SevensPlugin(), name="sevens")
     check = register_plugin(EngineFollows(), name="follows")
     straight = tmp_path / "straight"
-    Trainer(load_config(data=config(tiny_model, straight, steps=3))).train()
+    check.trainer = Trainer(build_run(load_config(data=config(tiny_model, straight, steps=3))))
+    check.trainer.train()
     assert check.got == check.want
     rows = metrics(straight)
     assert rows[-1]["rollout/logprob_diff_max"] < 1e-4  # the engine sampled with the trained adapters
 
     resumed = tmp_path / "resumed"
-    Trainer(load_config(data=config(tiny_model, resumed, steps=2))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, resumed, steps=2)))).train()
     checkpoint = resumed / "checkpoints" / "step-000002" / "policy"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
-    Trainer(load_config(data=config(tiny_model, resumed, steps=3, resume=True))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, resumed, steps=3, resume=True)))).train()
     for got, want in zip(metrics(resumed), rows, strict=True):
         for key in want:
             if not key.startswith(("timing/", "throughput/", "time")):
@@ -203,9 +207,9 @@ def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(tiny_gpt2, tmp_path, 
     check = register_plugin(EngineFollows(), name="follows")
     data = config(tiny_gpt2, tmp_path / "run")
     data["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
-    trainer = Trainer(load_config(data=data))
+    trainer = check.trainer = Trainer(build_run(load_config(data=data)))
     trainer.train()
-    moved = [p.abs().max().item() for n, p in trainer.policy.named_parameters() if ".lora_B." in n]
+    moved = [p.abs().max().item() for n, p in trainer.run.policy.named_parameters() if ".lora_B." in n]
     assert len(moved) == 8 and min(moved) > 1e-3  # c_attn, c_proj, c_fc, mlp.c_proj of 2 layers trained
     assert check.got == check.want
     assert metrics(tmp_path / "run")[-1]["rollout/logprob_diff_max"] < 1e-4  # sampled with the trained adapters
@@ -217,7 +221,7 @@ def test_export_writes_the_adapter_and_with_merged_the_whole_model(tiny_model, t
     from hybridrl.checkpoint import export
 
     register_plugin(SevensPlugin(), name="sevens")
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run")))
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
     trainer.train()
     step = tmp_path / "run" / "checkpoints" / "step-000002"
     adapter = export(step, tmp_path / "adapter")
@@ -234,4 +238,4 @@ def test_target_modules_that_match_nothing_list_the_layers(tiny_model, tmp_path,
     data = config(tiny_model, tmp_path / "run")
     data["model"]["lora"] = {"target_modules": ["query", "value"]}
     with pytest.raises(ConfigError, match=r"match no layer of LlamaForCausalLM. Its linear layers are named: .*q_proj"):
-        Trainer(load_config(data=data)).setup()
+        build_run(load_config(data=data))

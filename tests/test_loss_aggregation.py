@@ -8,6 +8,7 @@ from hybridrl import functional as F
 from hybridrl.batch import pad_responses
 from hybridrl.config import load_config
 from hybridrl.passes import response_logprobs
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
@@ -57,7 +58,9 @@ LENGTHS = [[2, 3, 4, 2], [14, 12, 10, 13], [5, 9, 1, 7], [11, 3, 8, 6]]  # 16 re
 
 def update_gradients(trainer, batch) -> dict[str, torch.Tensor]:
     grads = {}
-    trainer.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+    trainer.run.optimizer.step = lambda: grads.update(
+        {n: p.grad.clone() for n, p in trainer.run.policy.named_parameters()}
+    )
     trainer.update(batch, 1)
     return grads
 
@@ -67,23 +70,23 @@ def test_dr_grpo_normaliser_is_responses_times_max_tokens(tiny_model, tmp_path, 
     not the step's padded width (14): the gradients are those of that formula, the same when the
     batch is padded to 30 columns and when it is cut into micro-batches."""
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "a")))
-    t.setup()
-    batch = fixed_batch(t.tokenizer, LENGTHS)
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "a"))))
+    batch = fixed_batch(t.run.tokenizer, LENGTHS)
     assert batch["responses"].shape[1] == 14
-    t.algorithm.compute_advantages(batch)
+    t.run.algorithm.compute_advantages(batch)
 
     # by hand: on-policy the ratio is 1 and the gradient is -sum m A grad(logp) / (N L)
-    t.policy.zero_grad()
-    lp, _ = response_logprobs(t.policy, batch.input_ids, batch.attention_mask, 14)
+    t.run.policy.zero_grad()
+    lp, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 14)
     mask = batch["response_mask"].float()
     (-(batch["advantages"] * torch.exp(lp - lp.detach()) * mask).sum() / (16 * 16)).backward()
-    want = {n: p.grad.clone() for n, p in t.policy.named_parameters()}
+    want = {n: p.grad.clone() for n, p in t.run.policy.named_parameters()}
 
     got = update_gradients(t, batch)
-    wide = update_gradients(t, pad_responses(batch, 30, t.tokenizer.pad_token_id))
-    t2 = Trainer(load_config(data=config(tiny_model, tmp_path / "b"), overrides=["trainer.micro_batch_size=4"]))
-    t2.setup()
+    wide = update_gradients(t, pad_responses(batch, 30, t.run.tokenizer.pad_token_id))
+    t2 = Trainer(
+        build_run(load_config(data=config(tiny_model, tmp_path / "b"), overrides=["trainer.micro_batch_size=4"]))
+    )
     micro = update_gradients(t2, batch)
     for name, g in want.items():
         assert g.abs().max() > 0, name
@@ -93,9 +96,7 @@ def test_dr_grpo_normaliser_is_responses_times_max_tokens(tiny_model, tmp_path, 
 
 def test_an_explicit_normaliser_length_is_used(tiny_model, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "a", loss_norm_length=32)))
-    t.setup()
-    assert t.algorithm.loss_aggregation == F.LossAggregation("seq-mean-token-sum-norm", 32)
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "b")))
-    t.setup()
-    assert t.algorithm.loss_aggregation.norm_length == 16  # rollout.max_tokens
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "a", loss_norm_length=32))))
+    assert t.run.algorithm.loss_aggregation == F.LossAggregation("seq-mean-token-sum-norm", 32)
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "b"))))
+    assert t.run.algorithm.loss_aggregation.norm_length == 16  # rollout.max_tokens

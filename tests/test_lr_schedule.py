@@ -7,7 +7,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from hybridrl.config import ConfigError, load_config
-from hybridrl.setup import lr_factor
+from hybridrl.run import build_run, lr_factor
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
@@ -48,14 +48,14 @@ def test_a_run_logs_the_decaying_learning_rate(tiny_model, tmp_path, register_pl
         "logging": {"loggers": ["jsonl"]},
     }
     metrics = []
-    trainer = Trainer(load_config(data=data))
+    trainer = Trainer(build_run(load_config(data=data)))
     trainer.log = lambda step, m, batch: metrics.append(m) or m
     trainer.train()
     assert [m["actor/lr"] for m in metrics] == pytest.approx([0.3, 0.2, 0.1])
 
 
 def test_serve_keeps_a_constant_learning_rate():
-    from hybridrl.online import check_config
+    from hybridrl_serve.server import check_config
 
     cfg = load_config(
         data={

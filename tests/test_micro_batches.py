@@ -11,6 +11,7 @@ from hybridrl.batch import Batch, token_budget_split
 from hybridrl.compile import compile_seconds
 from hybridrl.config import ConfigError, load_config
 from hybridrl.passes import split_widest
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
@@ -102,16 +103,16 @@ def config(model, run_dir, **trainer):
 
 def one_update(model, run_dir, lengths=LENGTHS, **trainer):
     """Reference logprobs and the gradients of one update on a fixed batch of mixed lengths."""
-    t = Trainer(load_config(data=config(model, run_dir, **trainer)))
-    t.setup()
-    batch = fixed_batch(t.tokenizer, lengths)
+    t = Trainer(build_run(load_config(data=config(model, run_dir, **trainer))))
+    run = t.run
+    batch = fixed_batch(run.tokenizer, lengths)
     t.compute_logprobs(batch)
-    t.algorithm.compute_advantages(batch)
+    run.algorithm.compute_advantages(batch)
     grads = {}
-    t.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in t.policy.named_parameters()})
-    t.passes.handle(t.policy).can_pack()  # its one-time checks (output layer, packing) are not passes of the update
+    run.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in run.policy.named_parameters()})
+    run.passes.handle(run.policy).can_pack()  # its one-time checks (output layer, packing) are not passes of the update
     passes = []  # (padded) tokens of each forward pass of the update
-    t.policy.base_model.register_forward_pre_hook(
+    run.policy.base_model.register_forward_pre_hook(
         lambda m, args, kwargs: passes.append(kwargs["input_ids"].numel()), with_kwargs=True
     )
     t.update(batch, 1)
@@ -208,18 +209,17 @@ def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change
     from hybridrl.memory import OutOfMemory
 
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "run", micro_batch_tokens=64)))
-    t.setup()
-    t.engine.generate = oom
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run", micro_batch_tokens=64))))
+    t.run.engine.generate = oom
     with pytest.raises(
         OutOfMemory,
         match=r"out of memory in rollout engine 'hf' generate on cpu: 4 prompts x 4 samples "
         r"of up to \d+ \+ 16 tokens. Lower rollout.batch_size \(prompts per generate call; try 2\), or "
         r"rollout.max_tokens. \(CUDA out of memory.\)",
     ):
-        t.rollout.generate(1)
+        t.run.rollout.generate(1)
 
-    batch = fixed_batch(t.tokenizer, LENGTHS)
+    batch = fixed_batch(t.run.tokenizer, LENGTHS)
     with monkeypatch.context() as m:
         m.setattr(hybridrl.passes, "run_logprobs", oom)
         with pytest.raises(
@@ -229,8 +229,8 @@ def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change
         ):
             t.compute_logprobs(batch)
     t.compute_logprobs(batch)
-    t.algorithm.compute_advantages(batch)
-    t.algorithm.loss = oom
+    t.run.algorithm.compute_advantages(batch)
+    t.run.algorithm.loss = oom
     with pytest.raises(
         OutOfMemory,
         match=r"in the update of the policy \(algorithm 'grpo'\) on cpu: a pass of .* "
@@ -238,11 +238,10 @@ def test_out_of_memory_in_each_stage_names_it_the_sizes_and_the_option_to_change
     ):
         t.update(batch, 1)
 
-    t = Trainer(load_config(data=config(tiny_model, tmp_path / "run2", micro_batch_size=8)))
-    t.setup()
-    t.algorithm.loss = oom
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run2", micro_batch_size=8))))
+    t.run.algorithm.loss = oom
     t.compute_logprobs(batch)
-    t.algorithm.compute_advantages(batch)
+    t.run.algorithm.compute_advantages(batch)
     with pytest.raises(OutOfMemory, match=r"a pass of 8 responses .* Lower trainer.micro_batch_size \(try 4\)"):
         t.update(batch, 1)
 
@@ -266,16 +265,17 @@ def test_compiled_passes_stay_compiled_over_steps_of_new_lengths(tiny_model, tmp
     graphs = torch._dynamo.utils.counters["stats"]
     rng = random.Random(0)
     with torch._dynamo.config.patch(recompile_limit=8):  # the default; restored afterwards
-        t = Trainer(load_config(data=cfg))
-        t.setup()
-        assert t.passes.handle(t.policy).fused_head_bytes == 8 * 2**30  # the compiled, fused output layer
-        assert t.passes.planner.width == t.strategy.pack_width == packing.pack_width(t.ctx.prompt_tokens + 16)
+        t = Trainer(build_run(load_config(data=cfg)))
+        assert t.run.passes.handle(t.run.policy).fused_head_bytes == 8 * 2**30  # the compiled, fused output layer
+        assert (
+            t.run.passes.planner.width == t.run.strategy.pack_width == packing.pack_width(t.run.ctx.prompt_tokens + 16)
+        )
         for step in (1, 2, 3, 4, 5):
             compiled, start = compile_seconds(), time.perf_counter()
             lengths = [[min(16, 1 + int(rng.expovariate(1 / 4))) for _ in range(4)] for _ in range(4)]
-            batch = fixed_batch(t.tokenizer, lengths)
+            batch = fixed_batch(t.run.tokenizer, lengths)
             t.compute_logprobs(batch)
-            t.algorithm.compute_advantages(batch)
+            t.run.algorithm.compute_advantages(batch)
             t.update(batch, step)
             ran_eagerly = frames["total"] - frames["ok"] - skipped
             assert ran_eagerly == 0, f"step {step}: {ran_eagerly} variant(s) ran eagerly (torch.compile's limit)"
@@ -312,9 +312,8 @@ def test_a_step_that_compiles_again_says_why(tiny_model, tmp_path, register_plug
     assert note.startswith(f"step 7: torch.compile compiled again (6x, 4.0s): {reason}; b; c; and 2 more. ")
 
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(load_config(data=config(tiny_model, tmp_path)))
-    t.setup()
-    for logger in t.loggers:  # train() would open them
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path))))
+    for logger in t.run.loggers:  # train() would open them
         logger.open(1, 0)
     heard = iter([[], ["first (a.py:1): at step 1"], [], ["forward (b.py:2): at step 2"]])
     monkeypatch.setattr(probes, "recompile_reasons", lambda: next(heard))

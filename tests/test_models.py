@@ -63,11 +63,11 @@ def test_model_path_errors_name_the_key_and_fix(tmp_path):
         check_model_path(str(tmp_path), "x.gguf")
 
 
-def trainer_with_attention(model_dir, run_dir, attention):
+def run_with_attention(model_dir, run_dir, attention):
     from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import build_run
 
-    return Trainer(load_config(data={
+    return build_run(load_config(data={
         "model": {"path": model_dir, "attn_implementation": attention},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 4},
         "rewards": [{"function": "reasoning_gym"}],
@@ -78,11 +78,10 @@ def trainer_with_attention(model_dir, run_dir, attention):
 
 
 def test_attn_implementation_reaches_the_policy_and_the_reference(tiny_model, tmp_path):
-    t = trainer_with_attention(tiny_model, tmp_path / "run", "eager")
-    t.setup()
-    assert t.policy.config._attn_implementation == t.ref.config._attn_implementation == "eager"
+    run = run_with_attention(tiny_model, tmp_path / "run", "eager")
+    assert run.policy.config._attn_implementation == run.ref.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match=r"model.attn_implementation 'bogus' cannot be used: .*eager.*unset"):
-        trainer_with_attention(tiny_model, tmp_path / "bad", "bogus").setup()
+        run_with_attention(tiny_model, tmp_path / "bad", "bogus")
 
 
 def run_config(tmp_path, **model) -> str:
@@ -129,11 +128,11 @@ def test_flash_attention_without_its_package_is_one_error_before_any_model_loads
 ):
     import importlib.util
 
-    import hybridrl.setup
+    import hybridrl.run
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed")
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     config = run_config(tmp_path, path=tiny_model, attn_implementation="flash_attention_2")
     for command in ("validate", "train"):
         assert one_error(capsys, command, config) == (

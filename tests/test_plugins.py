@@ -39,6 +39,14 @@ def test_installed_plugin_is_found_through_its_entry_point():
     assert infos["migrate"]["registered"] == {"command": ["import"]}
     assert infos["reward_python"]["registered"] == {"reward function": ["python"], "tool": ["python"]}
     assert infos["reward_hf"]["registered"]["command"] == ["serve-reward"]
+    assert infos["serve"]["package"] == "hybridrl-serve"
+    assert infos["serve"]["registered"] == {
+        "reward function": ["user_rating"],
+        "config section": ["online"],
+        "command": ["serve"],
+    }
+    out = run_cli("plugins", "--hook", "register_config_sections")
+    assert out.returncode == 0 and out.stdout.startswith("serve (hybridrl-serve "), out.stdout + out.stderr
 
 
 def test_plugins_text_output_names_versions():
@@ -69,6 +77,23 @@ def test_duplicate_name_is_an_error_naming_both(register_plugin):
     msg = str(e.value)
     assert "Two plugins register the rollout engine 'hf'" in msg
     assert "'hybridrl.builtin.rollout_hf' (package 'hybridrl')" in msg and "'my-plugin'" in msg
+
+
+def test_a_config_section_registered_twice_is_an_error_naming_both(register_plugin):
+    from pydantic import BaseModel
+
+    class Section:
+        @hookimpl
+        def register_config_sections(self, register):
+            register("report", BaseModel)
+
+    register_plugin(Section(), name="first-plugin")
+    register_plugin(Section(), name="second-plugin")
+    with pytest.raises(plugins.PluginError) as e:
+        plugins.registry()
+    msg = str(e.value)
+    assert "Two plugins register the config section 'report'" in msg
+    assert "'first-plugin'" in msg and "'second-plugin'" in msg
 
 
 def test_registering_a_non_component_is_an_error(register_plugin):
@@ -114,7 +139,7 @@ def test_misspelled_hook_fails_loudly():
 def test_every_hook_is_documented_with_an_example():
     doc = (ROOT / "docs" / "plugins.md").read_text()
     hooks = [n for n in dir(hookspecs) if n.startswith(("register_", "on_"))]
-    assert len(hooks) == 14
+    assert len(hooks) == 15
     for name in hooks:
         section = re.search(rf"^### `{name}\(.*?(?=^### |\Z)", doc, re.M | re.S)
         assert section, f"docs/plugins.md has no section for hook {name}"

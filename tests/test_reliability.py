@@ -16,6 +16,7 @@ from hybridrl.components import RewardFunction, RolloutEngine, RolloutOutput
 from hybridrl.config import ConfigError, load_config
 from hybridrl.errors import NonFiniteError, StageError
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 
@@ -71,7 +72,7 @@ sys.exit(main(["train", sys.argv[1], *sys.argv[4:]]))
 
 def test_kill_and_resume_gives_the_same_metrics(tiny_model, tmp_path):
     reference = tmp_path / "reference"
-    Trainer(load_config(data=config(tiny_model, reference, save_every=3))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, reference, save_every=3)))).train()
 
     run = tmp_path / "run"
     cfg = tmp_path / "cfg.yaml"
@@ -123,40 +124,42 @@ def test_sigint_saves_a_checkpoint_and_exits_130(tiny_model, tmp_path):
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(tiny_model, tmp_path, monkeypatch):
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=2, save_every=1)))
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run", steps=2, save_every=1))))
     trainer.train()
-    before = ckpt.latest_checkpoint(trainer.run_dir)
+    before = ckpt.latest_checkpoint(trainer.run.run_dir)
     assert before.name == "step-000002"
 
     real_save = torch.save
 
     def failing_save(obj, path, *a, **k):
-        if str(path).endswith("state.pt"):
+        if str(getattr(path, "name", path)).endswith("state.pt"):  # a path, or the file it writes through
             raise OSError("disk full")
         return real_save(obj, path, *a, **k)
 
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
-        ckpt.save_checkpoint(trainer, 3)
+        ckpt.save_checkpoint(trainer.run, trainer.stateful_components(), 3)
     monkeypatch.undo()
-    assert ckpt.latest_checkpoint(trainer.run_dir) == before
-    assert not list(ckpt.checkpoint_dir(trainer.run_dir).glob(".step-*"))  # no half-written directory
-    assert ckpt.load_checkpoint(trainer, before) == 2
+    assert ckpt.latest_checkpoint(trainer.run.run_dir) == before
+    assert not list(ckpt.checkpoint_dir(trainer.run.run_dir).glob(".step-*"))  # no half-written directory
+    assert ckpt.load_checkpoint(trainer.run, trainer.stateful_components(), before) == 2
 
 
 def test_keep_last_rotation_and_export(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=4, save_every=1, keep_last=2)))
+    trainer = Trainer(
+        build_run(load_config(data=config(tiny_model, tmp_path / "run", steps=4, save_every=1, keep_last=2)))
+    )
     trainer.train()
-    assert [p.name for p in ckpt.list_checkpoints(trainer.run_dir)] == ["step-000003", "step-000004"]
+    assert [p.name for p in ckpt.list_checkpoints(trainer.run.run_dir)] == ["step-000003", "step-000004"]
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "hybridrl.cli",
             "export",
-            str(trainer.run_dir / "checkpoints" / "step-000004"),
+            str(trainer.run.run_dir / "checkpoints" / "step-000004"),
             str(tmp_path / "hf"),
         ],
         capture_output=True,
@@ -165,33 +168,33 @@ def test_keep_last_rotation_and_export(tiny_model, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    for name, tensor in trainer.policy.state_dict().items():
+    for name, tensor in trainer.run.policy.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor), name
 
 
 def test_the_final_checkpoint_can_keep_the_weights_alone_or_be_left_out(tiny_model, tmp_path, capfd):
     run = tmp_path / "weights"
-    trainer = Trainer(load_config(data=config(tiny_model, run, steps=2, save_every=1, save_final="weights")))
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, run, steps=2, save_every=1, save_final="weights"))))
     trainer.train()
     full, final = ckpt.list_checkpoints(run)
     assert "optimizer" in torch.load(full / "optimizer.pt") and "optimizer" not in torch.load(final / "optimizer.pt")
     assert json.loads((final / "meta.json").read_text())["weights_only"] is True
     assert sum(f.stat().st_size for f in final.rglob("*")) < sum(f.stat().st_size for f in full.rglob("*"))
     # a longer run resumes from it: the policy's weights, a fresh optimizer, said once
-    resumed = Trainer(load_config(data=config(tiny_model, run, steps=3, resume=True, save_final="weights")))
+    resumed = Trainer(build_run(load_config(data=config(tiny_model, run, steps=3, resume=True, save_final="weights"))))
     resumed.train()
     assert resumed.start_step == 2 and [r["step"] for r in rows(run)] == [1, 2, 3]
     assert "holds the policy's weights without the optimizer's state" in capfd.readouterr().err
 
     off = tmp_path / "off"
-    Trainer(load_config(data=config(tiny_model, off, steps=2, save_final=False))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, off, steps=2, save_final=False)))).train()
     assert ckpt.list_checkpoints(off) == [] and len(rows(off)) == 2
 
 
 def test_existing_run_is_not_overwritten_without_resume(tiny_model, tmp_path):
-    Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=1))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run", steps=1)))).train()
     with pytest.raises(ConfigError, match="already holds checkpoints. Continue that run with --resume"):
-        Trainer(load_config(data=config(tiny_model, tmp_path / "run", steps=2))).train()
+        build_run(load_config(data=config(tiny_model, tmp_path / "run", steps=2)))
 
 
 class NaNReward(RewardFunction):
@@ -263,11 +266,11 @@ class TestPlugins:
 def test_nan_reward_aborts_naming_the_reward_and_keeps_the_checkpoint(tiny_model, tmp_path, register_plugin, capfd):
     register_plugin(TestPlugins(), name="test-plugins")
     data = config(tiny_model, tmp_path / "run", steps=1)
-    Trainer(load_config(data=data)).train()  # one good step and its checkpoint
+    Trainer(build_run(load_config(data=data))).train()  # one good step and its checkpoint
     data["rewards"] = [{"function": "nan"}]
     data["trainer"]["steps"] = 3
     with pytest.raises(NonFiniteError, match=r"step 2: the combined reward is NaN/Inf.*step-000001\) is intact"):
-        Trainer(load_config(data=data, overrides=["trainer.resume=true"])).train()
+        Trainer(build_run(load_config(data=data, overrides=["trainer.resume=true"]))).train()
     assert "reward 'nan' returned NaN/Inf for 1 responses" in capfd.readouterr().err
     assert ckpt.latest_checkpoint(tmp_path / "run").name == "step-000001"
 
@@ -276,16 +279,11 @@ def test_nan_reward_is_skipped_when_configured(tiny_model, tmp_path, register_pl
     register_plugin(TestPlugins(), name="test-plugins")
     data = config(tiny_model, tmp_path / "run", steps=2, on_nonfinite="skip")
     data["rewards"] = [{"function": "nan"}]
-    trainer = Trainer(load_config(data=data))
-    before = {k: v.clone() for k, v in trainer_state(trainer, data).items()}
+    trainer = Trainer(build_run(load_config(data=data)))
+    before = {k: v.clone() for k, v in trainer.run.policy.state_dict().items()}  # the initial policy
     metrics = trainer.train()
     assert metrics["batch/trained_fraction"] == 0.0
-    assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
-
-
-def trainer_state(trainer, data):
-    trainer.setup()  # train() calls setup again; this copy is the initial policy
-    return trainer.policy.state_dict()
+    assert all(torch.equal(before[k], v) for k, v in trainer.run.policy.state_dict().items())
 
 
 def test_rewards_are_closed_when_training_ends_or_fails(tiny_model, tmp_path, register_plugin):
@@ -293,12 +291,12 @@ def test_rewards_are_closed_when_training_ends_or_fails(tiny_model, tmp_path, re
     ClosingReward.closed = 0
     data = config(tiny_model, tmp_path / "run", steps=1)
     data["rewards"] = [{"function": "closing"}, {"function": "closing", "name": "again"}]
-    Trainer(load_config(data=data)).train()
+    Trainer(build_run(load_config(data=data))).train()
     assert ClosingReward.closed == 2
     data["rewards"].append({"function": "broken", "name": "judge"})
     data["trainer"]["run_dir"] = str(tmp_path / "failing")
     with pytest.raises(StageError):
-        Trainer(load_config(data=data)).train()
+        Trainer(build_run(load_config(data=data))).train()
     assert ClosingReward.closed == 4
 
 
@@ -307,10 +305,10 @@ def test_an_engine_that_did_not_take_the_weights_stops_the_run_after_the_sync(ti
     data = config(tiny_model, tmp_path / "run", steps=3, lr=0.1)
     data["rollout"]["engine"] = "stale"
     with pytest.raises(StageError, match=r"rollout engine 'stale' on rank\(s\) \[0\]: after the weight sync of step 1"):
-        Trainer(load_config(data=data)).train()
+        Trainer(build_run(load_config(data=data))).train()
     data["rollout"]["sync_check"] = 0  # the check off: the run goes on, off-policy
     data["trainer"]["run_dir"] = str(tmp_path / "unchecked")
-    metrics = Trainer(load_config(data=data)).train()
+    metrics = Trainer(build_run(load_config(data=data))).train()
     assert metrics["rollout/logprob_diff_mean"] > 0.01 and "rollout/sync_check_diff_max" not in metrics
 
 
@@ -322,7 +320,7 @@ def test_the_sync_check_runs_after_the_first_sync_then_every_n(tiny_model, tmp_p
     data = config(tiny_model, tmp_path / "run", steps=5, lr=0.1)
     data["rollout"] |= {"engine": "late-stale", "sync_check_every": every}
     with pytest.raises(StageError, match=rf"'late-stale' on rank\(s\) \[0\]: after the weight sync of step {caught} "):
-        Trainer(load_config(data=data)).train()
+        Trainer(build_run(load_config(data=data))).train()
 
 
 def test_failing_reward_is_named(tiny_model, tmp_path, register_plugin):
@@ -330,14 +328,14 @@ def test_failing_reward_is_named(tiny_model, tmp_path, register_plugin):
     data = config(tiny_model, tmp_path / "run", steps=1)
     data["rewards"] = [{"function": "broken", "name": "judge"}]
     with pytest.raises(StageError, match=r"reward 'judge' \(function 'broken'\) failed in score: ConnectionError"):
-        Trainer(load_config(data=data)).train()
+        Trainer(build_run(load_config(data=data))).train()
 
 
 def test_empty_responses_do_not_break_a_step(tiny_model, tmp_path, register_plugin):
     register_plugin(TestPlugins(), name="test-plugins")
     data = config(tiny_model, tmp_path / "run", steps=2)
     data["rollout"]["engine"] = "empty"
-    metrics = Trainer(load_config(data=data)).train()
+    metrics = Trainer(build_run(load_config(data=data))).train()
     assert metrics["response_length/mean"] == 0.0 and metrics["actor/pg_loss"] == 0.0
 
 
@@ -356,15 +354,15 @@ def test_empty_responses_do_not_break_a_step(tiny_model, tmp_path, register_plug
     ],
 )
 def test_bad_input_fails_before_any_model_is_loaded(tiny_model, tmp_path, monkeypatch, change, message):
-    import hybridrl.setup
+    import hybridrl.run
 
     def no_models(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", no_models)
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", no_models)
     data = {**config(tiny_model, tmp_path / "run"), **change}
     with pytest.raises((ConfigError, FileNotFoundError), match=message):
-        Trainer(load_config(data=data)).train()
+        build_run(load_config(data=data))
 
 
 def test_batch_sizes_that_do_not_divide(tiny_model, tmp_path):
@@ -378,4 +376,4 @@ def test_resume_needs_a_run_dir(tiny_model):
     data = config(tiny_model, "x")
     del data["trainer"]["run_dir"]
     with pytest.raises(ConfigError, match="needs trainer.run_dir"):
-        Trainer(load_config(data=data, overrides=["trainer.resume=true"]))
+        build_run(load_config(data=data, overrides=["trainer.resume=true"]))

@@ -74,3 +74,22 @@ def test_reasoning_gym_verifier_on_generated_problems():
 def test_reasoning_gym_verifier_needs_its_metadata():
     with pytest.raises(ValueError, match="data.source: reasoning_gym"):
         reward("reasoning_gym").score(make(["1"], ["1"], [{}]))
+
+
+def test_a_reward_with_too_few_scores_is_an_error_line_naming_it():
+    """One score for two responses: a StageError (printed as one line by the CLI), not a traceback."""
+    import torch
+
+    from hybridrl.config import RewardConfig
+    from hybridrl.errors import StageError
+    from hybridrl.rewards import Rewards
+
+    class OneScore:
+        def score(self, batch):
+            return [1.0]
+
+    rewards = Rewards([(RewardConfig(function="judge"), OneScore())], torch.device("cpu"))
+    batch = make(["7", "77"])
+    batch["response_mask"] = torch.tensor([[1, 0], [1, 1]])
+    with pytest.raises(StageError, match=r"reward 'judge' \(function 'judge'\) failed in score: it returned 1 scores"):
+        rewards.score(batch)

@@ -702,7 +702,7 @@ def test_model_with_its_own_code_loads_with_trust_remote_code(tiny_model, tmp_pa
 def test_the_trainer_tells_engines_how_many_responses_a_call_holds(tiny_model, tmp_path):
     """Engines size themselves (CUDA graphs, batch slots) by the responses one generate call asks for."""
     from hybridrl.config import load_config
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import build_run
 
     cfg = load_config(data={
         "model": {"path": tiny_model},
@@ -712,6 +712,5 @@ def test_the_trainer_tells_engines_how_many_responses_a_call_holds(tiny_model, t
         "trainer": {"prompts_per_step": 5, "run_dir": str(tmp_path / "run")},
         "logging": {"loggers": []},
     })  # fmt: skip
-    t = Trainer(cfg)
-    t.setup()
-    assert t.engine.ctx.responses_per_call == 30  # what SGLang sizes its CUDA graphs by
+    run = build_run(cfg)
+    assert run.engine.ctx.responses_per_call == 30  # what SGLang sizes its CUDA graphs by

@@ -17,6 +17,7 @@ from hybridrl.components import RolloutEngine, RolloutOutput, RunContext, Sampli
 from hybridrl.config import RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.models import load_tokenizer
+from hybridrl.run import build_run
 from hybridrl.session import EngineSession, rollout_seed
 from hybridrl.testing import SevensPlugin
 from hybridrl.testing_engines import LifecycleError, StrictEngine, StrictPlugin
@@ -197,28 +198,28 @@ def test_training_with_evaluation_the_sync_check_and_a_resume_keeps_the_engine_l
     first step of each run; a resume after step 2. The strict engine drops its weights at each
     sleep: the run trains as one through hf only because each came back whole before a generation."""
     plain = tmp_path / "hf"
-    Trainer(load_config(data=config(tiny_model, plain, "hf"))).train()
+    Trainer(build_run(load_config(data=config(tiny_model, plain, "hf")))).train()
     run = tmp_path / "strict"
-    first = Trainer(load_config(data=config(tiny_model, run, "strict", steps=2)))
+    first = Trainer(build_run(load_config(data=config(tiny_model, run, "strict", steps=2))))
     first.train()
-    resumed = Trainer(load_config(data=config(tiny_model, run, "strict", resume=True)))
+    resumed = Trainer(build_run(load_config(data=config(tiny_model, run, "strict", resume=True))))
     resumed.train()
     assert training(run) == training(plain)
     # asleep from the end of a step's rollouts to the sync after its update; evaluation and the sync
     # check's probes wake it where it sleeps and leave it awake
     gen, sleep, sync, wake = "generate", "sleep", "update_weights", "wake_up"
     # eval 0, probe + step 1, probe; step 2, eval 2
-    assert names(first.engine) == [gen, sleep, sync, wake, gen, sleep, sync, wake, gen, "close"]
+    assert names(first.run.engine) == [gen, sleep, sync, wake, gen, sleep, sync, wake, gen, "close"]
     # the resume's sync; probe + step 3, probe, eval 3
-    assert names(resumed.engine) == [sync, gen, sleep, sync, wake, gen, "close"]
-    assert {state for c, state in first.engine.calls + resumed.engine.calls if c == sync} == {"awake", "asleep"}
+    assert names(resumed.run.engine) == [sync, gen, sleep, sync, wake, gen, "close"]
+    assert {state for c, state in first.run.engine.calls + resumed.run.engine.calls if c == sync} == {"awake", "asleep"}
 
 
 def test_rollout_async_never_puts_an_engine_apart_to_sleep(tiny_model, tmp_path, registered):
     """The prefetch thread and the loop call the engine through the session, never at once."""
     cfg = config(tiny_model, tmp_path, "strict", eval_every=1)
     cfg["rollout"] |= {"async": 1, "runs_apart": True}
-    trainer = Trainer(load_config(data=cfg))
+    trainer = Trainer(build_run(load_config(data=cfg)))
     trainer.train()
     assert trainer.prefetch is not None
-    assert set(names(trainer.engine)) == {"generate", "update_weights", "close"}
+    assert set(names(trainer.run.engine)) == {"generate", "update_weights", "close"}

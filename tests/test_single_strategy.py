@@ -110,33 +110,33 @@ def test_bfloat16_policy_trains_on_float32_master_weights(tiny_model, tmp_path, 
     (about 4e-5), so bfloat16 weights would not move; the policy keeps float32 master weights and
     computes in bfloat16, and one step moves nearly all of them."""
     from hybridrl.hookspecs import hookimpl
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     class Snapshot:
         @hookimpl
-        def on_train_start(self, trainer):
-            self.before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-            self.compute_dtype = trainer.strategy.compute_dtype
-            self.ref_dtype = next(trainer.ref.parameters()).dtype
+        def on_train_start(self, run):
+            self.before = {n: p.detach().clone() for n, p in run.policy.named_parameters()}
+            self.compute_dtype = run.strategy.compute_dtype
+            self.ref_dtype = next(run.ref.parameters()).dtype
 
     snap = register_plugin(Snapshot(), name="snapshot")
-    trainer = Trainer(bf16_run(tiny_model, tmp_path / "run"))
+    trainer = Trainer(build_run(bf16_run(tiny_model, tmp_path / "run")))
     trainer.train()
     assert all(p.dtype == torch.float32 for p in snap.before.values())
     assert snap.compute_dtype == torch.bfloat16
     assert snap.ref_dtype == torch.bfloat16  # frozen copies keep model.dtype
-    changed = sum(int((p.detach() != snap.before[n]).sum()) for n, p in trainer.policy.named_parameters())
+    changed = sum(int((p.detach() != snap.before[n]).sum()) for n, p in trainer.run.policy.named_parameters())
     assert changed / sum(p.numel() for p in snap.before.values()) > 0.9
 
 
 def test_bfloat16_without_autocast_is_refused_before_the_model_loads(tiny_model, tmp_path, monkeypatch):
-    from hybridrl import setup as trainer_module
+    from hybridrl import run as run_module
     from hybridrl.config import ConfigError
-    from hybridrl.trainer import Trainer
 
-    monkeypatch.setattr(trainer_module, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(run_module, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match="mixed_precision: off.*no float32 master copy.*mixed_precision: auto"):
-        Trainer(bf16_run(tiny_model, tmp_path / "run", mixed_precision="off")).setup()
+        run_module.build_run(bf16_run(tiny_model, tmp_path / "run", mixed_precision="off"))
 
 
 @pytest.mark.parametrize(
@@ -197,15 +197,15 @@ def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_mod
 def test_cudnn_attention_is_off_unless_asked_for(tiny_model, tmp_path, cudnn):
     """trainer.cudnn_attention (default off): PyTorch's attention may not pick cuDNN's kernels, which
     plan every new batch shape at its first pass (a stall each time a step's lengths make a new row
-    count); the setting is the process's, made at setup."""
-    from hybridrl.trainer import Trainer
+    count); the setting is the process's, made when the run is built."""
+    from hybridrl.run import build_run
 
     config = bf16_run(tiny_model, tmp_path / "run")
     config.trainer.cudnn_attention = cudnn
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(not cudnn)
     try:
-        Trainer(config).setup()
+        build_run(config).close()
         assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

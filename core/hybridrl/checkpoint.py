@@ -9,8 +9,8 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step-000010/`` holding:
   component that has ``state_dict()`` (the algorithm's KL controller or critic, rewards'
   running statistics);
 - ``meta.json``: step, hybridrl version, sharding strategy and world size, for people and
-  for the resume check, and ``files``: every other file of the checkpoint with its size and
-  (``.metadata`` and files of at most ``DIGEST_MAX_BYTES``) its SHA-256.
+  for the resume check, and ``files``: every other file of the checkpoint with its size and SHA-256
+  (taken as the file is written: :mod:`hybridrl.checkpoint_files`).
 
 A sharded strategy (``fsdp`` under torchrun) keeps ``policy/`` (gathered on rank 0, for
 export) and adds:
@@ -40,6 +40,7 @@ The files list of ``meta.json`` and what it guards: :mod:`hybridrl.checkpoint_fi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -52,12 +53,13 @@ from pathlib import Path
 import torch
 
 from hybridrl import distributed
-from hybridrl.checkpoint_files import META, CheckpointError, check_plain, file_list, read_pt, verify
+from hybridrl.checkpoint_files import META, CheckpointError, HashedFile, file_list, hash_written, read_pt, verify
+from hybridrl.errors import ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
-# the run's files that hybridrl writes and that hold its config or its users' data
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "online.sqlite", "online.sqlite-wal", "online.sqlite-shm")
+# the run's files that the core writes and that hold its config or its data (a plugin keeps its own files private)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl")
 
 
 @contextlib.contextmanager
@@ -107,12 +109,10 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, torch's and (when installed) numpy's random state."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
+    with contextlib.suppress(ImportError):
         import numpy as np
 
         np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
 
 
 def rng_state() -> dict:
@@ -141,44 +141,49 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(trainer, step: int, weights_only: bool = False) -> Path:
-    """Write the trainer's state for ``step`` atomically; returns the checkpoint directory.
+def save_checkpoint(run, components: dict, step: int, weights_only: bool = False) -> Path:
+    """Write the state of ``run`` (a :class:`~hybridrl.run.Run`) and of ``components`` (name: an
+    object with ``state_dict``) for ``step`` atomically; returns the checkpoint directory.
     ``weights_only``: without the optimizer's state (``trainer.save_final: weights``): the policy,
     the LR schedule and the run's state; a resume from it starts the optimizer afresh."""
     from hybridrl import __version__
 
     rank, main = distributed.rank(), distributed.is_main()
-    root = checkpoint_dir(trainer.run_dir)
+    root = checkpoint_dir(run.run_dir)
     final = root / f"step-{step:06d}"
     tmp = None
     if main:
         root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-        make_private(trainer.run_dir)
+        make_private(run.run_dir)
         tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root)
     tmp = Path(distributed.broadcast_object(tmp))  # every rank writes its part into rank 0's directory
     try:
-        trainer.strategy.save_model(trainer.policy, tmp / "policy")
-        sharded = not weights_only and trainer.strategy.save_sharded(trainer.policy, trainer.optimizer, tmp / "sharded")
-        components = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
+        run.strategy.save_model(run.policy, tmp / "policy")
+        if main:
+            run.tokenizer.save_pretrained(tmp / "policy")
+        sharded = not weights_only and run.strategy.save_sharded(run.policy, run.optimizer, tmp / "sharded")
+        digests = hash_written(tmp, rank)  # what the libraries wrote, read once now while it is in the OS cache
+        components = {name: c.state_dict() for name, c in components.items()}
         if not main:
-            torch.save({"rng": rng_state(), "components": components}, tmp / f"rank-{rank}.pt")
+            with HashedFile(tmp, f"rank-{rank}.pt", digests) as f:  # hashed as written: no second read
+                torch.save({"rng": rng_state(), "components": components}, f)
         else:
-            trainer.tokenizer.save_pretrained(tmp / "policy")
-            optimizer = {} if sharded or weights_only else {"optimizer": trainer.optimizer.state_dict()}
-            torch.save({**optimizer, "scheduler": trainer.scheduler.state_dict()}, tmp / "optimizer.pt")
-            torch.save(
-                {"step": step, "rng": rng_state(), "prompts": trainer.prompts.state_dict(), "components": components},
-                tmp / "state.pt",
-            )
-        distributed.barrier()  # every rank's part is written
+            optimizer = {} if sharded or weights_only else {"optimizer": run.optimizer.state_dict()}
+            with HashedFile(tmp, "optimizer.pt", digests) as f:
+                torch.save({**optimizer, "scheduler": run.scheduler.state_dict()}, f)
+            with HashedFile(tmp, "state.pt", digests) as f:
+                torch.save(
+                    {"step": step, "rng": rng_state(), "prompts": run.prompts.state_dict(), "components": components}, f
+                )
+        digests = {k: v for d in distributed.all_gather_objects(digests) for k, v in d.items()}  # all written
         if main:
             meta = {
                 "step": step,
                 "hybridrl": __version__,
-                "sharding": trainer.config.sharding.strategy,
+                "sharding": run.config.sharding.strategy,
                 "world_size": distributed.world_size(),
                 "weights_only": weights_only,
-                "files": file_list(tmp),
+                "files": file_list(tmp, digests),
             }
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
@@ -194,35 +199,35 @@ def save_checkpoint(trainer, step: int, weights_only: bool = False) -> Path:
     return final
 
 
-def load_checkpoint(trainer, path: Path) -> int:
-    """Restore the trainer from ``path``; returns the step it holds. Collective under torchrun.
+def load_checkpoint(run, components: dict, path: Path) -> int:
+    """Restore ``run`` and ``components`` (name: an object with ``load_state_dict``) from ``path``;
+    returns the step it holds. Collective under torchrun.
 
     Every file is first checked against ``meta.json`` (:func:`verify`) and the small files read;
     then the weights and the optimizer state are loaded and the rest applied. Raises
     :class:`CheckpointError` (on every rank together) when the checkpoint cannot be read, or a
-    part of it does not load (the trainer may then hold part of it: load another one over it);
+    part of it does not load (the run may then hold part of it: load another one over it);
     ValueError when it was written by another sharding strategy or world size, or holds state for
     a component this run does not have.
     """
     path, rank = Path(path), distributed.rank()
-    with _agreed(path):  # every rank reads first: none goes into a collective load alone
-        meta = verify(path)
+    with _agreed(path):  # every rank reads first (and hashes its share): none goes into a collective load alone
+        meta = verify(path, share=(rank, distributed.world_size()))
         opt = read_pt(path / "optimizer.pt")
         state = read_pt(path / "state.pt")
         if rank > 0:  # this rank's own RNG and component state
             state |= read_pt(path / f"rank-{rank}.pt")
-    check_layout(trainer, path, meta)
-    components = trainer.stateful_components()
+    check_layout(run, path, meta)
     for name in state["components"]:
         if name not in components:
             raise ValueError(f"Checkpoint {path} holds state for '{name}', which this run does not have.")
     with _agreed(path):
         if (path / "sharded").is_dir():
-            trainer.strategy.load_sharded(trainer.policy, trainer.optimizer, path / "sharded")
+            run.strategy.load_sharded(run.policy, run.optimizer, path / "sharded")
         else:
-            trainer.strategy.load_model(trainer.policy, path / "policy")
+            run.strategy.load_model(run.policy, path / "policy")
             if "optimizer" in opt:
-                trainer.optimizer.load_state_dict(opt["optimizer"])
+                run.optimizer.load_state_dict(opt["optimizer"])
             elif distributed.is_main():
                 print(
                     f"note: checkpoint {path.name} holds the policy's weights without the optimizer's state "
@@ -230,8 +235,8 @@ def load_checkpoint(trainer, path: Path) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        trainer.scheduler.load_state_dict(opt["scheduler"])
-        trainer.prompts.load_state_dict(state["prompts"])
+        run.scheduler.load_state_dict(opt["scheduler"])
+        run.prompts.load_state_dict(state["prompts"])
         for name, sub in state["components"].items():
             components[name].load_state_dict(sub)
         set_rng_state(state["rng"])
@@ -266,13 +271,13 @@ def per_rank(errors: list[str | None]) -> str | None:
     return "; ".join(f"rank {', '.join(r)}: {e}" for e, r in ranks.items()) or None
 
 
-def check_layout(trainer, path: Path, meta: dict) -> None:
+def check_layout(run, path: Path, meta: dict) -> None:
     """A checkpoint resumes on the sharding strategy and world size that wrote it."""
     sharded = (Path(path) / "sharded").is_dir()
     saved = (meta.get("sharding", "fsdp" if sharded else "single"), int(meta.get("world_size", 1)))
-    now = (trainer.config.sharding.strategy, distributed.world_size())
+    now = (run.config.sharding.strategy, distributed.world_size())
     weights_only = bool(meta.get("weights_only")) and saved == now  # the policy's folder: no shards to match
-    if not weights_only and (sharded != trainer.strategy.multi_process or (sharded and saved != now)):
+    if not weights_only and (sharded != run.strategy.multi_process or (sharded and saved != now)):
         raise ValueError(
             f"Checkpoint {path} was written by sharding strategy '{saved[0]}' on {saved[1]} process(es); this run "
             f"uses '{now[0]}' on {now[1]}. Resume with the same strategy and world size (torchrun "
@@ -280,8 +285,8 @@ def check_layout(trainer, path: Path, meta: dict) -> None:
         )
 
 
-def load_newest(trainer) -> tuple[Path, int] | None:
-    """Load the newest checkpoint of the trainer's run that loads; returns it and its step, or None
+def load_newest(run, components: dict) -> tuple[Path, int] | None:
+    """Load the newest checkpoint of ``run`` that loads (with ``components``); returns it and its step, or None
     (said once) when the run has none yet. Collective under torchrun: every rank tries the same
     checkpoints (rank 0's listing) and takes the same one.
 
@@ -290,7 +295,7 @@ def load_newest(trainer) -> tuple[Path, int] | None:
     with a warning naming it and the one used instead; it stays on disk (a later save of its step
     replaces it). When none loads, one CheckpointError lists each one tried and why.
     """
-    run_dir, main = trainer.run_dir, distributed.is_main()
+    run_dir, main = run.run_dir, distributed.is_main()
     if main:
         clean_partial(run_dir)
     found = distributed.broadcast_object(list_checkpoints(run_dir) if main else None)
@@ -301,7 +306,7 @@ def load_newest(trainer) -> tuple[Path, int] | None:
     skipped: list[tuple[Path, str]] = []
     for path in reversed(found):
         try:
-            step = load_checkpoint(trainer, path)
+            step = load_checkpoint(run, components, path)
         except CheckpointError as e:
             skipped.append((path, str(e)))
             continue
@@ -327,13 +332,23 @@ def drop_logs_after(run_dir: Path, step: int, main: bool) -> None:
             truncate_jsonl(Path(run_dir) / name, step)
 
 
-def rotate(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (and stale temporary dirs)."""
-    removed = []
-    found = list_checkpoints(run_dir)
-    for old in found[: max(0, len(found) - keep_last)] if keep_last > 0 else []:
+def rotate(run_dir: Path, keep_last: int, newest: Path) -> list[Path]:
+    """Delete the checkpoints older than ``newest`` (the one just written) beyond the newest
+    ``keep_last``, counting and deleting only those that verify and hold their folder's step: a
+    folder this run did not write (a stray ``step-999999``, a damaged or hand-made one) is never
+    counted and never deleted, so it can never push the run's own newest checkpoint out."""
+    ours = []
+    for path in list_checkpoints(run_dir):
+        if path == newest or step_of(path) >= step_of(newest):
+            continue
+        try:
+            if int(verify(path, share=None).get("step", -1)) == step_of(path):  # listing, sizes, links: no re-read
+                ours.append(path)
+        except (CheckpointError, ValueError, TypeError):
+            continue
+    removed = ours[: max(0, len(ours) - (keep_last - 1))]
+    for old in removed:
         shutil.rmtree(old, ignore_errors=True)
-        removed.append(old)
     return removed
 
 
@@ -363,42 +378,61 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     os.replace(tmp, path)
 
 
+DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # how a writer's message says it
+
+
 def export(path: Path, out: Path, merged: bool = False) -> Path:
     """Copy a checkpoint's policy to ``out`` as a plain HF model folder. A LoRA checkpoint holds the
     adapter (peft's folder); ``merged`` writes the base model with the adapter merged in instead.
 
-    ``path`` may be a link to a checkpoint; a link inside it is refused (:func:`check_plain`), so
-    that nothing from outside the checkpoint is copied. Its files are not checked against meta.json:
-    export is also the way out for a checkpoint that no longer resumes."""
+    The policy's files are checked as a resume checks them (:func:`verify` of ``policy/``; the other files
+    are not read, so a checkpoint whose optimizer state no longer resumes still exports); ``path`` may be
+    a link to a checkpoint. A file with other hard links is copied into a new file like any other (its
+    content was checked: the output shares no inode with anything). ``out`` is written beside and renamed
+    into place: a full disk is one error naming the folder and its free space, and leaves nothing behind."""
     path, out = Path(path).resolve(), Path(out)
     policy = path / "policy"
     adapter = (policy / "adapter_config.json").is_file()
     if not adapter and not (policy / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds no policy/config.json: is it a checkpoint directory (step-N)?")
+    if out.is_file():
+        raise ConfigError(f"{out} is a file; hybridrl export writes a folder. Give a new folder's path.")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new directory.")
-    check_plain(path)
-    if merged and adapter:
-        from peft import AutoPeftModelForCausalLM
-        from transformers import AutoTokenizer
+    verify(path, under="policy/")
+    (parent := out.absolute().parent).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    try:
+        if merged and adapter:
+            from peft import AutoPeftModelForCausalLM
+            from transformers import AutoTokenizer
 
-        model = AutoPeftModelForCausalLM.from_pretrained(policy, dtype=torch.float32).merge_and_unload()
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(policy).save_pretrained(out)
-        return out
-    shutil.copytree(policy, out, dirs_exist_ok=True)
+            model = AutoPeftModelForCausalLM.from_pretrained(policy, dtype=torch.float32).merge_and_unload()
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(policy).save_pretrained(tmp)
+        else:  # not copytree: it turns a full disk into a shutil.Error without its errno
+            for file in sorted(policy.rglob("*")):  # a folder before its files
+                if file.is_dir():
+                    (tmp / file.relative_to(policy)).mkdir()
+                else:
+                    shutil.copy2(file, tmp / file.relative_to(policy))
+        shutil.copymode(policy, tmp)  # the policy folder's mode, not mkdtemp's
+        os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or any(m in str(e) for m in DISK_FULL):  # safetensors' writer words its io error its own way
+            free = shutil.disk_usage(parent).free / 2**30
+            raise OSError(f"hybridrl export: {parent} is full ({free:.1f} GiB free); nothing was written.") from e
+        raise
     return out
 
 
 def _fsync_dir(path: Path) -> None:
     for f in [path, *path.rglob("*")]:
-        try:
+        with contextlib.suppress(OSError):
             fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

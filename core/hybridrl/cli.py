@@ -1,10 +1,9 @@
-"""``hybridrl train | validate | eval | serve | export | plugins``; plugins add theirs (import, dashboard)."""
+"""``hybridrl train | validate | eval | export | plugins``; plugins add theirs (serve, import, dashboard)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -77,23 +76,6 @@ def add_commands(sub) -> None:
     p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in.")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("serve", help="Answer users with the policy and learn from their ratings (docs/online.md).")
-    p.add_argument("config", help="YAML run config with rewards: [{function: user_rating}].")
-    p.add_argument("overrides", nargs="*", help="Dotted overrides: online.update_every=32")
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0: any free one).")
-    p.add_argument(
-        "--token", default=None, help="Require 'Authorization: Bearer TOKEN' (default: $HYBRIDRL_SERVE_TOKEN)."
-    )
-    p.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="Also accept this Host/Origin (name, name:port, an origin, or *); loopback names always are.",
-    )
-    p.set_defaults(func=cmd_serve)
-
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
     p.add_argument("--hook", help="Only the plugins that implement this hook (e.g. on_step_end).")
@@ -101,69 +83,56 @@ def add_commands(sub) -> None:
 
 
 def cmd_train(args) -> int:
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     overrides = [*args.overrides, "trainer.resume=true"] if args.resume else args.overrides
     cfg = load_config(args.config, overrides)
-    trainer = Trainer(cfg, name=Path(args.config).stem)
-    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks
+    trainer = Trainer(build_run(cfg, name=Path(args.config).stem))
+    run_dir, main_rank = trainer.run.run_dir, trainer.run.ctx.is_main  # under torchrun, rank 0 speaks
     if main_rank:
-        print(f"hybridrl {__version__}: run directory {trainer.run_dir}", flush=True)
+        print(f"hybridrl {__version__}: run directory {run_dir}", flush=True)
     metrics = trainer.train()
     if metrics and main_rank:
         print(
             f"done: {cfg.trainer.steps} steps, final reward {metrics.get('reward/mean', float('nan')):.3f}; "
-            f"metrics in {trainer.run_dir / 'metrics.jsonl'}"
+            f"metrics in {run_dir / 'metrics.jsonl'}"
         )
     return 0
 
 
 def cmd_eval(args) -> int:
     from hybridrl import evaluation
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import build_run
 
     cfg = load_config(args.config, args.overrides)
     model, step = evaluation.model_to_evaluate(cfg, args.checkpoint, args.model)
-    trainer = Trainer(cfg, name=f"eval-{Path(args.config).stem}")
-    results = trainer.evaluate_only(step)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 writes and speaks
+    run = build_run(cfg, name=f"eval-{Path(args.config).stem}", train=False)
+    try:
+        results = run.evaluation.evaluate(step)
+    finally:
+        run.close()
+    if run.ctx.is_main:  # under torchrun, rank 0 writes and speaks
         for r in results:
-            evaluation.save_samples(r, trainer.run_dir / evaluation.EVAL_DIR, step)
-        out = Path(args.output) if args.output else trainer.run_dir / "report.json"
+            evaluation.save_samples(r, run.run_dir / evaluation.EVAL_DIR, step)
+        out = Path(args.output) if args.output else run.run_dir / "report.json"
         evaluation.write_report(out, evaluation.report(results, model, step))
         print(f"{model}, step {step}:")
         print(evaluation.table(results))
-        print(f"report: {out}; samples: {trainer.run_dir / evaluation.EVAL_DIR}")
-    return 0
-
-
-def cmd_serve(args) -> int:
-    from hybridrl.online import TOKEN_ENV, Server
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("hybridrl serve runs in one process: start it without torchrun.")
-    cfg = load_config(args.config, args.overrides)
-    if not cfg.trainer.run_dir:  # the same folder each time: a restart continues from its checkpoints
-        cfg.trainer.run_dir = f"runs/serve-{Path(args.config).stem}"
-    token = args.token or os.environ.get(TOKEN_ENV) or None
-    server = Server(cfg, args.host, args.port, token, allow=tuple(args.allow_host))
-    t = server.trainer
-    print(
-        f"hybridrl {__version__}: serving policy version {server.version} on {server.url} "
-        f"(POST /v1/chat/completions, POST /v1/feedback, GET /v1/status); run directory {t.run_dir}",
-        flush=True,
-    )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(f"serve: stopped at policy version {server.version}", file=sys.stderr)
+        print(f"report: {out}; samples: {run.run_dir / evaluation.EVAL_DIR}")
     return 0
 
 
 def cmd_export(args) -> int:
     from hybridrl.checkpoint import export
 
-    out = export(Path(args.checkpoint), Path(args.out), merged=args.merged)
+    try:
+        out = export(Path(args.checkpoint), Path(args.out), merged=args.merged)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:  # a full disk, a folder that cannot be written: one line (export removed what it wrote)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}: load it with transformers' from_pretrained or serve it with vLLM")
     return 0
 
@@ -187,7 +156,7 @@ def cmd_plugins(args) -> int:
         known = sorted(plugins.hook_names())
         if args.hook not in known:
             raise ConfigError(f"Unknown hook '{args.hook}'.{did_you_mean(args.hook, known)} Hooks: {', '.join(known)}.")
-        kinds = {k.hook: kind for kind, k in plugins.KINDS.items()}
+        kinds = {k.hook: kind for kind, k in plugins.KINDS.items()} | plugins.REGISTERS
         kind = kinds.get(args.hook)
         infos = [i for i in infos if args.hook in i.hooks or (kind and kind in i.registered)]
     if args.json:

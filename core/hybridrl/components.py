@@ -7,7 +7,6 @@ core validates its YAML section against, and is built as ``cls(options, ctx)``.
 from __future__ import annotations
 
 import contextlib
-import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,58 +16,10 @@ import torch
 from pydantic import Field
 
 from hybridrl.batch import Batch, RolloutOutput  # noqa: F401 (RolloutOutput: part of the contract)
+from hybridrl.context import PassRunner, RunContext, TrainingMemory  # noqa: F401 (the contract's)
 from hybridrl.functional import LossAggregation
 from hybridrl.options import INPUT_PATH, ConfigModel, Options, literal_choices  # noqa: F401 (the contract's)
 from hybridrl.sampling import NEUTRAL_SAMPLING, Sampling, SamplingParams  # noqa: F401 (the contract's)
-
-
-class PassRunner(typing.Protocol):
-    """What components use of the trainer's pass runner (:class:`hybridrl.passes.Runner`): every
-    forward pass of a run goes through it, cut and laid out (padded, shared prompts, packed) by
-    its planner. A critic registers with ``handle(model, values=True)`` and computes its values."""
-
-    def handle(self, model: torch.nn.Module, values: bool = False) -> Any: ...
-
-    def values(self, model: torch.nn.Module, batch: Batch, component: str, size: int | None = None) -> torch.Tensor:
-        """(B, T) values of a value model before each response token, without gradients, in passes."""
-
-    def pass_values(self, model: torch.nn.Module, part: Batch, component: str = "critic") -> torch.Tensor:
-        """(b, T) values over the rows of one pass of the update, with gradients."""
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What every component may need to know about the run it is part of; read-only.
-
-    The trainer builds it before any component, complete but for the run's services, which join it
-    once built (``dataclasses.replace``): ``strategy`` and ``passes`` are set for every component
-    built after the sharding strategy (the algorithm, rewards, the engine, loggers, agents'
-    environments and tools), and None for prompt sources and the strategy itself.
-    """
-
-    model_path: str  # a plain Hugging Face model folder (GGUF files are converted first)
-    tokenizer: Any  # the policy's transformers tokenizer
-    device: torch.device  # the device of the policy on this process
-    dtype: torch.dtype  # the policy's parameter dtype
-    seed: int
-    run_dir: Path
-    rank: int = 0  # this process's rank under torchrun (0 on one process)
-    world_size: int = 1  # processes in the run; each trains on its share of the step's prompts
-    strategy: ShardingStrategy | None = None  # the run's sharding strategy (to wrap extra models)
-    local_rank: int = 0  # the rank within its node: the GPU index under torchrun
-    trust_remote_code: bool = False  # model.trust_remote_code: engines load the policy's code with it
-    dropout: bool = False  # model.dropout: keep dropout active in the models that train
-    response_tokens: int | None = None  # the longest response of the run (rollout.max_tokens)
-    prompt_tokens: int | None = None  # the longest prompt of the data (its first 256 rows), for engines' buffers
-    steps: int | None = None  # the run's RL steps (trainer.steps); None: no planned end
-    sampling: Sampling | None = None  # what the run's rollouts sample with (the rollout section's sampling keys)
-    responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
-    passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
-
-    @property
-    def is_main(self) -> bool:
-        """Whether this process writes the run's files and prints (rank 0)."""
-        return self.rank == 0
 
 
 class Component:
@@ -261,16 +212,9 @@ class Algorithm(Component):
         return []
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
-        """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks.
-
-        A batch may bring its own ``baseline`` (B,): each response's baseline, known to its caller
-        (``hybridrl serve``: the mean rating of the other answers to the prompt, or of earlier
-        ratings). Then the advantage is score - baseline on every response token
-        (:func:`hybridrl.functional.baseline_advantages`), in place of the algorithm's estimator;
-        ``grpo`` and ``ppo`` do so.
-
-        Returns metrics to log.
-        """
+        """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks; returns
+        metrics to log. Not called when the caller brings its own advantages
+        (:meth:`hybridrl.trainer.Trainer.train_on`)."""
         raise NotImplementedError
 
     def loss(

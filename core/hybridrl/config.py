@@ -3,7 +3,8 @@
 Each component section names a plugin (``rollout: {engine: vllm, ...}``). Keys the core
 defines for every plugin of that kind (``n``, ``temperature``...) and keys of the chosen
 plugin's own ``Options`` model live side by side in the section; any other key is an error
-that lists the valid ones.
+that lists the valid ones. A plugin may own a top-level section of its own
+(``register_config_sections``: ``online`` is hybridrl-serve's), read as ``cfg.section(name)``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
 
 from hybridrl import plugins
 from hybridrl.components import INPUT_PATH, Sampling
@@ -23,9 +23,18 @@ from hybridrl.config_files import (
     format_validation_error,
     interpolate_env,
     keys_of,
+    load_yaml,
     options_error,
 )
-from hybridrl.config_sections import AgentConfig, EvalSet, LoraOptions, OnlineConfig, Section, Strict
+from hybridrl.config_sections import (  # noqa: F401 (TrainerConfig: importable from here as before)
+    AgentConfig,
+    EvalSet,
+    LoraOptions,
+    Section,
+    Strict,
+    TrainerConfig,
+    plugin_sections,
+)
 from hybridrl.errors import ConfigError, did_you_mean
 from hybridrl.shaping import ShapingOptions
 
@@ -181,125 +190,6 @@ class ShardingConfig(Section):
     strategy: str = Field("single", description="Sharding strategy plugin.")
 
 
-class TrainerConfig(Strict):
-    steps: int = Field(10, gt=0, description="RL steps (rollout + update) to run.")
-    prompts_per_step: int = Field(8, gt=0, description="Prompts per step; responses = prompts x rollout.n.")
-    mini_batch_size: int | None = Field(
-        None, gt=0, description="Responses per optimizer step; default: all responses of the step (one update)."
-    )
-    micro_batch_size: int | None = Field(
-        None,
-        gt=0,
-        description="Responses per forward/backward (gradient accumulation); default: micro_batch_tokens decides.",
-    )
-    micro_batch_tokens: int | Literal["auto"] | None = Field(
-        "auto",
-        description="Without micro_batch_size: a token budget per forward/backward (policy, reference and critic "
-        "passes). Each mini-batch's responses, longest first, are cut into as few micro-batches as keep their padded "
-        "size (rows x (longest prompt + longest response)) within it (one more only where it saves more padded "
-        "tokens than a pass holds), with the least padding; a longer response goes alone (verl's "
-        "ppo_max_token_len_per_gpu); with pack_sequences, passes of packed rows instead. Under torchrun, each rank "
-        "cuts its own rows, and splits its most padded "
-        "passes until it has as many as the rank with the most. 'auto': on a GPU, 80% of the memory free at the "
-        "first pass over the activations a token needs (printed at the start); on the CPU, no budget. None: the "
-        "whole mini-batch in one pass.",
-    )
-    share_prompts: bool | Literal["auto"] = Field(
-        "auto",
-        description="In the policy and reference passes, run each distinct prompt of a pass once and give "
-        "its keys and values to every response of it (the n samples of a group) instead of running it once "
-        "per response: the same logprobs and gradients from fewer tokens. 'auto': on the CPU (where it "
-        "measured 1.26x faster steps), off on a GPU (where the two-part pass measured slower). Off with "
-        "activation checkpointing.",
-    )
-    pack_sequences: bool | Literal["auto"] = Field(
-        "auto",
-        description="In the policy, reference and critic passes, lay the sequences end to end in rows of the batch's "
-        "width rounded up to 128 tokens instead of padding each to the longest, and cut the passes from those rows "
-        "(verl's use_remove_padding, OpenRLHF's packing_samples): the same logprobs and gradients from fewer tokens "
-        "and fewer shapes to compile where response lengths vary. 'auto': wherever "
-        "share_prompts is off (on a GPU by default). Models whose masking does not keep packed sequences apart, "
-        "or whose logits are not their output layer's (FSDP, soft-capping), run padded passes.",
-    )
-    epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = 0.0
-    warmup_steps: int = Field(
-        0,
-        ge=0,
-        description="Steps over which the learning rate rises linearly to lr: step k trains at k/warmup_steps x lr "
-        "(the first at lr/warmup_steps, lr from step warmup_steps on); transformers', TRL's and verl's warm-ups "
-        "start at 0 and reach lr one step later.",
-    )
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="The learning rate after the warm-up, over the run's steps: constant (verl's default), linear "
-        "decay (TRL's and transformers' default) or cosine decay, down to min_lr_ratio x lr at the last step "
-        "(transformers' get_linear/cosine_schedule_with_warmup; verl's cosine with min_lr_ratio).",
-    )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where linear and cosine decay end, as a share of lr.")
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
-    threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
-    cudnn_attention: bool = Field(
-        False,
-        description="Let PyTorch's scaled-dot-product attention (transformers' sdpa: the passes, the hf engine's "
-        "prompts, reward models) pick cuDNN's kernels on a GPU, as it does by default on Hopper. Off by default: "
-        "cuDNN plans each new batch shape at its first pass (0.1-0.5 s for SmolLM2-135M's forward and backward, "
-        "H200), and a run's passes meet new row counts as lengths vary (steps up to 4.7x the median); without "
-        "it the steady pace was the same at up to 384 tokens (docs/performance.md).",
-    )
-    run_dir: str | None = Field(
-        None, description="Where metrics, samples and checkpoints go; default runs/<config name>-<time>."
-    )
-    sample_every: int = Field(5, ge=0, description="Save rollout samples every N steps (0: never).")
-    save_every: int = Field(
-        0, ge=0, description="Checkpoint every N steps (0: only at the end and when interrupted by Ctrl-C or SIGTERM)."
-    )
-    save_final: bool | Literal["weights"] = Field(
-        True,
-        description="Checkpoint after the last step: true (everything a resume needs), 'weights' (the policy and "
-        "the run's state without the optimizer's, about a third of the size with AdamW: a resume from it starts "
-        "the optimizer afresh), or false (none; the policy is then only in the checkpoints of save_every).",
-    )
-    keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a save.")
-    resume: bool = Field(
-        False,
-        description="Continue from the newest checkpoint in run_dir (same as --resume); "
-        "starts fresh when there is none.",
-    )
-    timeout_s: float = Field(
-        600,
-        gt=0,
-        description="Under torchrun: seconds any collective (gradient reduction, weight gathering, metrics) may "
-        "wait for the other ranks. A rank that dies or stalls longer makes the others stop with an error naming "
-        "the rank and the stage it was last seen in, instead of hanging.",
-    )
-    eval_every: int = Field(
-        0, ge=0, description="Evaluate the data.eval sets after every N steps (0: only before and after training)."
-    )
-    eval_before_train: bool = Field(
-        True, description="Evaluate the data.eval sets before the first step (not when resuming)."
-    )
-    eval_after_train: bool = Field(True, description="Evaluate the data.eval sets after the last step.")
-    on_nonfinite: Literal["abort", "skip"] = Field(
-        "abort",
-        description="A NaN/Inf in rewards, advantages, "
-        "loss or grad norm: abort the run (the last checkpoint stays), "
-        "or skip that update and go on.",
-    )
-
-    @model_validator(mode="after")
-    def _one_layout(self):
-        if self.share_prompts is True and self.pack_sequences is True:
-            raise ValueError(
-                "trainer.share_prompts and trainer.pack_sequences are both true; a pass runs one of them. "
-                "Set one to false (or 'auto')."
-            )
-        return self
-
-
 class LoggingConfig(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     loggers: list[str] = Field(
@@ -318,8 +208,15 @@ class RunConfig(Strict):
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    online: OnlineConfig = Field(default_factory=OnlineConfig)
     _env_refs: dict = PrivateAttr(default_factory=dict)  # {path: the text with ${env:VAR}}, for dump_config
+    _sections: dict = PrivateAttr(default_factory=dict)  # the plugins' top-level sections, validated
+
+    def section(self, name: str):
+        """The validated options of the top-level section ``name`` that a plugin registered
+        (``register_config_sections``): the YAML's, or the defaults where it leaves the section out."""
+        if name not in self._sections:
+            raise ConfigError(f"The config has no section '{name}' (plugins' sections: {sorted(self._sections)}).")
+        return self._sections[name]
 
     def complete(self) -> dict:
         """The config as a mapping with every default written out, the plugins' options included:
@@ -336,7 +233,7 @@ class RunConfig(Strict):
         if self.rollout.agent is not None:
             tools = self.rollout.agent._tool_options
             data["rollout"]["agent"]["tool_options"] = {n: o.model_dump(mode="json") for n, o in tools.items()}
-        return data
+        return data | {n: o.model_dump(mode="json", by_alias=True) for n, o in self._sections.items()}
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
@@ -380,23 +277,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), data:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"Config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        data = load_yaml(path.read_text(), str(path)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of sections (model, rollout, ...).")
     data = apply_overrides(data, overrides)
     refs: dict[tuple, str] = {}
     data = interpolate_env(data, (), refs)
+    sections = plugin_sections(data, keys_of(RunConfig))
     try:
-        cfg = RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate({k: v for k, v in data.items() if k not in sections})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, RunConfig)) from None
+    cfg._sections = sections
     resolve(cfg)
     cfg._env_refs = refs
     if path is not None:
-        beside_config(cfg, Path(path).resolve().parent)
+        for model in [cfg, *sections.values()]:
+            beside_config(model, Path(path).resolve().parent)
     return cfg
 
 
@@ -476,7 +373,9 @@ def _lookup(kind: str, name: str) -> type:
 
 def _validate_options(cls, values: dict, where: str, kind: str, name: str, section_cls) -> Any:
     try:
-        return cls.Options.model_validate(values)
+        options = cls.Options.model_validate(values)
+        values.update({k: v for k, v in options if isinstance(v, SecretStr) and k in values})  # no repr shows it
+        return options
     except ValidationError as e:
         core_keys = keys_of(section_cls) if section_cls else []
         raise ConfigError(options_error(e, where, f"{kind} '{name}'", core_keys, keys_of(cls.Options))) from None

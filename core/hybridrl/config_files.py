@@ -1,5 +1,5 @@
-"""Config files as text: dotted command-line overrides, ``${env:VAR}`` references, secrets
-redacted when a run writes its config, and pydantic's validation errors said in words.
+"""Config files as text: YAML read with limits, dotted overrides, ``${env:VAR}`` references, secrets
+redacted wherever a run writes (config, logs), and pydantic's validation errors said in words.
 
 Nothing here knows the run config's sections (:mod:`hybridrl.config` does): these work on any
 mapping or pydantic model.
@@ -7,7 +7,9 @@ mapping or pydantic model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import os
 import re
 from pathlib import Path
@@ -26,7 +28,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"Override '{item}' must look like key.subkey=value (e.g. trainer.steps=5).")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw else None
+        value = load_yaml(raw, f"Override '{item}'") if raw else None
         node: Any = data
         parts = key.split(".")
         for i, part in enumerate(parts):
@@ -44,6 +46,55 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                     node[part] = {}
                 node = node[part]
     return data
+
+
+# -- reading YAML: PyYAML's SafeLoader has no limits of its own ---------------------------
+
+MAX_YAML_VALUES = 100_000  # a config holds hundreds; a "billion laughs" (aliases of aliases) a billion
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader refusing what no config needs and what would stop the process: aliases that expand a
+    document past MAX_YAML_VALUES values or into itself, integers over 100 digits, numbers not finite."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None and _expanded(node, {}, set()) > MAX_YAML_VALUES:
+            raise yaml.YAMLError(f"its aliases expand it to more than {MAX_YAML_VALUES:,} values")
+        return node
+
+    def construct_number(self, node):
+        construct = self.construct_yaml_float if node.tag.endswith("float") else self.construct_yaml_int
+        value = construct(node) if len(node.value) <= 100 else math.inf  # int() refuses past 4300 digits
+        if not math.isfinite(value):
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value[:20]} is out of range", node.start_mark)
+        return value
+
+
+for _tag in ("int", "float"):
+    _Loader.add_constructor(f"tag:yaml.org,2002:{_tag}", _Loader.construct_number)
+
+
+def _expanded(node, sizes: dict, open_: set) -> int:
+    """How many values ``node`` holds with its aliases followed (an alias shares its anchor's node)."""
+    if id(node) in open_ and id(node) not in sizes:
+        raise yaml.YAMLError(f"an alias at line {node.start_mark.line + 1} refers to a value that holds it")
+    open_.add(id(node))
+    inner = node.value if isinstance(node, yaml.SequenceNode) else []
+    inner = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else inner
+    return sizes.get(id(node)) or sizes.setdefault(id(node), 1 + sum(_expanded(n, sizes, open_) for n in inner))
+
+
+def load_yaml(text: str, where: str):
+    """``text`` read as YAML by :class:`_Loader`, or a ConfigError of one line naming ``where``."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), " ".join(str(getattr(e, "problem", None) or e).split())
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{where} is not valid YAML: {problem}{at}.") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is not valid YAML here: it nests values too deep to read.") from None
 
 
 def beside_config(cfg: BaseModel, folder: Path) -> None:
@@ -98,7 +149,7 @@ def format_validation_error(e: ValidationError, root: type[BaseModel]) -> str:
         elif err["type"] == "value_error" and not loc:
             lines.append(err["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"{dotted}: {err['msg']} (got {err.get('input')!r}).")
+            lines.append(f"{dotted}: {err['msg']} (got {_got(err)}).")
     return "\n".join(lines)
 
 
@@ -116,8 +167,13 @@ def options_error(e: ValidationError, where: str, component: str, core_keys: lis
         elif err["type"] == "missing":
             lines.append(f"Missing required key '{where}.{key}' for {component}.")
         else:
-            lines.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r}).")
+            lines.append(f"{where}.{key}: {err['msg']} (got {_got(err)}).")
     return "\n".join(lines)
+
+
+def _got(err) -> str:
+    """The value a validation error names, or ``'<redacted>'`` under a secret key (:func:`is_secret`)."""
+    return repr(REDACTED if any(is_secret(x) for x in err["loc"]) else err.get("input"))
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -141,13 +197,25 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 REDACTED = "<redacted>"
-SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials"}
+SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials", "auth", "bearer"}
+SECRET_WORDS |= {"authorization", "cookie"}
+#: a key ending in one names secrets (``api_keys``, ``hf_tokens``) unless the word before says it counts tokens
+PLURALS, COUNTS = {"keys", "tokens", "secrets", "passwords"}, {"max", "min", "num", "new", "batch", "total", "prompt"}
+COUNTS |= {"response", "free", "graph", "logit", "special", "stop", "core", "own"}
+#: secrets of a known shape in any string: a bearer credential, a URL's user-info, a URL's query value
+SECRET_SHAPES = re.compile(
+    r"(?i)(?P<bearer>\bbearer\s+)(?=[\w.~+/=-]*\d)[\w.~+/=-]{8,}|(?P<url>\b[a-z][a-z0-9+.-]*://)[^/\s@?#]+@"
+    r"|(?P<query>[?&](?P<name>[\w.-]+)=)[^&#\s]+"
+)
+#: the values of 8 characters or more that a ``${env:VAR}`` read -> that ``${env:VAR}`` (shorter ones,
+#: a number or a word, are written back at their own key only, not sought in every text)
+ENV_VALUES: dict[str, str] = {}
 
 
 def interpolate_env(value, path: tuple, refs: dict):
     """``value`` with each ``${env:VAR}`` in its strings replaced by the environment variable VAR; the
-    path of each string that had one goes into ``refs`` with its text. An unset variable, or the
-    ``<redacted>`` that dump_config writes in place of a secret, is a ConfigError naming the key."""
+    path of each string that had one goes into ``refs`` with its text, and the value into :data:`ENV_VALUES`.
+    An unset variable, or a ``<redacted>`` that dump_config wrote in place of a secret, is a ConfigError."""
     if isinstance(value, dict):
         return {k: interpolate_env(v, (*path, k), refs) for k, v in value.items()}
     if isinstance(value, list):
@@ -155,48 +223,77 @@ def interpolate_env(value, path: tuple, refs: dict):
     if not isinstance(value, str):
         return value
     where = ".".join(str(p) for p in path)
-    if value == REDACTED:
+    if REDACTED in value:
         raise ConfigError(
-            f"{where} is '{REDACTED}': the run wrote its config.yaml without this secret. Give it as "
+            f"{where} is '{value}': the run wrote its config.yaml without this secret. Give it as "
             "'${env:VAR}' (an environment variable that holds it) or with an override."
         )
     missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
     if missing:
         raise ConfigError(f"{where} is '{value}', but the environment variable {missing[0]} is not set.")
-    if ENV_REF.search(value):
-        refs[path] = value
-        return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
-    return value
+    if not ENV_REF.search(value):
+        return value
+    refs[path] = value
+    ENV_VALUES.update({os.environ[m[1]]: m[0] for m in ENV_REF.finditer(value) if len(os.environ[m[1]]) >= 8})
+    return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
 
 
 def is_secret(name) -> bool:
     """Whether a key names a secret: its last word (of snake_case, kebab-case or camelCase) is token, key,
-    secret, password... (``api_key``, ``hf_token``, ``clientSecret``; not ``max_tokens``, ``token_env``)."""
+    secret, password, authorization... (``api_key``, ``hf_token``, ``clientSecret``, ``Authorization``; not
+    ``max_tokens``, ``token_env``), or keys, tokens... after another word (``api_keys``, not ``keys``)."""
     words = re.findall(r"[a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name)).lower())
+    if words and words[-1] in PLURALS:
+        return len(words) > 1 and words[-2] not in COUNTS
     return bool(words) and words[-1] in SECRET_WORDS
 
 
+def scrub_env(text: str) -> str:
+    """``text`` with each value that a ``${env:VAR}`` read (:data:`ENV_VALUES`) written as ``${env:VAR}``:
+    what the run writes in its logs (samples, metric names) and config.yaml."""
+    for value in sorted(ENV_VALUES, key=len, reverse=True):
+        text = text.replace(value, ENV_VALUES[value])
+    return text
+
+
+def _hide(m: re.Match) -> str:
+    if "${env:" in m.group(0) or (m["query"] and not is_secret(m["name"])):
+        return m.group(0)  # a reference, not the secret; a query value of no secret name
+    return f"{m['url']}{REDACTED}@" if m["url"] else f"{m['bearer'] or m['query']}{REDACTED}"
+
+
 def redact(value, secret: bool = False):
-    """``value`` with every string under a key that :func:`is_secret` replaced by ``<redacted>``."""
+    """``value`` without secrets: every string under a key that :func:`is_secret` names becomes
+    ``<redacted>``; in the others, bearer credentials, URL user-info (``https://<redacted>@host``) and
+    secret query values (``?token=<redacted>``) do, and ``${env:VAR}`` values are the reference again."""
     if isinstance(value, dict):
-        return {k: redact(v, secret or is_secret(k)) for k, v in value.items()}
+        return {redact(k): redact(v, secret or is_secret(k)) for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v, secret) for v in value]
-    return REDACTED if secret and isinstance(value, str) and value else value
+    if not isinstance(value, str) or not value:
+        return value
+    return REDACTED if secret else SECRET_SHAPES.sub(_hide, scrub_env(value))
+
+
+def private_open(path, mode: str = "w"):
+    """``path`` opened as text (``w`` or ``a``), readable and writable by its owner only from its first
+    byte on, an existing file included (O_CREAT keeps its mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC), 0o600)
+    with contextlib.suppress(OSError):  # another user's file, writable to this one: it keeps its mode
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode, encoding="utf-8")
 
 
 def write_config(path, cfg) -> None:
     """The run's config (:func:`dump_config`) in ``path``, readable and writable by its owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-    with os.fdopen(fd, "w") as f:
+    with private_open(path) as f:
         f.write(dump_config(cfg))
 
 
 def dump_config(cfg) -> str:
-    """The run config as YAML, every default written out (``cfg.complete()``), without secrets:
-    strings under secret keys (:func:`is_secret`) become ``<redacted>``, and values given as
-    ``${env:VAR}`` are written as that again."""
+    """The run config as YAML, every default written out (``cfg.complete()``), without secrets
+    (:func:`redact`; a :class:`~hybridrl.options.Secret` option is ``<redacted>`` already), and values
+    given as ``${env:VAR}`` written as that again."""
     data = redact(cfg.complete())
     for path, text in cfg._env_refs.items():
         node, last = data, path[-1]

@@ -1,15 +1,18 @@
 """The leaf sections of the run config, and the bases of every section: a section of core keys
-(:class:`Strict`), or a component section whose other keys are the named plugin's (:class:`Section`).
-:mod:`hybridrl.config` assembles them into the run config."""
+(:class:`Strict`), or a component section whose other keys are the named plugin's (:class:`Section`);
+the top-level sections plugins own (:func:`plugin_sections`). :mod:`hybridrl.config` assembles them
+into the run config."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from hybridrl import plugins
 from hybridrl.components import ConfigModel
-from hybridrl.errors import ConfigError
+from hybridrl.config_files import keys_of, options_error
+from hybridrl.errors import ConfigError, did_you_mean
 
 
 class Strict(ConfigModel):
@@ -138,31 +141,152 @@ class AgentConfig(Section):
     _parser_options: Any = PrivateAttr(default=None)
 
 
-class OnlineConfig(Strict):
-    """``hybridrl serve``: answer users with the policy, learn from their ratings (docs/online.md)."""
-
-    update_every: int = Field(16, gt=0, description="Run an update once this many new ratings are in.")
-    update_every_s: float = Field(
-        0, ge=0, description="Also run one when the oldest untrained rating is this many seconds old; 0: off."
+class TrainerConfig(Strict):
+    steps: int = Field(10, gt=0, description="RL steps (rollout + update) to run.")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts per step; responses = prompts x rollout.n.")
+    mini_batch_size: int | None = Field(
+        None, gt=0, description="Responses per optimizer step; default: all responses of the step (one update)."
     )
-    max_batch: int = Field(256, gt=0, description="Most ratings one update trains on (the oldest first).")
-    baseline: Literal["auto", "leave_one_out", "running"] = Field(
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Responses per forward/backward (gradient accumulation); default: micro_batch_tokens decides.",
+    )
+    micro_batch_tokens: int | Literal["auto"] | None = Field(
         "auto",
-        description="Advantage = rating - baseline. leave_one_out: the mean rating of the other answers to the same "
-        "prompt in the update; running: the mean of all earlier ratings; auto: leave_one_out where the update "
-        "has another answer to the prompt, running otherwise.",
+        description="Without micro_batch_size: a token budget per forward/backward (policy, reference and critic "
+        "passes). Each mini-batch's responses, longest first, are cut into as few micro-batches as keep their padded "
+        "size (rows x (longest prompt + longest response)) within it (one more only where it saves more padded "
+        "tokens than a pass holds), with the least padding; a longer response goes alone (verl's "
+        "ppo_max_token_len_per_gpu); with pack_sequences, passes of packed rows instead. Under torchrun, each rank "
+        "cuts its own rows, and splits its most padded "
+        "passes until it has as many as the rank with the most. 'auto': on a GPU, 80% of the memory free at the "
+        "first pass over the activations a token needs (printed at the start); on the CPU, no budget. None: the "
+        "whole mini-batch in one pass.",
     )
-    rating_min: float = Field(0.0, description="Lowest rating accepted; 'down' (thumbs down) stores it.")
-    rating_max: float = Field(1.0, description="Highest rating accepted; 'up' (thumbs up) stores it.")
-    batch_requests: int = Field(
-        16, gt=0, description="Requests that wait while the engine is busy are answered together, up to this many."
+    share_prompts: bool | Literal["auto"] = Field(
+        "auto",
+        description="In the policy and reference passes, run each distinct prompt of a pass once and give "
+        "its keys and values to every response of it (the n samples of a group) instead of running it once "
+        "per response: the same logprobs and gradients from fewer tokens. 'auto': on the CPU (where it "
+        "measured 1.26x faster steps), off on a GPU (where the two-part pass measured slower). Off with "
+        "activation checkpointing.",
     )
-    max_request_bytes: int = Field(65536, gt=0, description="Larger request bodies get 413.")
-    requests_per_minute: int = Field(120, gt=0, description="Per client address; more get 429.")
-    save_every: int = Field(1, gt=0, description="Checkpoint every this many updates (the last one always).")
+    pack_sequences: bool | Literal["auto"] = Field(
+        "auto",
+        description="In the policy, reference and critic passes, lay the sequences end to end in rows of the batch's "
+        "width rounded up to 128 tokens instead of padding each to the longest, and cut the passes from those rows "
+        "(verl's use_remove_padding, OpenRLHF's packing_samples): the same logprobs and gradients from fewer tokens "
+        "and fewer shapes to compile where response lengths vary. 'auto': wherever "
+        "share_prompts is off (on a GPU by default). Models whose masking does not keep packed sequences apart, "
+        "or whose logits are not their output layer's (FSDP, soft-capping), run padded passes.",
+    )
+    epochs: int = Field(1, gt=0, description="Passes over the step's responses (PPO epochs).")
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (0: none; negative is refused).")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps over which the learning rate rises linearly to lr: step k trains at k/warmup_steps x lr "
+        "(the first at lr/warmup_steps, lr from step warmup_steps on); transformers', TRL's and verl's warm-ups "
+        "start at 0 and reach lr one step later.",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="The learning rate after the warm-up, over the run's steps: constant (verl's default), linear "
+        "decay (TRL's and transformers' default) or cosine decay, down to min_lr_ratio x lr at the last step "
+        "(transformers' get_linear/cosine_schedule_with_warmup; verl's cosine with min_lr_ratio).",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where linear and cosine decay end, as a share of lr.")
+    max_grad_norm: float = Field(1.0, gt=0)
+    seed: int = 0
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
+    cudnn_attention: bool = Field(
+        False,
+        description="Let PyTorch's scaled-dot-product attention (transformers' sdpa: the passes, the hf engine's "
+        "prompts, reward models) pick cuDNN's kernels on a GPU, as it does by default on Hopper. Off by default: "
+        "cuDNN plans each new batch shape at its first pass (0.1-0.5 s for SmolLM2-135M's forward and backward, "
+        "H200), and a run's passes meet new row counts as lengths vary (steps up to 4.7x the median); without "
+        "it the steady pace was the same at up to 384 tokens (docs/performance.md).",
+    )
+    run_dir: str | None = Field(
+        None, description="Where metrics, samples and checkpoints go; default runs/<config name>-<time>."
+    )
+    sample_every: int = Field(5, ge=0, description="Save rollout samples every N steps (0: never).")
+    save_every: int = Field(
+        0, ge=0, description="Checkpoint every N steps (0: only at the end and when interrupted by Ctrl-C or SIGTERM)."
+    )
+    save_final: bool | Literal["weights"] = Field(
+        True,
+        description="Checkpoint after the last step: true (everything a resume needs), 'weights' (the policy and "
+        "the run's state without the optimizer's, about a third of the size with AdamW: a resume from it starts "
+        "the optimizer afresh), or false (none; the policy is then only in the checkpoints of save_every).",
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints to keep; older ones are deleted after a save.")
+    resume: bool = Field(
+        False,
+        description="Continue from the newest checkpoint in run_dir (same as --resume); "
+        "starts fresh when there is none.",
+    )
+    timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Under torchrun: seconds any collective (gradient reduction, weight gathering, metrics) may "
+        "wait for the other ranks. A rank that dies or stalls longer makes the others stop with an error naming "
+        "the rank and the stage it was last seen in, instead of hanging.",
+    )
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate the data.eval sets after every N steps (0: only before and after training)."
+    )
+    eval_before_train: bool = Field(
+        True, description="Evaluate the data.eval sets before the first step (not when resuming)."
+    )
+    eval_after_train: bool = Field(True, description="Evaluate the data.eval sets after the last step.")
+    on_nonfinite: Literal["abort", "skip"] = Field(
+        "abort",
+        description="A NaN/Inf in rewards, advantages, "
+        "loss or grad norm: abort the run (the last checkpoint stays), "
+        "or skip that update and go on.",
+    )
 
     @model_validator(mode="after")
-    def _range(self):
-        if not self.rating_min < self.rating_max:
-            raise ValueError(f"online.rating_min={self.rating_min} must be below online.rating_max={self.rating_max}.")
+    def _one_layout(self):
+        if self.share_prompts is True and self.pack_sequences is True:
+            raise ValueError(
+                "trainer.share_prompts and trainer.pack_sequences are both true; a pass runs one of them. "
+                "Set one to false (or 'auto')."
+            )
         return self
+
+
+def plugin_sections(data: dict, core: list[str]) -> dict[str, Any]:
+    """The top-level sections of the run config that plugins registered, each validated against its
+    model (its defaults where ``data`` leaves it out, if those validate). A key of ``data`` that is
+    neither a core section (``core``) nor a plugin's is an error listing both; so is a plugin's
+    section named as a core one."""
+    try:
+        registered = plugins.config_sections()
+    except plugins.PluginError as e:
+        raise ConfigError(str(e)) from None
+    for name, s in registered.items():
+        if name in core:
+            raise ConfigError(
+                f"Plugin '{s.plugin}' (package '{s.package}') registers the config section '{name}', a section of "
+                f"the core ({', '.join(core)}); it needs a name of its own."
+            )
+    for key in data:
+        if key not in core and key not in registered:
+            theirs = ", ".join(f"{n} (plugin '{s.plugin}')" for n, s in sorted(registered.items())) or "none installed"
+            raise ConfigError(
+                f"Unknown key '{key}' in the top level.{did_you_mean(key, [*core, *registered])} Valid keys: "
+                f"{', '.join(core)}; and the plugins' sections: {theirs}. Run 'hybridrl plugins' to see them."
+            )
+    out = {}
+    for name, s in registered.items():
+        try:
+            out[name] = s.cls.model_validate(data.get(name) or {})
+        except ValidationError as e:
+            if name in data:  # else required keys, and no such section in the YAML: cfg.section says so
+                raise ConfigError(options_error(e, name, f"plugin '{s.plugin}'", [], keys_of(s.cls))) from None
+    return out

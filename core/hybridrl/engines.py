@@ -79,28 +79,19 @@ def stop_length(ids: list[int], decode: Callable[[list[int]], str], stops: list[
     return lo
 
 
-TRAINING_STATE_BYTES = 16  # a trained parameter's float32 weight, gradient and two AdamW moments
 AWAKE_ROOM = 0.25  # of the GPU, left for the training passes beside an engine that stays awake
-
-
-def policy_parameters(ctx) -> int:
-    """The policy's parameter count, from its config (no weights load)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        config = AutoConfig.from_pretrained(ctx.model_path, trust_remote_code=ctx.trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=ctx.trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
 
 
 def stays_awake(share: float, ctx) -> tuple[bool, str]:
     """Whether an engine that holds ``share`` of the policy's GPU (``ctx.device``) may keep it while
-    the policy trains: when that share and the policy's training state (``TRAINING_STATE_BYTES`` a
-    parameter, over the ranks) leave ``AWAKE_ROOM`` of the GPU for the passes, whose micro-batches
+    the policy trains: when that share and the policy's training state while it updates
+    (``ctx.training_memory``) leave ``AWAKE_ROOM`` of the GPU for the passes, whose micro-batches
     size themselves from what is free. Sleeping costs every step a release, a resume, and the
     passes' allocations after it. Returns the answer and the figures behind it, for the message."""
     total = torch.cuda.get_device_properties(ctx.device).total_memory
-    state = policy_parameters(ctx) * TRAINING_STATE_BYTES / ctx.world_size
+    if ctx.training_memory is None:  # nothing trains beside it (an evaluation)
+        return True, "nothing trains beside it"
+    state = ctx.training_memory.during_update
     room = 0.95 * total - share * total - state
     gib = 2**30
     why = (

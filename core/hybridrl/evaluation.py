@@ -332,7 +332,8 @@ def save_samples(result: SetResult, folder: Path, step: int) -> Path:
 def model_to_evaluate(cfg, checkpoint: str | None, model: str | None) -> tuple[str, int]:
     """Point ``cfg.model`` at what ``hybridrl eval`` evaluates: a checkpoint's policy folder, a model
     folder (an exported checkpoint), or model.path; returns its description and step (0 but for a
-    checkpoint)."""
+    checkpoint). A checkpoint's policy files are first checked against its meta.json as a resume checks
+    them (:func:`hybridrl.checkpoint_files.verify`): a file changed, added or missing, or a link, is refused."""
     if checkpoint:
         policy = Path(checkpoint) / "policy"
         if (policy / "adapter_config.json").is_file():
@@ -344,6 +345,7 @@ def model_to_evaluate(cfg, checkpoint: str | None, model: str | None) -> tuple[s
             raise ConfigError(
                 f"--checkpoint {checkpoint} holds no policy/config.json: give a RUN_DIR/checkpoints/step-N folder."
             )
+        ckpt.verify(Path(checkpoint).resolve(), under="policy/")
         try:
             step = ckpt.step_of(Path(checkpoint).resolve())
         except ValueError:

@@ -238,16 +238,6 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return mean, std, count
 
 
-def baseline_advantages(scores: torch.Tensor, baseline: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """score - baseline on every token of a response: (B,), (B,), (B, T) -> (B, T), 0 where masked.
-
-    The advantage of a batch whose caller knows each response's baseline (``batch["baseline"]``;
-    ``hybridrl serve``: the mean rating of the other answers to the prompt, or of earlier ratings).
-    Algorithms use it in place of their own estimator when the batch holds that column.
-    """
-    return (scores.float() - baseline.to(scores.device).float())[:, None] * mask.float()
-
-
 def whiten_advantages(values: torch.Tensor, mask: torch.Tensor, mean_var=None) -> torch.Tensor:
     """(values - mean) / sqrt(var + 1e-8) on unmasked positions, 0 elsewhere: (B, T) -> (B, T).
 

@@ -136,21 +136,21 @@ def register_commands(subparsers):
 
 
 @hookspec
-def on_train_start(trainer):
-    """Called once after every component is built, before the first step.
+def on_train_start(run, start_step):
+    """Called once after every part of the run is built, before the first step.
 
-    :param trainer: the :class:`~hybridrl.trainer.Trainer`; ``trainer.config`` is the run
-        config, ``trainer.run_dir`` the run directory, ``trainer.start_step`` the step the
-        run starts (or resumes) at.
+    :param run: the :class:`~hybridrl.run.Run`, read-only: ``run.config`` is the run config,
+        ``run.run_dir`` the run directory, ``run.policy``, ``run.session``, ``run.rewards`` its parts.
+    :param start_step: the step the run continues after (0 for a new run; a resume's checkpoint step).
     """
 
 
 @hookspec
-def on_step_end(trainer, step, metrics, batch):
+def on_step_end(run, step, metrics, batch):
     """Called after every step, after the weight sync and before the loggers write. Under
     ``hybridrl serve`` a step is an update on users' ratings (its batch: the rated answers).
 
-    :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
+    :param run: the :class:`~hybridrl.run.Run`, read-only.
     :param step: the step just finished, counting from 1.
     :param metrics: ``dict[str, float]`` of this step; a plugin may add entries, and they
         are logged like the trainer's own.
@@ -160,10 +160,10 @@ def on_step_end(trainer, step, metrics, batch):
 
 
 @hookspec
-def on_checkpoint(trainer, step, path):
+def on_checkpoint(run, step, path):
     """Called after a checkpoint has been written completely.
 
-    :param trainer: the running :class:`~hybridrl.trainer.Trainer`.
+    :param run: the :class:`~hybridrl.run.Run`, read-only.
     :param step: the step the checkpoint holds.
     :param path: ``pathlib.Path`` of the finished checkpoint directory. Read it, copy it; do not
         write into it: its ``meta.json`` lists every file, and a resume refuses a checkpoint with
@@ -172,9 +172,23 @@ def on_checkpoint(trainer, step, path):
 
 
 @hookspec
-def on_train_end(trainer, metrics):
+def on_train_end(run, metrics):
     """Called once when the run ends, normally or not (``hybridrl serve``: when it stops).
 
-    :param trainer: the :class:`~hybridrl.trainer.Trainer`.
+    :param run: the :class:`~hybridrl.run.Run`, read-only.
     :param metrics: the last step's metrics (empty if no step finished).
+    """
+
+
+@hookspec
+def register_config_sections(register):
+    """Register top-level sections of the run config that a plugin owns: ``register("online", OnlineOptions)``.
+
+    :param register: callback ``register(name: str, options: type[pydantic.BaseModel])``.
+
+    The YAML's key ``name`` is validated against ``options`` (unknown keys are errors naming the
+    section and the plugin), overrides reach it (``name.key=value``), ``config.section(name)``
+    gives the validated model (its defaults when the YAML leaves the section out), and the run's
+    config.yaml writes it out. A name is refused when it is a core section (``trainer``...) or
+    another plugin's.
     """

@@ -226,6 +226,15 @@ def load_model_config(path: str, trust_remote_code: bool = False):
         raise _unloadable(path, e) from e
 
 
+def parameter_count(config, trust_remote_code: bool = False) -> int:
+    """The parameters of the causal LM of ``config`` (a transformers config), counted without weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
 def check_context(config, prompt_tokens: int, max_tokens: int) -> None:
     """Prompts of up to ``prompt_tokens`` and ``max_tokens`` response tokens fit the model's context."""
     from hybridrl.errors import ConfigError

@@ -2,14 +2,17 @@
 
 Unknown keys and NaN/Inf are errors; YAML's booleans are read as the on/off words of options
 that take them; fields that name a file the run reads are marked :data:`INPUT_PATH`, model folders
-:data:`MODEL_PATH`.
+:data:`MODEL_PATH`; a secret option is a :class:`Secret`.
 """
 
 from __future__ import annotations
 
 import typing
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
+from pydantic_core import core_schema
+
+from hybridrl.config_files import REDACTED
 
 
 def literal_choices(annotation) -> set | None:
@@ -32,6 +35,21 @@ INPUT_PATH = {"input_path": True}
 #: marks a field as a model folder the run loads, as model.path names one (a Hugging Face folder or
 #: ``package:NAME``; no GGUF): checked before any model loads (:func:`hybridrl.preflight.check`)
 MODEL_PATH = {"input_path": True, "model_path": True}
+
+
+class Secret(SecretStr):
+    """A secret option (``api_key: Secret | None``): pydantic's SecretStr, which every dump, repr and log
+    shows as ``<redacted>`` (config.yaml too, or as the ``${env:VAR}`` it was given as); the code that
+    sends it reads ``.get_secret_value()``."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        schema = super().__get_pydantic_core_schema__(source, handler)
+        schema["serialization"] = core_schema.plain_serializer_function_ser_schema(lambda s: s._display())
+        return schema
+
+    def _display(self) -> str:
+        return REDACTED if self.get_secret_value() else ""
 
 
 class ConfigModel(BaseModel):

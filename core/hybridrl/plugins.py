@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import pluggy
+from pydantic import BaseModel
 
 from hybridrl import components, hookspecs
 from hybridrl.errors import did_you_mean, stage_errors
@@ -25,7 +26,6 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.sharding_fsdp",
     "hybridrl.builtin.datasets",
     "hybridrl.builtin.loggers",
-    "hybridrl.builtin.trackers",
     "hybridrl.builtin.environments",
     "hybridrl.builtin.tools",
 )
@@ -63,6 +63,26 @@ KINDS = {
 }
 
 
+#: registration hooks that register no component, and what ``hybridrl plugins`` calls what they register
+REGISTERS = {"register_commands": "command", "register_config_sections": "config section"}
+
+
+#: names the first-party plugins register, and their distributions (make demo and make test install them all)
+FIRST_PARTY = {
+    "vllm": "hybridrl-rollout-vllm",
+    "sglang": "hybridrl-rollout-sglang",
+    "grpo": "hybridrl-algo-grpo",
+    "ppo": "hybridrl-algo-ppo",
+    "python": "hybridrl-reward-python",
+    "reward_model": "hybridrl-reward-hf",
+    "reranker": "hybridrl-reward-hf",
+    "embedding_similarity": "hybridrl-reward-hf",
+    "user_rating": "hybridrl-serve",
+    "wandb": "hybridrl-trackers",
+    "tensorboard": "hybridrl-trackers",
+}
+
+
 class PluginError(Exception):
     """A plugin is missing, duplicated or malformed; the message says which and what to do."""
 
@@ -83,6 +103,7 @@ class Registered:
     package: str
 
 
+SECTION = "config section"  # the registry's kind of the top-level config sections plugins own (not a component)
 _pm: pluggy.PluginManager | None = None
 _registry: dict[str, dict[str, Registered]] | None = None
 _infos: dict[str, PluginInfo] = {}
@@ -128,20 +149,21 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
 
 
 def registry() -> dict[str, dict[str, Registered]]:
-    """kind -> name -> Registered, built once by calling every registration hook."""
+    """kind -> name -> Registered, built once by calling every registration hook; the kind
+    ``config section`` holds the top-level config sections plugins own (their options models)."""
     global _registry
     if _registry is None:
         pm = get_plugin_manager()
-        reg: dict[str, dict[str, Registered]] = {kind: {} for kind in KINDS}
+        reg: dict[str, dict[str, Registered]] = {kind: {} for kind in [*KINDS, SECTION]}
         for info in _infos.values():
             info.registered.clear()
-        for kind, k in KINDS.items():
-            base = k.base
-            for impl in getattr(pm.hook, k.hook).get_hookimpls():
+        hooks = [(kind, k.hook, k.base, "hybridrl.components") for kind, k in KINDS.items()]
+        for kind, hook, base, home in [*hooks, (SECTION, "register_config_sections", BaseModel, "pydantic")]:
+            for impl in getattr(pm.hook, hook).get_hookimpls():
                 info = _infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "(in code)", "")
                 _infos.setdefault(impl.plugin_name, info)
-                impl.function(register=_registrar(kind, base, reg[kind], info))
-        registration = {k.hook for k in KINDS.values()} | {"register_commands"}
+                impl.function(register=_registrar(kind, base, reg[kind], info, home))
+        registration = {k.hook for k in KINDS.values()} | set(REGISTERS)
         for info in _infos.values():
             info.hooks = []
         for name, caller in vars(pm.hook).items():
@@ -159,12 +181,12 @@ def registry() -> dict[str, dict[str, Registered]]:
     return _registry
 
 
-def _registrar(kind, base, table, info):
+def _registrar(kind, base, table, info, home="hybridrl.components"):
     def register(name: str, cls: type) -> None:
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise PluginError(
                 f"Plugin '{info.name}' registered {kind} '{name}' as {cls!r}, "
-                f"which is not a subclass of hybridrl.components.{base.__name__}."
+                f"which is not a subclass of {home}.{base.__name__}."
             )
         if name in table:
             other = table[name]
@@ -185,11 +207,18 @@ def lookup(kind: str, name: str) -> type:
     if name not in table:
         key = KINDS[kind].yaml_key
         choices = ", ".join(sorted(table)) or "(none installed)"
+        home = FIRST_PARTY.get(name)
+        install = f" '{name}' comes with {home}: pip install -e plugins/{home[9:].replace('-', '_')}." if home else ""
         raise PluginError(
-            f"Unknown {kind} '{name}' ({key}).{did_you_mean(name, table)} Available: {choices}. "
+            f"Unknown {kind} '{name}' ({key}).{did_you_mean(name, table)} Available: {choices}.{install} "
             "Run 'hybridrl plugins' to see installed plugins."
         )
     return table[name].cls
+
+
+def config_sections() -> dict[str, Registered]:
+    """The top-level config sections plugins registered: name -> Registered (``cls``: the options model)."""
+    return registry()[SECTION]
 
 
 def build(kind: str, name: str, options, ctx: components.RunContext):

@@ -1,6 +1,6 @@
 """Every check of a run that needs no model, in one place: ``hybridrl validate`` and ``hybridrl
 import`` run it on a config, and a run (``hybridrl train``, ``eval``, ``serve``) runs it before any
-model loads (:class:`hybridrl.setup.TrainerSetup`). It reads what a run reads first (the model
+model loads (:func:`hybridrl.run.build_run`). It reads what a run reads first (the model
 folder's config and tokenizer, the prompt sources' rows) and hands it over (:class:`Checked`), so
 that the run builds on what was checked.
 
@@ -20,7 +20,7 @@ In order, each failure one error that names the key and the fix:
   (:meth:`~hybridrl.components.RolloutEngine.check_launch`).
 
 :func:`check_world` (the sharding strategy against torchrun's ranks) runs earlier, before the
-process group is joined (:meth:`hybridrl.setup.TrainerSetup.setup_distributed`).
+process group is joined (:func:`hybridrl.run.join_processes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, plugins
-from hybridrl.components import RunContext, Sampling
+from hybridrl.components import RunContext, Sampling, TrainingMemory
 from hybridrl.config import RunConfig, component_sections
 from hybridrl.devices import resolve_device
 from hybridrl.errors import ConfigError, StageError, did_you_mean
@@ -45,6 +45,7 @@ from hybridrl.models import (
     check_model_path,
     load_model_config,
     load_tokenizer,
+    parameter_count,
     resolve_model_path,
 )
 from hybridrl.prompts import check_columns, check_reward_fields, longest_prompt
@@ -66,7 +67,7 @@ class Checked:
     model_path: str  # the plain Hugging Face folder of model.path (a GGUF file converted)
     tokenizer: Any
     model_config: Any  # the policy's transformers config
-    ctx: RunContext  # the context of the components built so far: no strategy, no pass runner
+    ctx: RunContext  # the run's context: the strategy and the pass runner join it once built
     data: Any  # the training prompt source; None for evaluation alone
     evaluation: Evaluation  # the data.eval sets, built and checked
 
@@ -107,12 +108,15 @@ def check(
         longest = longest_prompt(data, cfg.data, tokenizer)
         check_context(model_config, longest, cfg.rollout.max_tokens)
         check_reward_fields(data[0], cfg.data, cfg.rewards, "data", "data")
-        ctx = dataclasses.replace(ctx, prompt_tokens=longest)
+        ctx.join(prompt_tokens=longest)
     evaluation = Evaluation(
         cfg, lambda kind, name, options: plugins.build(kind, name, options, ctx), tokenizer, model_config
     )
     if not train and not evaluation.sets:
         raise ConfigError("data.eval holds no sets to evaluate; add one (docs/evaluation.md).")
+    if train and device.type == "cuda":  # what an engine sharing the GPU must leave to training
+        parameters = parameter_count(model_config, cfg.model.trust_remote_code)
+        ctx.join(training_memory=TrainingMemory.of(parameters, ctx.world_size))
     if train:  # beside the policy; the engine is built after it (it takes a share of what memory is left)
         try:
             plugins.lookup("rollout engine", cfg.rollout.engine).check_launch(cfg.rollout.options, ctx)

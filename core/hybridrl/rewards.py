@@ -14,7 +14,7 @@ import torch
 from hybridrl import distributed
 from hybridrl.batch import Batch
 from hybridrl.devices import device_errors
-from hybridrl.errors import stage_errors
+from hybridrl.errors import StageError, stage_errors
 from hybridrl.shaping import ShapingState
 
 
@@ -45,7 +45,10 @@ class Rewards:
             with stage_errors(component, "score"), self.device_errors(component, i, fn):
                 s = torch.as_tensor(fn.score(batch), dtype=torch.float32).reshape(-1)
             if s.shape[0] != len(batch):
-                raise RuntimeError(f"reward '{rc.label}' returned {s.shape[0]} scores for {len(batch)} responses.")
+                raise StageError(
+                    f"{component} failed in score: it returned {s.shape[0]} scores for the batch's {len(batch)} "
+                    "responses. score(batch) returns one number per row of the batch (len(batch))."
+                )
             if not torch.isfinite(s).all():  # the step then aborts or skips, naming this reward first
                 bad = int((~torch.isfinite(s)).sum())
                 print(f"warning: reward '{rc.label}' returned NaN/Inf for {bad} responses", file=sys.stderr)

@@ -246,7 +246,7 @@ def policy_greedy(trainer, prompts: list[list[int]], max_tokens: int) -> list[li
     (``policy_tensors``: with LoRA, the merged ones): what the engine's greedy output must be."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer.ctx.model_path))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer.run.ctx.model_path))
     model.load_state_dict(dict(trainer.policy_tensors("transformers")))
     return hf_greedy(model.float().eval(), prompts, max_tokens)
 

@@ -143,6 +143,7 @@ def two_grpo_steps(
     checking the sync after each; returns the rows of its metrics.jsonl. ``data`` replaces the
     prompts (reasoning-gym's chain_sum), ``sharding`` adds to the strategy's options."""
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     chain_sum = {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True}
@@ -158,5 +159,5 @@ def two_grpo_steps(
     }
     cfg["trainer"]["threads"] = 1
     cfg["trainer"]["pack_sequences"] = True
-    Trainer(load_config(data=cfg)).train()
+    Trainer(build_run(load_config(data=cfg))).train()
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

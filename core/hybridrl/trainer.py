@@ -1,15 +1,15 @@
 """The RL loop: rollout -> reward -> logprobs -> advantages -> update -> weight sync -> log.
 
-``Trainer.setup`` builds every component from the config; ``Trainer.step`` runs one RL step and
-reads as the pipeline. The stages' work lives in modules of their own: ``rollout`` (prompts to
-responses), ``rewards`` (scores), ``update`` (the training loop of every trained model),
-``metrics``, ``checkpoint``; docs/architecture.md has the map.
+:func:`hybridrl.run.build_run` builds every part from the config (a :class:`~hybridrl.run.Run`);
+``Trainer`` runs the loop over it, and ``Trainer.step``, one RL step, reads as the pipeline. The
+stages' work lives in modules of their own: ``rollout`` (prompts to responses), ``rewards``
+(scores), ``update`` (the training loop of every trained model), ``metrics``, ``checkpoint``;
+docs/architecture.md has the map.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -19,9 +19,8 @@ from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
 from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
 from hybridrl.components import Trainable
-from hybridrl.config import RunConfig
 from hybridrl.engine_weights import engine_tensors
-from hybridrl.errors import ConfigError, Interrupted, StageError, nonfinite
+from hybridrl.errors import Interrupted, StageError, nonfinite
 from hybridrl.forward import Outputs
 from hybridrl.metrics import (
     Timer,
@@ -33,37 +32,43 @@ from hybridrl.metrics import (
     update_throughput,
 )
 from hybridrl.models import is_checkpointing
+from hybridrl.prefetch import make_prefetcher
 from hybridrl.probes import StepProbes
-from hybridrl.setup import TrainerSetup
+from hybridrl.run import Run
 from hybridrl.signals import StopSignals
 from hybridrl.update import mini_batch_rows, run_update
 
 
-class Trainer(TrainerSetup):
-    def __init__(self, config: RunConfig, name: str = "run"):
-        self.config = config
-        t = config.trainer
-        if t.resume and not t.run_dir:
-            raise ConfigError("trainer.resume (--resume) needs trainer.run_dir: the directory of the run to continue.")
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(t.run_dir or f"runs/{name}-{stamp}")
+class Trainer:
+    """The loop over a :class:`~hybridrl.run.Run`: train, step, train_on, sync, save, log, close.
+    ``Trainer(build_run(config)).train()`` is ``hybridrl train``."""
+
+    def __init__(self, run: Run):
+        if not isinstance(run, Run):
+            raise TypeError(f"Trainer takes a Run, not {type(run).__name__}: Trainer(build_run(config)).")
+        self.run = run
         self.start_step = 0
         self.extra_state: dict = {}  # more objects whose state_dict goes into checkpoints (hybridrl serve's learner)
         self.signals = StopSignals()
         self.pm = plugins.get_plugin_manager()
         self.probes = StepProbes()  # what a step measures beside its stages (garbage collection, compiling)
+        self.prefetch = make_prefetcher(run.config, run.session, self.collect, run.ctx.is_main)
+
+    @property
+    def config(self):
+        """The run's config (read-only)."""
+        return self.run.config
 
     def stateful_components(self) -> dict:
         """Components whose state goes into checkpoints (they define state_dict/load_state_dict)."""
-        found = {"algorithm": self.algorithm, **self.rewards.stateful(), "prefetch": self.prefetch}
-        found |= {"engine_session": self.session, **self.extra_state}
+        found = {"algorithm": self.run.algorithm, **self.run.rewards.stateful(), "prefetch": self.prefetch}
+        found |= {"engine_session": self.run.session, **self.extra_state}
         return {k: v for k, v in found.items() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict")}
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
         t = self.config.trainer
-        self.setup()
         if t.resume:
             self.resume()
         self.open(t.steps)
@@ -91,7 +96,7 @@ class Trainer(TrainerSetup):
                     if stop:
                         raise Interrupted(
                             f"stopped by {stop} after step {step}; checkpoint {path}. "
-                            f"Continue with: hybridrl train CONFIG --resume trainer.run_dir={self.run_dir}",
+                            f"Continue with: hybridrl train CONFIG --resume trainer.run_dir={self.run.run_dir}",
                             self.signals.exit_code,
                         )
             finished = True
@@ -102,71 +107,68 @@ class Trainer(TrainerSetup):
     def open(self, steps: int = 0) -> None:
         """Start the run's record: the loggers (``steps``: the run's last step; 0: none, ``hybridrl
         serve``), then ``on_train_start``. :meth:`close` ends it."""
-        for logger in self.loggers:
+        for logger in self.run.loggers:
             logger.open(steps, self.start_step)
-        self.probes = StepProbes(self.ctx.is_main)
+        self.probes = StepProbes(self.run.ctx.is_main)
         self.probes.open()
-        self.pm.hook.on_train_start(trainer=self)
+        self.pm.hook.on_train_start(run=self.run, start_step=self.start_step)
 
     def close(self, metrics: dict[str, float] | None = None, finished: bool = False) -> None:
         """End the run: ``on_train_end`` with the last metrics, then the loggers, the rewards, the
         prefetcher, the engine and the process group are released; ``finished``: the run ended
         normally on every rank, which then leave the process group together."""
-        self.pm.hook.on_train_end(trainer=self, metrics=metrics or {})
-        for logger in self.loggers:
+        self.pm.hook.on_train_end(run=self.run, metrics=metrics or {})
+        for logger in self.run.loggers:
             logger.close()
-        self.rewards.close()
-        self.evaluation.close()
         if self.prefetch is not None:
             self.prefetch.close()
-        self.session.close()
         self.probes.close()
-        distributed.teardown(together=finished)
+        self.run.close(together=finished)
 
     def save(self, step: int, weights_only: bool = False) -> Path:
-        path = ckpt.save_checkpoint(self, step, weights_only)
-        if self.ctx.is_main:
-            ckpt.rotate(self.run_dir, self.config.trainer.keep_last)
+        path = ckpt.save_checkpoint(self.run, self.stateful_components(), step, weights_only)
+        if self.run.ctx.is_main:
+            ckpt.rotate(self.run.run_dir, self.config.trainer.keep_last, path)
         distributed.barrier()
-        self.pm.hook.on_checkpoint(trainer=self, step=step, path=path)
+        self.pm.hook.on_checkpoint(run=self.run, step=step, path=path)
         return path
 
     def resume(self) -> None:
         """Load the newest checkpoint of run_dir that loads (a damaged one is skipped with a warning)
         and continue after its step."""
-        found = ckpt.load_newest(self)
+        found = ckpt.load_newest(self.run, self.stateful_components())
         if found is not None:
             path, self.start_step = found
-            ckpt.drop_logs_after(self.run_dir, self.start_step, self.ctx.is_main)
-            if not self.session.updates:  # a checkpoint written before the session kept its count
-                self.session.updates = self.session.version = self.start_step
+            ckpt.drop_logs_after(self.run.run_dir, self.start_step, self.run.ctx.is_main)
+            if not self.run.session.updates:  # a checkpoint written before the session kept its count
+                self.run.session.updates = self.run.session.version = self.start_step
             self.sync(update=False)
-            if self.ctx.is_main:
+            if self.run.ctx.is_main:
                 print(f"resumed from {path} (step {self.start_step})", flush=True)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the data.eval sets with the weights the engine holds, between two steps (0: before
         the first); their metrics go to the loggers at ``step`` (docs/evaluation.md). With
         rollout.async, the batches queued were finished before the last sync, so eval changes none."""
-        if not self.evaluation.sets:
+        if not self.run.evaluation.sets:
             return {}
         distributed.heartbeat(step, "eval")
         if self.prefetch is not None:
             self.prefetch.before_sync()
-        metrics = self.evaluation.run(step, self.run_dir)
-        for logger in self.loggers:
+        metrics = self.run.evaluation.run(step, self.run.run_dir)
+        for logger in self.run.loggers:
             logger.log(step, metrics)
         return metrics
 
     def nonfinite(self, step: int, what: str) -> None:
         """Abort with a clear message, or (trainer.on_nonfinite=skip) warn and let the caller skip."""
-        nonfinite(step, what, self.config.trainer.on_nonfinite, ckpt.latest_checkpoint(self.run_dir))
+        nonfinite(step, what, self.config.trainer.on_nonfinite, ckpt.latest_checkpoint(self.run.run_dir))
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Ranks take the same branches: the update and the sync are collective."""
-        timer = Timer(self.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
+        timer = Timer(self.run.ctx.device, on_enter=lambda stage: distributed.heartbeat(step, stage))
         self.probes.start()
-        check, first = self.session.check, step == self.start_step + 1
+        check, first = self.run.session.check, step == self.start_step + 1
         start, start_error = {}, None  # the engine before any sync: its precision and conventions
         if first:
             with timer("sync_check"):
@@ -185,30 +187,37 @@ class Trainer(TrainerSetup):
         if start_error is None:
             with timer("sync_check"):
                 metrics |= check.after_sync(self.probe_prompt, step, self.probe_logprobs, first)
-        metrics |= self.session.metrics()
+        metrics |= self.run.session.metrics()
         metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         metrics |= self.probes.finish(step, first)  # garbage collection and compiling, within the stages above
         if batch is not None:
             t = self.config.trainer
-            seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.policy)
-            metrics |= update_throughput(self.policy, batch, t.epochs, seconds, self.ctx.device, shared)
+            seconds, shared = timer.times["update"], self.share_prompts and not is_checkpointing(self.run.policy)
+            metrics |= update_throughput(self.run.policy, batch, t.epochs, seconds, self.run.ctx.device, shared)
         metrics = self.log(step, metrics, rollout if batch is None else batch)
         if start_error is not None:  # after the step's metrics are written: they diagnose it
             raise StageError(start_error)
         return metrics
 
-    def train_on(self, batch: Batch, step: int, timer: Timer | None = None) -> tuple[dict[str, float], Batch | None]:
+    def train_on(
+        self, batch: Batch, step: int, timer: Timer | None = None, advantages: torch.Tensor | None = None
+    ) -> tuple[dict[str, float], Batch | None]:
         """Train on a scored batch (on the policy's device, the same rows on every rank): the
         logprobs it needs, the algorithm's advantages, the update of every trained model. Returns
         the metrics and the batch, or None in its place when the advantages were NaN/Inf and
-        ``trainer.on_nonfinite: skip`` skipped the update. ``hybridrl serve`` trains through it too."""
-        timer = timer or Timer(self.ctx.device)
+        ``trainer.on_nonfinite: skip`` skipped the update. ``advantages``: (B, T) advantages the
+        caller computed, in place of the algorithm's estimator (a face that knows each response's
+        baseline, as serve's ratings); the algorithm's loss is the same."""
+        timer = timer or Timer(self.run.ctx.device)
         with timer("logprobs"):
             metrics = self.compute_logprobs(batch)
         with timer("advantages"):
-            metrics |= self.algorithm.compute_advantages(batch)
+            if advantages is None:
+                metrics |= self.run.algorithm.compute_advantages(batch)
+            else:
+                batch["advantages"] = advantages.to(self.run.ctx.device, torch.float32)
         if distributed.any_rank(not torch.isfinite(batch["advantages"]).all()):
             self.nonfinite(step, f"the advantages of algorithm '{self.config.algorithm.name}' are NaN/Inf")
             return metrics, None
@@ -219,16 +228,18 @@ class Trainer(TrainerSetup):
     def sync(self, update: bool = True) -> None:
         """Send the policy's weights to the engine; ``update``: they hold a new policy update (else
         the same weights again: a resume, a resync before the first update)."""
-        self.session.sync(self.policy_tensors, update)
+        self.run.session.sync(self.policy_tensors, update)
 
     @property
     def probe_prompt(self) -> list[int]:
         """The sync check's prompt (:class:`hybridrl.session.SyncCheck`)."""
-        return self.rollout.probe_prompt
+        return self.run.rollout.probe_prompt
 
     def probe_logprobs(self, probe: Batch) -> torch.Tensor:
         """The policy's logprobs of a sync-check probe's tokens (B, T), in one pass."""
-        return self.passes.logprobs(self.policy, probe, self.config.rollout.temperature, "policy", one_pass=True)
+        return self.run.passes.logprobs(
+            self.run.policy, probe, self.config.rollout.temperature, "policy", one_pass=True
+        )
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -240,7 +251,7 @@ class Trainer(TrainerSetup):
             with timer("rollout_wait"):
                 return self.prefetch.take(step)
         out = self.collect(step, timer)  # the session wakes the engine as its calls need
-        self.session.before_training()  # the update comes next: the session puts the engine to sleep
+        self.run.session.before_training()  # the update comes next: the session puts the engine to sleep
         return out
 
     def collect(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
@@ -248,22 +259,25 @@ class Trainer(TrainerSetup):
         rollout.refill_rounds more until every rank keeps its share of groups. Returns the rollouts
         of every round, the groups kept, and the metrics, the filter's last call's among them (they
         travel with the batch: rollout.async runs this on the prefetch thread, steps ahead)."""
-        refill, share = self.config.rollout.refill_rounds, self.config.trainer.prompts_per_step // self.ctx.world_size
+        refill, share = (
+            self.config.rollout.refill_rounds,
+            self.config.trainer.prompts_per_step // self.run.ctx.world_size,
+        )
         rounds, round_metrics = [], defaultdict(list)
         for round_ in range(1 + refill):
             with timer("rollout"):
-                rounds.append(self.rollout.generate(step, round_))
+                rounds.append(self.run.rollout.generate(step, round_))
             with timer("reward"):
-                for k, v in self.rewards.score(rounds[-1]).items():  # each round is scored as it comes
+                for k, v in self.run.rewards.score(rounds[-1]).items():  # each round is scored as it comes
                     round_metrics[k].append(v)
-                rollout = Batch.cat(rounds, self.tokenizer.pad_token_id) if round_ else rounds[0]
-                kept = self.algorithm.filter_batch(rollout)  # all rounds: its metrics cover them all
+                rollout = Batch.cat(rounds, self.run.tokenizer.pad_token_id) if round_ else rounds[0]
+                kept = self.run.algorithm.filter_batch(rollout)  # all rounds: its metrics cover them all
                 kept, filtered = kept if isinstance(kept, tuple) else (kept, {})  # a bare Batch: no metrics
             if round_ == refill or distributed.all_ranks(kept.groups() >= share):
                 break  # every rank kept its share of groups (always, when the algorithm drops none)
         metrics = {k: sum(v) / len(v) for k, v in round_metrics.items()}  # rounds are the same size
         if len(rounds) > 1:  # the statistics of all the rounds' responses together
-            metrics |= self.rewards.stats(rollout)
+            metrics |= self.run.rewards.stats(rollout)
             kept = first_groups(kept, share)
         return rollout, kept, metrics | filtered | {"rollout/rounds": len(rounds)}
 
@@ -275,37 +289,38 @@ class Trainer(TrainerSetup):
             self.nonfinite(step, "the combined reward is NaN/Inf")
         if bad or distributed.all_ranks(len(kept) == 0):
             return None
-        return even_out(kept, rollout).to(self.ctx.device)
+        return even_out(kept, rollout).to(self.run.ctx.device)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> dict[str, float]:
         """Old logprobs when the step makes several updates; reference logprobs when needed."""
         metrics, temperature = {}, self.config.rollout.temperature
-        if not self._on_policy(len(batch)) or self.algorithm.needs_old_logprobs:
-            batch["old_logprobs"] = self.passes.logprobs(self.policy, batch, temperature, "policy")
+        if not self._on_policy(len(batch)) or self.run.algorithm.needs_old_logprobs:
+            batch["old_logprobs"] = self.run.passes.logprobs(self.run.policy, batch, temperature, "policy")
             stats = WeightedStats()
             mask = batch["response_mask"]
             stats.add(mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], mask), float(mask.sum()))
             metrics |= stats.result()
-        if self.ref is not None:
-            batch["ref_logprobs"] = self.passes.logprobs(self.ref, batch, temperature, "reference model")
-        elif self.algorithm.needs_reference:  # LoRA: the base model is the reference
-            with lora.adapter_off(self.policy):
+        if self.run.ref is not None:
+            batch["ref_logprobs"] = self.run.passes.logprobs(self.run.ref, batch, temperature, "reference model")
+        elif self.run.algorithm.needs_reference:  # LoRA: the base model is the reference
+            with lora.adapter_off(self.run.policy):
                 what = "reference model (adapters off)"
-                batch["ref_logprobs"] = self.passes.logprobs(self.policy, batch, temperature, what)
+                batch["ref_logprobs"] = self.run.passes.logprobs(self.run.policy, batch, temperature, what)
         return metrics
 
     def policy_tensors(self, weight_format: str | None = None):
         """The policy's full weights for the engine (LoRA: merged), in the format it loads
         (``weight_format``, default the engine's: see :mod:`hybridrl.engine_weights`)."""
-        tensors = self.strategy.full_tensors(self.policy)
-        tensors = lora.merged_tensors(tensors, lora.adapted_layers(self.policy)) if self.config.model.lora else tensors
-        return engine_tensors(self.policy, tensors, weight_format or self.engine.weight_format)
+        policy = self.run.policy
+        tensors = self.run.strategy.full_tensors(policy)
+        tensors = lora.merged_tensors(tensors, lora.adapted_layers(policy)) if self.config.model.lora else tensors
+        return engine_tensors(policy, tensors, weight_format or self.run.engine.weight_format)
 
     @property
     def share_prompts(self) -> bool:
         """Whether the passes share prompts: trainer.share_prompts as the pass planner resolved it."""
-        return self.passes.planner.share
+        return self.run.passes.planner.share
 
     def _on_policy(self, batch_size: int) -> bool:
         t = self.config.trainer
@@ -316,12 +331,12 @@ class Trainer(TrainerSetup):
         t = self.config.trainer
         settings = dict(
             seed=t.seed,
-            passes=self.passes,
+            passes=self.run.passes,
             on_nonfinite=lambda what: self.nonfinite(step, what),
         )
         metrics = {}
-        for trainable in [self.policy_trainable(), *self.algorithm.trained_models()]:
-            metrics |= run_update(trainable, batch, step, self.strategy, **settings)
+        for trainable in [self.policy_trainable(), *self.run.algorithm.trained_models()]:
+            metrics |= run_update(trainable, batch, step, self.run.strategy, **settings)
         return metrics
 
     def policy_trainable(self) -> Trainable:
@@ -329,38 +344,38 @@ class Trainer(TrainerSetup):
         return Trainable(
             name="actor",
             label=f"policy (algorithm '{self.config.algorithm.name}')",
-            model=self.policy,
-            optimizer=self.optimizer,
+            model=self.run.policy,
+            optimizer=self.run.optimizer,
             loss=self.policy_loss,
-            aggregation=self.algorithm.loss_aggregation,
+            aggregation=self.run.algorithm.loss_aggregation,
             epochs=t.epochs,
             mini_batch_size=t.mini_batch_size,
             max_grad_norm=t.max_grad_norm,
-            scheduler=self.scheduler,
+            scheduler=self.run.scheduler,
         )
 
     def policy_loss(self, part: Batch):
         """The algorithm's loss of a micro-batch (the rows of a planned pass), from the policy's
         logprobs and entropies."""
-        out = Outputs(self.config.rollout.temperature, entropy=True, entropy_grad=self.algorithm.needs_entropy_grad)
-        logprobs, entropy = self.passes.pass_logprobs(self.policy, part, out, "policy")
+        out = Outputs(self.config.rollout.temperature, entropy=True, entropy_grad=self.run.algorithm.needs_entropy_grad)
+        logprobs, entropy = self.run.passes.pass_logprobs(self.run.policy, part, out, "policy")
         mask = part["response_mask"]
         metrics = {"actor/entropy": F.masked_mean(entropy, mask).detach()}
         if "old_logprobs" not in part:  # one update: the sampling policy is the one being updated
             part["old_logprobs"] = logprobs.detach()
             metrics |= mismatch_metrics(part["rollout_logprobs"], part["old_logprobs"], mask)
-        loss, m = self.algorithm.loss(part, logprobs, entropy)
+        loss, m = self.run.algorithm.loss(part, logprobs, entropy)
         return loss, metrics | m
 
     def log(self, step: int, metrics: dict[str, float], batch: Batch) -> dict[str, float]:
         """One value per metric over all ranks, to the hooks and the loggers; samples every few steps."""
         metrics = reduce_metrics(metrics)
-        self.pm.hook.on_step_end(trainer=self, step=step, metrics=metrics, batch=batch)
+        self.pm.hook.on_step_end(run=self.run, step=step, metrics=metrics, batch=batch)
         every = self.config.trainer.sample_every
         samples = None
         if every and step % every == 0:
-            samples = distributed.gather_lists(sample_rows(drop_padding(batch), self.rewards.labels))
-        for logger in self.loggers:
+            samples = distributed.gather_lists(sample_rows(drop_padding(batch), self.run.rewards.labels))
+        for logger in self.run.loggers:
             logger.log(step, metrics)
             if samples is not None:
                 logger.log_samples(step, samples)

@@ -9,6 +9,8 @@ or null, ...}``; a value that is NaN or infinite is written as ``null``.
 ``{"step": int, "index": position in the step's batch, "prompt": str, "response": str,
 "score": number|null, "reward/<name>": number|null, "advantage": number|null, ...}`` plus
 whatever else the trainer puts in a sample row (``answer``, ``finish_reason``).
+Both are 0600 from the first row; :func:`clean_metrics` and :func:`clean_value` (every logger's) write a
+value that a ``${env:VAR}`` of the config read as ``${env:VAR}``, in text and in metric names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from pydantic import Field
 
 from hybridrl.components import Logger, Options
+from hybridrl.config_files import private_open, scrub_env
 from hybridrl.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ def clean_metrics(metrics: dict, who: str = "logger") -> dict[str, float | None]
     out: dict[str, float | None] = {}
     for key, value in metrics.items():
         try:
-            out[str(key)] = to_number(value)
+            out[scrub_env(str(key))] = to_number(value)
         except (TypeError, ValueError, RuntimeError):
             if (who, key) not in _warned:
                 _warned.add((who, key))
@@ -56,11 +59,14 @@ def clean_metrics(metrics: dict, who: str = "logger") -> dict[str, float | None]
 
 
 def clean_value(value):
-    """A sample field as JSON: numbers (NaN/inf -> None), strings, lists and dicts of those."""
-    if value is None or isinstance(value, (str, bool)):
+    """A sample field as JSON: numbers (NaN/inf -> None), strings (``${env:VAR}`` values scrubbed),
+    lists and dicts of those."""
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return scrub_env(value)
     if isinstance(value, dict):
-        return {str(k): clean_value(v) for k, v in value.items()}
+        return {scrub_env(str(k)): clean_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [clean_value(v) for v in value]
     try:
@@ -158,10 +164,10 @@ class JSONLLogger(Logger):
 
     def open(self, total_steps, start_step):
         run_dir = Path(self.ctx.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         mode = "a" if start_step > 0 else "w"
-        self.metrics = open(run_dir / "metrics.jsonl", mode, encoding="utf-8")
-        self.samples = open(run_dir / "samples.jsonl", mode, encoding="utf-8")
+        self.metrics = private_open(run_dir / "metrics.jsonl", mode)
+        self.samples = private_open(run_dir / "samples.jsonl", mode)
 
     def log(self, step, metrics):
         row = {"step": int(step), "time": round(time.time(), 3), **clean_metrics(metrics, "jsonl")}
@@ -170,7 +176,7 @@ class JSONLLogger(Logger):
 
     def log_samples(self, step, rows):
         for index, row in enumerate(rows):
-            out = {"step": int(step), "index": index, **{str(k): clean_value(v) for k, v in row.items()}}
+            out = {"step": int(step), "index": index, **clean_value(dict(row))}
             self.samples.write(json.dumps(out, allow_nan=False, ensure_ascii=False) + "\n")
         self.samples.flush()
 

@@ -149,19 +149,9 @@ class EnvironmentReward(RewardFunction):
         return batch.get("env_reward", [0.0] * len(batch["response_text"]))
 
 
-class UserRating(RewardFunction):
-    """The rating a user gave the answer (``hybridrl serve``: ``batch["rating"]``, docs/online.md)."""
-
-    def score(self, batch):
-        if "rating" not in batch:
-            raise ValueError("reward function 'user_rating' scores users' ratings: it works under 'hybridrl serve'.")
-        return batch["rating"]
-
-
 @hookimpl
 def register_reward_functions(register):
     register("answer_match", AnswerMatch)
     register("environment", EnvironmentReward)
     register("format", FormatCheck)
     register("reasoning_gym", ReasoningGymVerifier)
-    register("user_rating", UserRating)

@@ -160,9 +160,6 @@ class GRPO(Algorithm):
         metrics = {}
         mask = batch["response_mask"]
         scores = batch["scores"].to(mask.device).float()
-        if "baseline" in batch:  # the caller's baseline per response (hybridrl serve): score - baseline
-            batch["advantages"] = F.baseline_advantages(scores, batch["baseline"], mask)
-            return metrics
         if o.overlong_buffer_len:
             penalty = overlong_penalty(
                 mask.sum(-1), o.overlong_max_length, o.overlong_buffer_len, o.overlong_penalty_factor

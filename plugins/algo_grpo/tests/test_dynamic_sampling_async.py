@@ -8,6 +8,7 @@ from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 PROMPTS, N, STEPS = 4, 2, 4
@@ -58,7 +59,7 @@ def test_kept_groups_are_logged_with_the_step_that_trains_on_them(tiny_model, tm
         "trainer": {"steps": STEPS, "prompts_per_step": PROMPTS, "lr": 1e-3, "seed": 0, "run_dir": str(run_dir)},
         "logging": {"loggers": ["jsonl"]},
     }
-    Trainer(load_config(data=cfg)).train()
+    Trainer(build_run(load_config(data=cfg))).train()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     assert all("rollout/staleness_max" in r for r in rows)  # the batches came from the prefetcher

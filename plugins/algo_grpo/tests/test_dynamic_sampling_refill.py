@@ -6,6 +6,7 @@ import json
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 PROMPTS, N, STEPS = 4, 4, 3
@@ -35,7 +36,7 @@ def run(tiny_model, run_dir, refill_rounds: int) -> list[dict]:
         "trainer": {"steps": STEPS, "prompts_per_step": PROMPTS, "lr": 1e-3, "seed": 0, "run_dir": str(run_dir)},
         "logging": {"loggers": ["jsonl"]},
     }
-    Trainer(load_config(data=cfg)).train()
+    Trainer(build_run(load_config(data=cfg))).train()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -19,6 +19,7 @@ from hybridrl.batch import Batch
 from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.config import ConfigError, load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
@@ -144,7 +145,8 @@ SAMPLED = {"engine": "hf_sampled", "cache": "static", "sync_check": 0}
 
 def train(tiny_model, tmp_path, algorithm, rollout, **trainer):
     run_dir = tmp_path / "run"
-    Trainer(load_config(data=config(tiny_model, run_dir, algorithm, rollout, **trainer))).train()
+    cfg = load_config(data=config(tiny_model, run_dir, algorithm, rollout, **trainer))
+    Trainer(build_run(cfg)).train()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

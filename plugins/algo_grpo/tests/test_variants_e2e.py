@@ -10,6 +10,7 @@ import json
 import pytest
 
 from hybridrl.config import load_config
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
@@ -50,7 +51,7 @@ def test_variant_learns(variant, tiny_model, tmp_path, register_plugin):
         "trainer": {"steps": STEPS, "prompts_per_step": 4, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir)},
         "logging": {"loggers": ["jsonl"]},
     }
-    Trainer(load_config(data=cfg)).train()
+    Trainer(build_run(load_config(data=cfg))).train()
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]

@@ -165,9 +165,6 @@ class PPO(Algorithm):
         o = self.options
         mask = batch["response_mask"].float()
         scores = batch["scores"].to(mask.device).float()
-        if "baseline" in batch:  # the caller's baseline per response (hybridrl serve): score - baseline
-            batch["advantages"] = F.baseline_advantages(scores, batch["baseline"], mask)
-            return {}
         # under torchrun: statistics over every rank's batch, so that ranks agree (and match one process)
         mean_var = distributed.masked_mean_var if distributed.world_size() > 1 else None
         metrics = {}

@@ -246,10 +246,10 @@ def test_critic_path_is_checked_before_any_model_loads(tiny_model, tmp_path, mon
     refused (the critic loads Hugging Face folders only; model.path's GGUF file starts it from the policy)."""
     import yaml
 
-    import hybridrl.setup
+    import hybridrl.run
     from hybridrl import cli
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.syspath_prepend(str(tmp_path))
     config = tmp_path / "run.yaml"
 
@@ -303,6 +303,7 @@ def test_nonfinite_value_loss_follows_on_nonfinite(tiny_model, tmp_path, monkeyp
     import hybridrl_algo_ppo.functional as PF
 
     from hybridrl.errors import NonFiniteError
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     real = PF.value_loss
@@ -317,12 +318,12 @@ def test_nonfinite_value_loss_follows_on_nonfinite(tiny_model, tmp_path, monkeyp
         "logging": {"loggers": []},
     }
     with pytest.raises(NonFiniteError, match=r"step 1: the loss of the critic \(algorithm 'ppo'\) is nan"):
-        Trainer(load_config(data=data)).train()
+        Trainer(build_run(load_config(data=data))).train()
     data["trainer"] |= {"on_nonfinite": "skip", "run_dir": str(tmp_path / "skip")}
-    trainer = Trainer(load_config(data=data))
+    trainer = Trainer(build_run(load_config(data=data)))
     metrics = trainer.train()
     assert metrics["critic/skipped_updates"] == 1.0
-    assert all(torch.isfinite(p).all() for p in trainer.algorithm.critic.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.run.algorithm.critic.parameters())
 
 
 def ragged_batch():

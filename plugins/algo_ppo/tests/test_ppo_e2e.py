@@ -11,6 +11,7 @@ import json
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
 from hybridrl.testing import SevensReward
 from hybridrl.trainer import Trainer
 
@@ -68,7 +69,7 @@ def test_critic_learns_and_adaptive_kl_moves(tiny_model, tmp_path, register_plug
     }
     cfg = config(tiny_model, tmp_path / "run", algorithm, 10, source="hf", path="json", data_files=str(data))
     cfg["rewards"] = [{"function": "prompt_worth"}, {"function": "sevens"}]
-    trainer = Trainer(load_config(data=cfg))
+    trainer = Trainer(build_run(load_config(data=cfg)))
     trainer.train()
 
     rows = metrics(tmp_path / "run")
@@ -82,17 +83,17 @@ def test_critic_learns_and_adaptive_kl_moves(tiny_model, tmp_path, register_plug
     # the policy drifts from the reference by more than the 0.01 target: beta rises every step
     betas = [r["actor/reward_kl_penalty_coeff"] for r in rows]
     assert betas[0] == 0.01 and betas[-1] > betas[0], betas
-    assert trainer.algorithm.state_dict()["kl_coef"] > betas[-1]  # updated after the last step
+    assert trainer.run.algorithm.state_dict()["kl_coef"] > betas[-1]  # updated after the last step
 
 
 def test_critic_free_ppo_learns(tiny_model, tmp_path, register_plugin):
     register_plugin(Rewards(), name="rewards")
     algorithm = {"critic": False, "baseline": "group_mean", "use_kl_loss": True, "kl_loss_coef": 0.001}
-    trainer = Trainer(load_config(data=config(tiny_model, tmp_path / "run", algorithm, 8)))
+    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run", algorithm, 8))))
     trainer.train()
 
     rows = metrics(tmp_path / "run")
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, f"reward did not rise: {rewards}"
     assert rows[-1]["actor/kl_loss"] > 0
-    assert trainer.algorithm.critic is None and not any(k.startswith("critic/") for k in rows[-1])
+    assert trainer.run.algorithm.critic is None and not any(k.startswith("critic/") for k in rows[-1])

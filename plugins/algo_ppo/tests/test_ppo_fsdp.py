@@ -9,6 +9,7 @@ the launch follows the core's tests/test_fsdp.py (gloo on 127.0.0.1, one thread 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 from pathlib import Path
@@ -60,22 +61,24 @@ def config(model: str, run_dir: Path, strategy: str) -> dict:
 def one_step(model: str, run_dir: Path, strategy: str) -> dict:
     """Full policy and critic weights, beta and metrics after one step; and a state round trip."""
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
-    trainer = Trainer(load_config(data=config(model, run_dir, strategy)))
-    trainer.setup()
-    algo = trainer.algorithm
-    trainer.optimizer = torch.optim.SGD([p for p in trainer.policy.parameters() if p.requires_grad], lr=LR)
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    run = build_run(load_config(data=config(model, run_dir, strategy)))
+    optimizer = torch.optim.SGD([p for p in run.policy.parameters() if p.requires_grad], lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    run = dataclasses.replace(run, optimizer=optimizer, scheduler=scheduler)  # the run's parts are read-only
+    trainer = Trainer(run)
+    algo = run.algorithm
     algo.critic_optimizer = torch.optim.SGD(algo.critic.parameters(), lr=LR)
-    batch = fixed_batch(trainer.tokenizer, LENGTHS)
-    batch = even_out(batch, batch).to(trainer.ctx.device)
+    batch = fixed_batch(run.tokenizer, LENGTHS)
+    batch = even_out(batch, batch).to(run.ctx.device)
     trainer.compute_logprobs(batch)
     metrics = algo.compute_advantages(batch)
     metrics |= trainer.update(batch, step=1)  # the policy, then the critic
     result = {
-        "policy": {k: t.clone() for k, t in trainer.strategy.full_tensors(trainer.policy)},
-        "critic": {k: t.clone() for k, t in trainer.strategy.full_tensors(algo.critic)},
+        "policy": {k: t.clone() for k, t in run.strategy.full_tensors(run.policy)},
+        "critic": {k: t.clone() for k, t in run.strategy.full_tensors(algo.critic)},
         "kl_coef": algo.kl_coef,
         "metrics": metrics,
     }
@@ -83,12 +86,12 @@ def one_step(model: str, run_dir: Path, strategy: str) -> dict:
     buffer = io.BytesIO()
     torch.save(algo.state_dict(), buffer)
     buffer.seek(0)
-    restored = type(algo)(algo.options, trainer.ctx)
+    restored = type(algo)(algo.options, run.ctx)
     restored.critic_optimizer = torch.optim.SGD(restored.critic.parameters(), lr=LR)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
-    result["restored_critic"] = {k: t.clone() for k, t in trainer.strategy.full_tensors(restored.critic)}
+    result["restored_critic"] = {k: t.clone() for k, t in run.strategy.full_tensors(restored.critic)}
     result["restored_kl_coef"] = restored.kl_coef
-    trainer.engine.close()
+    run.engine.close()
     return result
 
 

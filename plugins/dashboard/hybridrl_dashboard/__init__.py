@@ -4,18 +4,25 @@ and rollout samples, following the run while it goes (it reads metrics.jsonl and
 A first-party plugin (the ``hybridrl-dashboard`` distribution, entry point ``dashboard``): it adds
 the command through ``register_commands`` and reads the run only through its files. The server
 libraries are imported only when the command runs, so ``hybridrl --help`` stays fast.
+
+Every request needs a token unless ``--no-token``: ``--token``, ``$HYBRIDRL_DASHBOARD_TOKEN``, or a
+random one, printed in the page's URL (``?token=``), as notebook servers do: any user of this machine
+reaches 127.0.0.1, and the run folder is its owner's alone.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, add_token_options, choose_token, is_loopback
+
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http_server import ALLOWED_HOSTS_ENV, is_loopback
 
 __version__ = "0.1.0"
 DEFAULT_PORT = 8265
+TOKEN_ENV = "HYBRIDRL_DASHBOARD_TOKEN"
 INSTALL = "Install the plugin with its dependencies: pip install ./plugins/dashboard (in hybridrl's checkout)"
 
 
@@ -42,6 +49,7 @@ def register_commands(subparsers):
         help="Also answer requests whose Host (or page Origin) is NAME, NAME:PORT or an origin https://NAME; "
         f"repeatable. Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV}).",
     )
+    add_token_options(p, TOKEN_ENV, "read the run", "printed in the page's URL")
     p.set_defaults(func=cmd_dashboard)
 
 
@@ -54,11 +62,15 @@ def cmd_dashboard(args) -> int:
         )
     if not (run_dir / "metrics.jsonl").exists():
         print(f"note: {run_dir} has no metrics.jsonl yet; the page will show it once the run writes it.")
+    exposes = "read the run's samples and config"
+    token = choose_token(
+        "dashboard", args.host, args.token or os.environ.get(TOKEN_ENV), TOKEN_ENV, args.no_token, exposes
+    )
     if not is_loopback(args.host):
         print(
-            f"warning: binding {args.host}: anyone who can reach this address can read the run's samples "
-            "(there is no authentication). Requests must name the server by its address or a name given with "
-            "--allow-host.",
+            f"warning: binding {args.host}: the page, its token and the run's samples travel unencrypted; "
+            "put a proxy with TLS in front to reach it over a network. Requests must name the server by its "
+            "address or a name given with --allow-host.",
             file=sys.stderr,
         )
     try:
@@ -69,7 +81,7 @@ def cmd_dashboard(args) -> int:
     except ImportError as e:
         raise ImportError(f"hybridrl dashboard needs starlette, uvicorn and plotly ({e}). {INSTALL}") from None
     try:
-        serve(run_dir, args.host, args.port, poll_ms=int(args.poll * 1000), allow=tuple(args.allow_host))
+        serve(run_dir, args.host, args.port, int(args.poll * 1000), tuple(args.allow_host), token)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

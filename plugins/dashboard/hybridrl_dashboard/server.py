@@ -15,27 +15,45 @@ the files since the last request, so the page follows a run that is still going.
 - ``GET /vendor/plotly.min.js``: plotly.js from the installed ``plotly`` Python package.
 
 Every request must name the server as this machine does (Host, and Origin when a page sends
-one: hybridrl.http_server.HostCheck), or it gets 403; a connection has REQUEST_TIMEOUT seconds for a
-request's headers; an unexpected error is logged with an id, which alone is the reply.
+one: hybridrl_http.server.HostCheck), or it gets 403, and carry the token (:class:`Guard`), or it
+gets 401 (429 after many wrong ones): any user of this machine reaches 127.0.0.1, and the run's
+samples are its owner's. A connection has REQUEST_TIMEOUT seconds for a request's headers, at most
+:data:`CONCURRENCY` connections and requests are handled at once (more get 503, uvicorn's
+``limit_concurrency``), and an unexpected error is logged with an id, which alone is the reply.
 """
 
 from __future__ import annotations
 
+import hmac
 import importlib.util
 import json
 import os
 import socket
 import threading
 from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote
 
 import yaml
+from hybridrl_http.server import (
+    ALLOWED_HOSTS_ENV,
+    BACKLOG,
+    REQUEST_TIMEOUT,
+    FailedTokens,
+    HostCheck,
+    allowed_hosts,
+    internal_error,
+)
 
 from hybridrl.config_files import redact
-from hybridrl.http_server import ALLOWED_HOSTS_ENV, BACKLOG, REQUEST_TIMEOUT, HostCheck, allowed_hosts, internal_error
 from hybridrl_dashboard import INSTALL
 
 STATIC = Path(__file__).parent / "static"
 NUMERIC_SAMPLE_FIELDS = ("score", "advantage")
+CONCURRENCY = 64  # connections and requests at once; a page needs a few
+NEED_TOKEN = (
+    "missing or wrong token: open the URL that 'hybridrl dashboard' printed (it ends in ?token=...), "
+    "or send 'Authorization: Bearer <token>'"
+)
 
 
 class JsonlTail:
@@ -181,9 +199,10 @@ def plotly_js() -> Path:
     return path
 
 
-def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = None):
+def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = None, token: str | None = None):
     """The Starlette app serving the dashboard of ``run_dir``; ``hosts``: the Host and Origin headers it
-    answers (None: any, for tests that call the app in-process)."""
+    answers (None: any, for tests that call the app in-process); ``token``: the one every request
+    must carry (None: none, ``--no-token``)."""
     from starlette.applications import Starlette
     from starlette.responses import FileResponse, HTMLResponse, JSONResponse
     from starlette.routing import Mount, Route
@@ -201,7 +220,7 @@ def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = Non
 
     def index(request):
         html = (STATIC / "index.html").read_text().replace("__POLL_MS__", str(int(poll_ms)))
-        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(html, headers={"Cache-Control": "no-store", "Referrer-Policy": "same-origin"})
 
     def run_info(request):
         return JSONResponse(files.info())
@@ -238,24 +257,69 @@ def create_app(run_dir: Path, poll_ms: int = 2000, hosts: HostCheck | None = Non
         ],
         exception_handlers={Exception: failed},
     )
-    return app if hosts is None else checked_hosts(app, hosts)
+    if hosts is None and token is None:
+        return app
+    return Guard(app, hosts, token, f"hybridrl_dashboard_{hosts.port}" if hosts else "hybridrl_dashboard")
 
 
-def checked_hosts(app, hosts: HostCheck):
-    """``app`` behind the Host and Origin check: a refused request gets 403 and the one-line reason."""
-    from starlette.responses import JSONResponse
+class Guard:
+    """``app`` behind the checks of hybridrl_http.server: the Host and Origin (``hosts``; 403), then the
+    token (401; 429 once an address sent many wrong ones, the right one always passing). The token
+    comes as ``Authorization: Bearer``, as ``?token=`` (the URL the command prints) or as the cookie
+    ``cookie``, which a request with the right ``?token=`` sets (HttpOnly: no script reads it;
+    SameSite=Strict: no other site's page sends it), so that the page's own requests carry it."""
 
-    async def guarded(scope, receive, send):
-        if scope["type"] == "http":
-            headers: dict[str, list[str]] = {}
-            for key, value in scope["headers"]:
-                headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
-            reason = hosts.refusal(headers.get("host"), headers.get("origin"))
-            if reason:
-                return await JSONResponse({"error": reason}, status_code=403)(scope, receive, send)
-        await app(scope, receive, send)
+    def __init__(self, app, hosts: HostCheck | None, token: str | None, cookie: str):
+        self.app, self.hosts, self.token, self.cookie = app, hosts, token, cookie
+        self.failures = FailedTokens()
 
-    return guarded
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers: dict[str, list[str]] = {}
+        for key, value in scope["headers"]:
+            headers.setdefault(key.decode("latin-1").lower(), []).append(value.decode("latin-1"))
+        reason = self.hosts.refusal(headers.get("host"), headers.get("origin")) if self.hosts else None
+        if reason:
+            return await self.refuse(403, reason, {}, scope, receive, send)
+        if self.token is not None:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [])
+            if self.right(query):
+                send = self.setting_cookie(send)
+            elif not self.right(self.sent(headers)):
+                error = self.failures.refusal((scope.get("client") or ("",))[0], NEED_TOKEN)
+                return await self.refuse(error.code, str(error), error.headers, scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def right(self, candidates: list[str]) -> bool:
+        expected = self.token.encode()
+        return any(hmac.compare_digest(c.encode(), expected) for c in candidates)
+
+    def sent(self, headers: dict[str, list[str]]) -> list[str]:
+        """The tokens of the Authorization headers and of the dashboard's cookie."""
+        out = [v[len("Bearer ") :] for v in headers.get("authorization", []) if v.startswith("Bearer ")]
+        for line in headers.get("cookie", []):
+            for part in line.split(";"):
+                name, _, value = part.strip().partition("=")
+                if name == self.cookie:
+                    out.append(unquote(value))
+        return out
+
+    def setting_cookie(self, send):
+        cookie = f"{self.cookie}={quote(self.token, safe='')}; Path=/; HttpOnly; SameSite=Strict".encode()
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+            await send(message)
+
+        return sending
+
+    @staticmethod
+    async def refuse(code: int, reason: str, headers: dict, scope, receive, send):
+        from starlette.responses import JSONResponse
+
+        await JSONResponse({"error": reason}, status_code=code, headers=headers)(scope, receive, send)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -311,19 +375,35 @@ def timed_protocol():
 
 
 def serve(
-    run_dir: Path, host: str = "127.0.0.1", port: int = 8265, poll_ms: int = 2000, allow: tuple[str, ...] = ()
+    run_dir: Path,
+    host: str = "127.0.0.1",
+    port: int = 8265,
+    poll_ms: int = 2000,
+    allow: tuple[str, ...] = (),
+    token: str | None = None,
 ) -> None:
-    """Serve the dashboard until interrupted; prints the URL first (flushed) once listening. ``allow``:
-    Host names and origins it answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS``."""
+    """Serve the dashboard until interrupted; prints the URL first (flushed) once listening, with
+    ``?token=`` when there is a ``token`` (None: every request is answered). ``allow``: Host names and
+    origins it answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS``."""
     import uvicorn
 
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     hint = f"list it with --allow-host or in ${ALLOWED_HOSTS_ENV} to allow it"
-    app = create_app(run_dir, poll_ms, HostCheck(host, bound_port, allowed_hosts(allow), hint))
+    app = create_app(run_dir, poll_ms, HostCheck(host, bound_port, allowed_hosts(allow), hint), token)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    print(f"hybridrl dashboard: http://{shown}:{bound_port}/ (run {run_dir}; Ctrl-C to stop)", flush=True)
-    config = uvicorn.Config(app, http=timed_protocol(), log_level="warning", access_log=False, timeout_keep_alive=5)
+    query = f"?token={quote(token, safe='')}" if token else ""
+    print(f"hybridrl dashboard: http://{shown}:{bound_port}/{query} (run {run_dir}; Ctrl-C to stop)", flush=True)
+    if token:
+        print(f"dashboard: API clients send 'Authorization: Bearer {token}'", flush=True)
+    config = uvicorn.Config(
+        app,
+        http=timed_protocol(),
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=5,
+        limit_concurrency=CONCURRENCY,
+    )
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

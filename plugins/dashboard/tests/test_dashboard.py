@@ -17,14 +17,15 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 import yaml
 from hybridrl_dashboard.server import JsonlTail
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, HostCheck
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config_files import dump_config, is_secret
-from hybridrl.http_server import ALLOWED_HOSTS_ENV, HostCheck
 
 STEPS, PROMPTS, N = 3, 2, 4
 
@@ -64,36 +65,52 @@ def test_tail_reads_appended_rows_once_complete_and_restarts_on_rewrite(tmp_path
 # --- the server ------------------------------------------------------------------------------
 
 
-def start_dashboard(run_dir: Path, *args: str):
-    """``hybridrl dashboard RUN_DIR --port 0``: the process and the URL it prints."""
+TOKENS: dict[str, str] = {}  # the token each dashboard started here printed, by its URL
+
+
+def start_dashboard(run_dir: Path, *args: str, env: dict | None = None):
+    """``hybridrl dashboard RUN_DIR --port 0``: the process and the URL it prints (without its
+    ``?token=``, which goes to :data:`TOKENS`, where :func:`get` and :func:`send` find it)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridrl.cli", "dashboard", str(run_dir), "--port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     try:
         while True:
             line = lines.get(timeout=60)
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+            match = re.search(r"(http://127\.0\.0\.1:\d+/)(?:\?token=(\S+))?", line)
             if match:
-                return proc, match.group(0)
+                TOKENS.pop(match.group(1), None)  # an earlier dashboard's, on the same port
+                if match.group(2):
+                    TOKENS[match.group(1)] = unquote(match.group(2))
+                    assert f"'Authorization: Bearer {TOKENS[match.group(1)]}'" in lines.get(timeout=10)
+                return proc, match.group(1)
     except queue.Empty:
         proc.kill()
         raise AssertionError(f"the dashboard printed no URL: {proc.stderr.read() if proc.poll() else ''}") from None
+
+
+def token_of(url: str) -> dict:
+    """The Authorization header of the dashboard at ``url`` (none when it was started without a token)."""
+    base = re.match(r"http://[^/]+/", url + "/").group(0)
+    return {"Authorization": f"Bearer {TOKENS[base]}"} if base in TOKENS else {}
 
 
 @pytest.fixture
 def dashboard():
     procs = []
 
-    def start(run_dir, *args):
-        proc, url = start_dashboard(run_dir, *args)
+    def start(run_dir, *args, env=None):
+        proc, url = start_dashboard(run_dir, *args, env=env)
         procs.append(proc)
         return url
 
+    start.procs = procs
     yield start
     for proc in procs:
         proc.terminate()
@@ -104,8 +121,9 @@ def dashboard():
             proc.wait()
 
 
-def get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as r:
+def get(url: str, headers: dict | None = None):
+    """The reply to a GET with the dashboard's token (``headers`` add to or replace it)."""
+    with urllib.request.urlopen(urllib.request.Request(url, headers=token_of(url) | (headers or {})), timeout=10) as r:
         body = r.read()
         return json.loads(body) if r.headers.get_content_type() == "application/json" else body
 
@@ -177,19 +195,68 @@ def test_cli_errors_name_the_problem(tmp_path):
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port 0" in out.stderr
 
 
-def send(url: str, path: str, headers: dict | None = None):
-    """(status, reply) of a GET with exactly these headers beside Host (a None value: left out)."""
+def send(url: str, path: str, headers: dict | None = None, full: bool = False):
+    """(status, reply) of a GET with exactly these headers beside Host and the dashboard's token (a None
+    value: left out); ``full``: (status, reply, response headers)."""
     host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
-    for key, value in ({"Host": f"{host}:{port}"} | (headers or {})).items():
+    for key, value in ({"Host": f"{host}:{port}"} | token_of(url) | (headers or {})).items():
         if value is not None:
             conn.putheader(key, value)
     conn.endheaders()
     response = conn.getresponse()
     body = response.read()
     conn.close()
-    return response.status, json.loads(body) if response.getheader("Content-Type") == "application/json" else body
+    reply = json.loads(body) if response.getheader("Content-Type") == "application/json" else body
+    return (response.status, reply, response.headers) if full else (response.status, reply)
+
+
+def test_every_request_needs_the_token_which_the_printed_url_sets_as_a_cookie(tmp_path, dashboard):
+    """Any user of this machine reaches 127.0.0.1: without the token the run's samples, config and
+    even the page get 401; the URL printed carries it, and a page loaded with it gets an HttpOnly,
+    SameSite=Strict cookie that its own requests then carry."""
+    write_jsonl(tmp_path / "samples.jsonl", [{"step": 1, "prompt": "private", "response": "r"}])
+    url = dashboard(tmp_path)
+    token, port = TOKENS[url], url.rstrip("/").rsplit(":", 1)[1]
+    assert len(token) >= 40
+    none = {"Authorization": None}
+    for path in ("/", "/api/run", "/api/samples?step=1", "/static/app.js", "/vendor/plotly.min.js"):
+        status, reply = send(url, path, none)
+        assert status == 401 and "?token=" in reply["error"] and "Bearer" in reply["error"], path
+    for wrong in ({"Authorization": "Bearer nope"}, {"Authorization": None, "Cookie": f"hybridrl_dashboard_{port}=x"}):
+        assert send(url, "/api/samples?step=1", wrong)[0] == 401
+    assert send(url, "/api/samples?step=1")[1]["rows"][0]["prompt"] == "private"  # Authorization: Bearer
+    status, page, headers = send(url, f"/?token={token}", none, full=True)
+    assert status == 200 and b"<html" in page
+    cookie = headers["Set-Cookie"]
+    assert cookie.startswith(f"hybridrl_dashboard_{port}={token};") and "HttpOnly" in cookie
+    assert "SameSite=Strict" in cookie and "Path=/" in cookie
+    kept = {"Authorization": None, "Cookie": cookie.split(";")[0]}
+    assert send(url, "/api/samples?step=1", kept)[0] == send(url, "/static/app.js", kept)[0] == 200
+    # wrong tokens from one address are throttled; the right one is still answered
+    codes = [send(url, "/api/run", {"Authorization": f"Bearer guess{i}"})[0] for i in range(12)]
+    assert 429 in codes and codes[0] == 401
+    assert send(url, "/api/run")[0] == send(url, "/api/run", kept)[0] == 200
+
+
+def test_the_token_can_be_given_or_turned_off(tmp_path, dashboard):
+    url = dashboard(tmp_path, env=dict(os.environ, HYBRIDRL_DASHBOARD_TOKEN="chosen token/with: odd chars"))
+    assert TOKENS[url] == "chosen token/with: odd chars"  # printed quoted in the URL, the same token
+    assert send(url, "/api/run")[0] == 200 and send(url, "/api/run", {"Authorization": None})[0] == 401
+    url = dashboard(tmp_path, "--no-token")
+    assert url not in TOKENS and send(url, "/api/run")[0] == 200
+    proc = dashboard.procs[-1]
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert "--no-token: every user of this machine can read the run's samples" in proc.stderr.read()
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridrl.cli", "dashboard", str(tmp_path), "--host", "0.0.0.0", "--no-token"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "accepts connections from other machines, and no token is set" in out.stderr
 
 
 def test_only_this_machines_names_are_answered(tmp_path, dashboard, monkeypatch):
@@ -220,14 +287,14 @@ def test_secrets_are_redacted_in_config_yaml_and_on_the_page(tmp_path, dashboard
         ],
     }
     cfg = load_config(data=data)
-    assert cfg.rollout.options.api_key == "sk-from-the-environment"
+    assert cfg.rollout.options.api_key.get_secret_value() == "sk-from-the-environment"
     dumped = yaml.safe_load(dump_config(cfg))
     assert dumped["rollout"]["api_key"] == "${env:MY_VLLM_KEY}" and dumped["rewards"][0]["token"] == "<redacted>"
     assert dumped["rollout"]["max_tokens"] == cfg.rollout.max_tokens  # numbers named *tokens stay
     with pytest.raises(ConfigError, match=r"rewards\.0\.token is '<redacted>'.*'\$\{env:VAR\}'"):
         load_config(data=dumped)
     dumped["rewards"][0]["token"] = "given again"
-    assert load_config(data=dumped).rollout.options.api_key == "sk-from-the-environment"  # it loads again
+    assert load_config(data=dumped).rollout.options.api_key.get_secret_value() == "sk-from-the-environment"  # again
     with pytest.raises(ConfigError, match="rollout.api_key is '.*', but the environment variable NOPE is not set"):
         load_config(data=data | {"rollout": data["rollout"] | {"api_key": "${env:NOPE}"}})
     secrets = ["api_key", "hf_token", "clientSecret", "db-password"]
@@ -303,6 +370,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def real_run_dir(tiny_model, tmp_path_factory):
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     run_dir = tmp_path_factory.mktemp("dash") / "run"
@@ -323,7 +391,7 @@ def real_run_dir(tiny_model, tmp_path_factory):
             "logging": {"loggers": ["jsonl"]},
         }
     )
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
     return run_dir
 
 
@@ -360,10 +428,11 @@ def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(chromium, real_r
             page.on("request", lambda r: requested.append(r.url))
             errors = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url)
+            page.goto(f"{url}?token={TOKENS[url]}")  # the URL the command printed
             page.wait_for_function(
                 f"document.querySelectorAll('#samples tbody tr').length === {PROMPTS * N}", timeout=30_000
             )
+            assert page.url == url  # the token went into the cookie, out of the address bar
 
             # the curves hold one point per step, with the logged values
             assert chart(page, "chart-reward", "mean") == [1, 2, 3]
@@ -415,6 +484,8 @@ def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(chromium, real_r
             page.wait_for_function(
                 "document.querySelector('#samples tbody').textContent.includes('appended 0')", timeout=30_000
             )
+            page.reload()  # the cookie alone: the page and its requests still carry the token
+            page.wait_for_function("document.querySelector('#samples tbody').textContent.includes('appended 0')")
             assert errors == []
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -12,11 +12,13 @@ equivalent said on stderr (docs/migrating.md).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import yaml
 
+from hybridrl.config_files import load_yaml
 from hybridrl.errors import ConfigError
 from hybridrl.hookspecs import hookimpl
 from hybridrl_migrate import trl, verl
@@ -69,13 +71,23 @@ def read_file(name: str) -> dict:
     path = Path(name)
     if not path.is_file():
         raise ConfigError(f"Config file not found: {name} (settings are key=value).")
-    try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{name} is not valid YAML or JSON: {e}") from None
+    if path.suffix != ".json":  # YAML read with limits (aliases, nesting, numbers): hybridrl's own reader
+        data = load_yaml(path.read_text(), name)
+    else:
+        try:  # no setting takes a number over 100 digits (int() stops at 4300, with a traceback) or infinite
+            data = json.loads(path.read_text(), parse_float=_number, parse_int=_number, parse_constant=_number)
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"{name} is not valid JSON: {' '.join(str(e).split())[:200]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{name} must hold a mapping of settings.")
     return data
+
+
+def _number(text: str):
+    """A JSON number, refused (ValueError) over 100 characters or when not finite (1e400, NaN, Infinity)."""
+    if len(text) > 100 or not math.isfinite(float(text)):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return int(text) if text.lstrip("-").isdigit() else float(text)
 
 
 @hookimpl

@@ -10,6 +10,7 @@ not have either is refused (:func:`check_keys`: a typo); one it has that no rule
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ def parse_value(text: str) -> Any:
     if t.startswith(("[", "{")):
         try:
             value = yaml.safe_load(t)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):  # not YAML; or nested deeper than Python reads
             return t
         return _numbers(value)
     low = t.lower()
@@ -45,9 +46,12 @@ def parse_value(text: str) -> Any:
         return low == "true"
     for kind in (int, float):
         try:
-            return kind(t)
-        except ValueError:
-            pass
+            value = kind(t)
+        except ValueError:  # not this kind; also an int of more than 4300 digits (then a float: inf)
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"'{t[:40]}' is not a finite number (no setting takes one).")
+        return value
     return t
 
 
@@ -134,15 +138,18 @@ class Source:
     def unread(self) -> dict[str, Any]:
         return {k: v for k, v in self.given.items() if k not in self.read}
 
-    def resolve(self, key: str, value: Any) -> Any:
+    def resolve(self, key: str, value: Any, seen: tuple = ()) -> Any:
         if not isinstance(value, str) or "${" not in value:
             return value
+        if key in seen:
+            chain = " -> ".join((*seen, key))
+            raise ConfigError(f"{seen[0]} refers to itself through interpolations ({chain}); give one of them a value.")
         whole = INTERPOLATION.fullmatch(value.strip())
         if whole:
-            return self._lookup(key, whole.group(1))
-        return INTERPOLATION.sub(lambda m: str(self._lookup(key, m.group(1))), value)
+            return self._lookup(key, whole.group(1), (*seen, key))
+        return INTERPOLATION.sub(lambda m: str(self._lookup(key, m.group(1), (*seen, key))), value)
 
-    def _lookup(self, key: str, expr: str) -> Any:
+    def _lookup(self, key: str, expr: str, seen: tuple = ()) -> Any:
         target, fallback = expr, MISSING
         if expr.startswith("oc.select:"):
             target, _, rest = expr[len("oc.select:") :].partition(",")
@@ -154,7 +161,7 @@ class Source:
             target = key.rsplit(".", 1)[0] + target
         for table in (self.given, self.defaults):
             if target in table:
-                return self.resolve(target, table[target])
+                return self.resolve(target, table[target], seen)
         return None if fallback is MISSING else fallback
 
 
@@ -273,7 +280,7 @@ class Translator:
     def warmup(self, key: str, steps: int) -> dict:
         """``trainer.warmup_steps``, with the step hybridrl's warm-up is ahead of the other
         framework's: transformers' and verl's factor at update k (from 0) is k / N, hybridrl's
-        (k + 1) / N (hybridrl.setup.lr_factor)."""
+        (k + 1) / N (hybridrl.run.lr_factor)."""
         fw = NAMES[self.framework]
         self.report.add(
             "note",

@@ -469,3 +469,12 @@ def test_learning_rate_schedules_translate():
     t = translate("trl", ["model=m", "lr_scheduler_type=cosine_with_min_lr", "lr_scheduler_kwargs.min_lr_rate=0.2"])
     cfg = validate(t.config)
     assert (cfg.trainer.lr_schedule, cfg.trainer.min_lr_ratio) == ("cosine", 0.2)
+
+
+def test_a_self_referencing_interpolation_and_an_infinite_number_are_error_lines():
+    """verl's ${...} that reaches itself, and 1e400 (inf) for a count: one ConfigError each, never a
+    RecursionError or an OverflowError."""
+    with pytest.raises(ConfigError, match=r"refers to itself through interpolations"):
+        translate("verl", [*quickstart_items(), "data.train_batch_size=${data.train_batch_size}"])
+    with pytest.raises(ConfigError, match=r"'1e400' is not a finite number"):
+        translate("verl", [*quickstart_items(), "data.train_batch_size=1e400"])

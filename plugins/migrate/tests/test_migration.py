@@ -18,6 +18,7 @@ from hybridrl import cli, plugins
 from hybridrl.batch import Batch
 from hybridrl.config import load_config
 from hybridrl.errors import ConfigError
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository, for examples/
@@ -83,7 +84,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, log=
 
 
 def run(config: dict, tmp_path: Path) -> list[dict]:
-    Trainer(load_config(data=config)).train()
+    Trainer(build_run(load_config(data=config))).train()
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -4,8 +4,9 @@
 "response_lengths"}`` (lists, one entry per response) answers ``{"scores": [...],
 "rewards": {name: [...]}}``; ``GET {url}/health`` answers ``{"status": "ok", ...}``.
 ``hybridrl serve-reward CONFIG`` is such a service; docs/rewards.md describes the contract.
-Redirects are not followed (the token would go along); an answer whose scores are not the right
-count of finite numbers is an error naming the field and the value.
+Redirects are not followed (the token would go along); an answer over max_answer_mb (16 MiB) is
+not read, and one whose scores are not the right count of finite numbers is an error naming the
+field and the value.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from hybridrl_http.client import ServiceError, get_json, post_json
 from pydantic import Field
 
 from hybridrl.components import Options, RewardFunction
-from hybridrl.http import ServiceError, get_json, post_json
+from hybridrl.options import Secret
 
 
 def jsonable(value):
@@ -36,7 +38,7 @@ class RemoteReward(RewardFunction):
             pattern=r"^https?://",
             description="Base URL of the service, e.g. http://127.0.0.1:8700; requests go to {url}/score.",
         )
-        token: str | None = Field(
+        token: Secret | None = Field(
             None,
             description="Bearer token the service requires. The run's config.yaml shows it as '<redacted>': give it "
             "as '${env:VAR}' or with token_env to keep it out of the YAML too.",
@@ -53,12 +55,18 @@ class RemoteReward(RewardFunction):
         retries: int = Field(3, ge=0, description="Retries after a connection error, a timeout or a 5xx/429 answer.")
         backoff: float = Field(0.5, ge=0, description="First retry delay in seconds; doubles each retry.")
         check_health: bool = Field(True, description="GET {url}/health when the run starts, to fail early.")
+        max_answer_mb: float = Field(
+            16,
+            gt=0,
+            description="The most MiB read of one answer; a larger one is an error (a batch's scores take a few "
+            "KiB: more is a wrong URL or a faulty service, and reading it would fill the memory).",
+        )
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.component = f"reward function 'remote' ({options.url})"
         self.base = options.url.rstrip("/")
-        self.token = options.token
+        self.token = options.token.get_secret_value() if options.token else None
         if options.token_env:
             self.token = os.environ.get(options.token_env)
             if not self.token:
@@ -78,6 +86,8 @@ class RemoteReward(RewardFunction):
             retries=o.retries,
             backoff=o.backoff,
             token=self.token,
+            max_bytes=int(o.max_answer_mb * 2**20),
+            limit_key="max_answer_mb",
         )
 
     def _check_health(self) -> None:

@@ -3,10 +3,14 @@
 POST /score  {"prompts": [...], "responses": [...], "answers"?, "metadata"?, "messages"?,
               "response_lengths"?}  ->  {"scores": [...], "rewards": {name: [...]}}
 GET  /health ->  {"status": "ok", "rewards": [{"name", "function", "weight"}, ...]}
+                 (without the token: {"status": "ok"} alone, a liveness check that says nothing of the setup)
 
-Standard library HTTP server (hybridrl.http_server: Host and Origin checks, the token checked before the
+Standard library HTTP server (hybridrl_http.server: Host and Origin checks, the token checked before the
 body is read, wrong tokens throttled, request timeouts), one scoring at a time (models are not
-re-entrant); bound to 127.0.0.1 unless told otherwise, and never beyond localhost without a token.
+re-entrant); bound to 127.0.0.1 unless told otherwise. The command requires a token (``--token``,
+``$HYBRIDRL_REWARD_TOKEN``, or a random one it prints) unless ``--no-token``, which it refuses off
+localhost: any user of this machine reaches 127.0.0.1, and would otherwise score with these models
+(and any API key a judge uses) and move the running statistics of ``normalize: running``.
 """
 
 from __future__ import annotations
@@ -17,12 +21,20 @@ import threading
 from pathlib import Path
 
 import torch
+from hybridrl_http.server import (
+    ALLOWED_HOSTS_ENV,
+    HttpError,
+    JsonHandler,
+    add_token_options,
+    choose_token,
+    listen,
+    require_token,
+)
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig, load_config
-from hybridrl.http_server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, listen, require_token
 from hybridrl.models import DTYPES, load_tokenizer, resolve_model_path
 from hybridrl.shaping import ShapingState
 
@@ -118,7 +130,7 @@ def make_server(
     allow: tuple[str, ...] = (),
 ):
     """A server of ``rewards`` (not started: call serve_forever). ``allow``: Host names and origins it
-    answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS`` (hybridrl.http_server.HostCheck)."""
+    answers beside the loopback ones and ``$HYBRIDRL_ALLOWED_HOSTS`` (hybridrl_http.server.HostCheck)."""
     require_token("serve-reward", host, token, TOKEN_ENV)
 
     class Handler(JsonHandler):
@@ -128,6 +140,8 @@ def make_server(
             return {("GET", "/health"): self._health, ("POST", "/score"): self._score}
 
         def _health(self) -> dict:
+            if not self.authorized:  # public for liveness probes: the setup is the token holder's
+                return {"status": "ok"}
             return {"status": "ok", "rewards": rewards.describe()}
 
         def _score(self, request) -> dict:
@@ -179,7 +193,7 @@ def add_command(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="Dotted overrides: rewards.0.batch_size=32")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0: any free one).")
-    p.add_argument("--token", default=None, help=f"Require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}).")
+    add_token_options(p, TOKEN_ENV, "score")
     p.add_argument(
         "--allow-host",
         action="append",
@@ -193,17 +207,18 @@ def add_command(subparsers) -> None:
 
 def cmd_serve_reward(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    token = args.token or os.environ.get(TOKEN_ENV) or None
-    require_token("serve-reward", args.host, token, TOKEN_ENV)  # before loading any model
+    given = args.token or os.environ.get(TOKEN_ENV)
+    exposes = "score with these rewards and see their setup"
+    token = choose_token("serve-reward", args.host, given, TOKEN_ENV, args.no_token, exposes)  # before any model
     rewards = RewardSet(cfg, build_context(cfg))
     server = make_server(rewards, args.host, args.port, token, tuple(args.allow_host))
     host, port = server.server_address[:2]
     names = ", ".join(f"{r['name']} (x{r['weight']:g})" for r in rewards.describe())
-    print(
-        f"serving rewards {names} on http://{host}:{port} (POST /score, GET /health)"
-        + ("; token required" if token else ""),
-        flush=True,
-    )
+    print(f"serving rewards {names} on http://{host}:{port} (POST /score, GET /health)", flush=True)
+    if token:
+        made = f"{token}' (a new random token; --token or ${TOKEN_ENV} sets one)"
+        shown = "<token>' (the token given)" if given else made
+        print(f"serve-reward: send with every request 'Authorization: Bearer {shown}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

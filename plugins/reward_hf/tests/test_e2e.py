@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridrl.config import load_config
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "grpo_smollm2_rm.yaml"
@@ -35,7 +36,7 @@ def test_grpo_with_a_rule_and_a_model_reward(tiny_model, minilm, tmp_path, make_
             "logging": {"loggers": ["jsonl"]},
         }
     )
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

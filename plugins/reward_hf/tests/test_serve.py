@@ -14,12 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import yaml
-from hybridrl_reward_hf.serve import RewardSet, build_context, make_server
+from hybridrl_http.client import ServiceError, get_json, post_json
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, choose_token
+from hybridrl_reward_hf.serve import TOKEN_ENV, RewardSet, build_context, make_server
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.http import ServiceError, get_json, post_json
-from hybridrl.http_server import ALLOWED_HOSTS_ENV
 from hybridrl.shaping import ShapingOptions
 from hybridrl.testing import raw_request as send
 
@@ -69,7 +69,8 @@ def serving(cfg_data, token=None, shaping=None):
 
 
 def start_cli_server(cfg_path, *args):
-    """``hybridrl serve-reward`` in a subprocess; returns (process, url) once it listens."""
+    """``hybridrl serve-reward`` in a subprocess; returns (process, url, the token it printed, or
+    '<token>' for one given) once it listens."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridrl.cli", "serve-reward", str(cfg_path), "--port", "0", *args],
@@ -81,14 +82,15 @@ def start_cli_server(cfg_path, *args):
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
-        line = lines.get(timeout=240)
+        line = lines.get(timeout=240) + lines.get(timeout=10)
     except queue.Empty:
         line = ""
     found = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
-    if not found:
+    token = re.search(r"'Authorization: Bearer ([^']+)'", line)
+    if not (found and token):
         proc.kill()
         raise AssertionError(f"serve-reward did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    return proc, found.group(1)
+    return proc, found.group(1), token.group(1)
 
 
 def test_remote_round_trip_through_serve_reward_equals_local(
@@ -104,15 +106,17 @@ def test_remote_round_trip_through_serve_reward_equals_local(
         "format": torch.tensor(make_reward("format", pattern="\\d").score(batch)),
     }
     combined = 0.5 * local["relevance"] + 2.0 * local["similarity"] + 1.0 * local["format"]
-    proc, url = start_cli_server(path, "--token", "s3cret")
+    proc, url, shown = start_cli_server(path, "--token", "s3cret")
+    assert shown == "<token>"  # a token the user chose is not printed
     try:
         remote = make_reward("remote", url=url, token="s3cret", batch_size=2)
         torch.testing.assert_close(torch.tensor(remote.score(batch)), combined, atol=1e-5, rtol=1e-5)
         for name, expected in local.items():
             one = make_reward("remote", url=url, token="s3cret", reward=name).score(batch)
             torch.testing.assert_close(torch.tensor(one), expected.float(), atol=1e-5, rtol=1e-5)
-        health = get_json(f"{url}/health", component="test")
+        health = get_json(f"{url}/health", component="test", token="s3cret")
         assert [r["name"] for r in health["rewards"]] == ["relevance", "similarity", "format"]
+        assert get_json(f"{url}/health", component="test") == {"status": "ok"}  # liveness alone
         # the token is enforced
         with pytest.raises(ServiceError, match="HTTP 401: .*missing or wrong token"):
             make_reward("remote", url=url).score(batch)
@@ -126,10 +130,54 @@ def test_remote_round_trip_through_serve_reward_equals_local(
 def test_binding_beyond_localhost_needs_a_token(tiny_model, tmp_path, capsys):
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(run_config(tiny_model, [{"function": "format", "pattern": "7"}])))
-    assert main(["serve-reward", str(path), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert main(["serve-reward", str(path), "--host", "0.0.0.0", "--port", "0", "--no-token"]) == 2
     err = capsys.readouterr().err
     assert "--host 0.0.0.0 accepts connections from other machines, and no token is set" in err
-    assert "Pass --token" in err
+    assert "Pass --token" in err and "leave out --no-token" in err
+
+
+def test_the_command_makes_a_token_and_health_says_ok_alone_without_it(tiny_model, tmp_path, monkeypatch, capsys):
+    """Any user of this machine reaches 127.0.0.1: the command requires a token unless told
+    --no-token, and /health tells one without the token that it is alive, nothing of the setup."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(run_config(tiny_model, [{"function": "format", "pattern": "7", "name": "sevens"}])))
+    proc, url, token = start_cli_server(path)
+    try:
+        assert len(token) >= 40
+        assert get_json(f"{url}/health", component="test") == {"status": "ok"}
+        assert get_json(f"{url}/health", component="test", token=token)["rewards"][0]["name"] == "sevens"
+        body = {"prompts": ["q"], "responses": ["7"]}
+        with pytest.raises(ServiceError, match="HTTP 401: .*missing or wrong token"):
+            post_json(f"{url}/score", body, component="test")
+        with pytest.raises(ServiceError, match="HTTP 401"):  # a wrong token on /health is no liveness check
+            get_json(f"{url}/health", component="test", token="wrong")
+        assert post_json(f"{url}/score", body, component="test", token=token)["scores"] == [1.0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    # the token off, on request: a warning says what every local user can then do
+    assert choose_token("serve-reward", "127.0.0.1", None, TOKEN_ENV, True, "score") is None
+    assert "--no-token: every user of this machine can score" in capsys.readouterr().err
+    assert choose_token("serve-reward", "127.0.0.1", "a" * 40, TOKEN_ENV, False, "score") == "a" * 40
+
+
+def test_wrong_tokens_are_throttled_and_never_lock_out_the_right_one(tiny_model):
+    """Behind a proxy every client has the proxy's address: one client's wrong tokens get 401, then
+    429 with Retry-After, while a client with the right token is served all along."""
+    with serving(run_config(tiny_model, [{"function": "format", "pattern": "7"}]), token="s3cret") as (url, _):
+        body = json.dumps({"prompts": ["q"], "responses": ["7"]}).encode()
+        sized = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        good = sized | {"Authorization": "Bearer s3cret"}
+        replies = [send(url, "POST", "/score", body, sized | {"Authorization": f"Bearer {i}"}) for i in range(14)]
+        assert [status for status, *_ in replies] == [401] * 10 + [429] * 4
+        status, reply, headers = replies[-1]
+        assert "too many wrong tokens" in reply["error"] and 0 < int(headers["Retry-After"]) <= 60
+        for _ in range(3):
+            assert send(url, "POST", "/score", body, good)[:2] == (200, {"scores": [1.0], "rewards": {"format": [1.0]}})
+        assert send(url, "GET", "/health", headers={"Authorization": "Bearer s3cret"})[1]["rewards"]
+        assert send(url, "GET", "/health")[:2] == (200, {"status": "ok"})  # no token sent: liveness, not counted
+        assert send(url, "POST", "/score", body, sized)[0] == 429  # the guesser still waits
 
 
 def test_batches_are_sent_in_chunks_concurrently(tiny_model, make_reward, make_batch):

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 from hybridrl.components import Options, RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import weight_buckets
 from hybridrl.hookspecs import hookimpl
+from hybridrl.options import Secret
 from hybridrl_rollout_sglang import backends, protocol
 from hybridrl_rollout_sglang.backends import InProcess, Server, original_logprob_env
 
@@ -118,7 +119,7 @@ class SGLangEngine(RolloutEngine):
             "{cuda_graph_max_bs: 256, enable_deterministic_inference: true}.",
         )
         # -- server mode
-        api_key: str | None = Field(None, description="The server's --api-key, sent as a bearer token.")
+        api_key: Secret | None = Field(None, description="The server's --api-key, sent as a bearer token.")
         timeout: float = Field(600.0, gt=0, description="Seconds each HTTP call may take before it is retried.")
         retries: int = Field(3, ge=0, description="Retries of a failed call (connection errors, 5xx, 429).")
         concurrency: int = Field(1, ge=1, description="Generate calls in flight at once (with batch_size).")

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from hybridrl_http.client import ServiceError, get_json, post_json
 
 from hybridrl.engines import stays_awake
-from hybridrl.http import ServiceError, get_json, post_json
 from hybridrl.models import load_model_config
 from hybridrl_rollout_sglang.protocol import COMPONENT
 

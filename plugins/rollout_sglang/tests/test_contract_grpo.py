@@ -8,6 +8,7 @@ and the learnable reward are real.
 import json
 
 from hybridrl.config import load_config
+from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
@@ -40,7 +41,7 @@ def test_grpo_learns_against_an_sglang_server(tiny_model, tmp_path, sglang_serve
     register_plugin(SevensPlugin(), name="sevens")
     run = tmp_path / "run"
     cfg = load_config(data=config(tiny_model, run, {"base_url": sglang_server.url, "batch_size": 16}, steps=12))
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
 
     rows = metrics(run)
     rewards = [r["reward/mean"] for r in rows]
@@ -60,7 +61,7 @@ def test_grpo_in_process_releases_and_reloads_around_training(tiny_model, tmp_pa
     register_plugin(SevensPlugin(), name="sevens")
     run = tmp_path / "run"
     data = config(tiny_model, run, {"update_bucket_mb": 0.1, "sync_check_every": 1}, steps=3)
-    Trainer(load_config(data=data)).train()
+    Trainer(build_run(load_config(data=data))).train()
 
     rows = metrics(run)
     assert len(rows) == 3 and max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hybridrl_rollout_sglang.backends import SGLangUnavailableError, engine_kwargs
 
-from hybridrl.components import RunContext, SamplingParams
+from hybridrl.components import RunContext, SamplingParams, TrainingMemory
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm
 
@@ -35,10 +35,10 @@ def test_where_it_cannot_run_the_engine_is_one_error_line_before_any_model_loads
     """Real behaviour: rollout.engine sglang in a run on the CPU, from hybridrl validate and train."""
     import yaml
 
-    import hybridrl.setup
+    import hybridrl.run
     from hybridrl import cli
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"path": tiny_model},
@@ -252,7 +252,8 @@ def test_memory_saver_auto_keeps_the_memory_where_training_still_has_room(tiny_m
     params = sum(p.numel() for p in load_causal_lm(tiny_model, torch.float32, torch.device("cpu")).parameters())
     options = SGLangEngine.Options()
     assert options.enable_memory_saver == "auto"
-    ctx = RunContext(tiny_model, None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+    training = TrainingMemory.of(params, world_size=1)  # 16 bytes a parameter while the policy updates
+    ctx = RunContext(tiny_model, None, torch.device("cuda:0"), torch.float32, 0, tmp_path, training_memory=training)
 
     def saver(total, **opts):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))

@@ -7,9 +7,9 @@ test, not a substitute for SGLang. Every call here crosses a socket.
 
 import pytest
 import torch
+from hybridrl_http.client import ServiceError
 
 from hybridrl.components import SamplingParams
-from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm
 
 

@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
-from hybridrl.engines import policy_parameters, stays_awake, tensor_bytes, weight_buckets
+from hybridrl.engines import stays_awake, tensor_bytes, weight_buckets
 from hybridrl_rollout_vllm.weights import to_safetensors_dict
 
 NAME = "rollout engine 'vllm'"
@@ -357,15 +357,13 @@ def check_launch(options, ctx) -> None:
         check_memory_share(options.gpu_memory_utilization, ctx)
 
 
-TRAINED_BYTES_PER_PARAMETER = 12  # float32 master weight + AdamW's two float32 moments, kept between updates
-
-
 def check_memory_share(share: float, ctx) -> None:
     """vLLM takes ``share`` of the GPU while it generates; the policy keeps its weights and optimizer
     state there all the time (sharded over the ranks): refuse a share that cannot fit beside them."""
+    if ctx.training_memory is None:  # nothing trains beside it
+        return
     total = torch.cuda.get_device_properties(ctx.device).total_memory
-    params = policy_parameters(ctx)
-    policy = params * TRAINED_BYTES_PER_PARAMETER / ctx.world_size
+    params, policy = ctx.training_memory.parameters, ctx.training_memory.between_updates
     if share * total + policy > 0.95 * total:
         fits = max(0.0, (0.95 * total - policy) / total)
         raise ValueError(

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from hybridrl.components import Options
+from hybridrl.options import Secret
 
 LOCAL_ONLY = (
     "gpu_memory_utilization",
@@ -133,7 +134,7 @@ class VLLMOptions(Options):
         "e.g. http://127.0.0.1:8000 (requests go to /v1/completions with token-id prompts). Start "
         "it with --logprobs-mode processed_logprobs so its logprobs follow the trainer's convention.",
     )
-    api_key: str | None = Field(
+    api_key: Secret | None = Field(
         None,
         description="Bearer token for the server (its --api-key). The run's config.yaml shows it as '<redacted>'; "
         "give it as '${env:VLLM_API_KEY}' (any variable name) to keep it out of the YAML too. Redirects are not "

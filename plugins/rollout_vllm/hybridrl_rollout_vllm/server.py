@@ -7,8 +7,9 @@ read and asks it to reload them in place (vLLM's ``/collective_rpc`` dev endpoin
 ``reload_weights``), or, with ``server_weights: frozen``, never (the run is then off-policy).
 
 The client follows no redirect (the api_key would go along), and checks every answer: n choices
-per prompt, token ids inside the policy's vocabulary, finite logprobs, one per token, at most
-max_tokens of them. A bad answer is a ServiceError naming the server, the field and the value.
+per prompt, token ids inside the policy's vocabulary, finite logprobs of at most 0 (a positive one
+is a logit), one per token, at most max_tokens of them. A bad answer is a ServiceError naming the
+server, the field and the value.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hybridrl_http.client import ServiceError, get_json, post_json
+
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
-from hybridrl.http import ServiceError, get_json, post_json
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
 NAME = "rollout engine 'vllm' (server mode)"
+LOGPROB_SLACK = 1e-4  # a log-probability is at most 0; float rounding may put one a hair above
 
 
 class ServerEngine:
@@ -31,7 +34,8 @@ class ServerEngine:
         self.options, self.ctx = options, ctx
         base = options.base_url.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
-        self.http = dict(component=NAME, timeout=options.timeout, retries=options.retries, token=options.api_key)
+        token = options.api_key.get_secret_value() if options.api_key else None
+        self.http = dict(component=NAME, timeout=options.timeout, retries=options.retries, token=token)
         listed = get_json(f"{self.base}/v1/models", **self.http)
         data = listed.get("data") if isinstance(listed, dict) else None
         models = [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -210,6 +214,12 @@ def parse_choice(
     for i, x in enumerate(logprobs):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
             raise ServiceError(f"{where}.logprobs.token_logprobs[{i}] is {str(x)[:50]}, not a finite number.")
+        if x > LOGPROB_SLACK:
+            raise ServiceError(
+                f"{where}.logprobs.token_logprobs[{i}] is {x:g}, above 0: not a log-probability (logits, as "
+                "--logprobs-mode raw_logits or processed_logits gives). Start the server with --logprobs-mode "
+                "processed_logprobs."
+            )
     if choice.get("finish_reason") not in ("stop", "length"):
         raise ServiceError(f"{NAME}: {url} ended a response with finish reason {choice.get('finish_reason')!r}.")
     return list(ids), [float(x) for x in logprobs]

@@ -15,10 +15,11 @@ import torch
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
-from hybridrl.components import RunContext, SamplingParams
+from hybridrl.components import RunContext, SamplingParams, TrainingMemory
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
+from hybridrl.run import build_run
 from hybridrl.testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
@@ -360,7 +361,7 @@ def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path
             "logging": {"loggers": ["jsonl"]},
         }
     )
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]
     assert len(rows) == 12
@@ -380,7 +381,9 @@ def test_bad_launches_are_refused_before_any_model_loads(model_dir, tmp_path, mo
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 2 ranks"):
         cls.check_launch(cls.Options(tensor_parallel_size=3), ctx)
     cls.check_launch(cls.Options(tensor_parallel_size=2), ctx)
-    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.bfloat16, 0, tmp_path)
+    params = sum(p.numel() for p in load_causal_lm(model_dir, torch.float32, torch.device("cpu")).parameters())
+    training = TrainingMemory.of(params, world_size=1)  # what the policy keeps on the GPU beside vLLM
+    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.bfloat16, 0, tmp_path, training_memory=training)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**26))
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.95 gives vLLM .* together they do not fit"):
         cls.check_launch(cls.Options(gpu_memory_utilization=0.95), ctx)
@@ -399,7 +402,8 @@ def test_sleep_level_auto_keeps_vllm_awake_where_training_still_has_room(
     from hybridrl_rollout_vllm.local import auto_sleep_level
 
     params = sum(p.numel() for p in load_causal_lm(model_dir, torch.float32, torch.device("cpu")).parameters())
-    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.float32, 0, tmp_path)
+    training = TrainingMemory.of(params, world_size=1)  # 16 bytes a parameter while the policy updates
+    ctx = RunContext(model_dir, None, torch.device("cuda:0"), torch.float32, 0, tmp_path, training_memory=training)
 
     def level(total, share=0.5):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
@@ -424,11 +428,13 @@ def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, registe
     from hybridrl.hookspecs import hookimpl
 
     class Greedy:
+        trainer = None  # the loop whose weights the engine gets (policy_tensors): set before training
+
         @hookimpl
-        def on_train_end(self, trainer):
+        def on_train_end(self, run):
             prompts = [[5, 6, 7], [9, 10, 11, 12]]
-            self.want = policy_greedy(trainer, prompts, 8)
-            self.got = vllm_greedy(trainer.engine, prompts, 8)
+            self.want = policy_greedy(self.trainer, prompts, 8)
+            self.got = vllm_greedy(run.engine, prompts, 8)
 
     register_plugin(SevensPlugin(), name="sevens")
     check = register_plugin(Greedy(), name="greedy")
@@ -442,7 +448,8 @@ def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, registe
         "trainer": {"steps": 3, "prompts_per_step": 2, "lr": 5e-2, "seed": 0, "run_dir": str(run)},
         "logging": {"loggers": ["jsonl"]},
     }
-    Trainer(load_config(data=data)).train()
+    check.trainer = Trainer(build_run(load_config(data=data)))
+    check.trainer.train()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     assert check.got == check.want
@@ -466,7 +473,11 @@ def test_eval_through_vllm_answers_as_the_hf_engine_does_greedily(model_dir, tmp
                 "logging": {"loggers": ["jsonl"]},
             }
         )
-        return {r.name: r for r in Trainer(cfg).evaluate_only()}
+        run = build_run(cfg, train=False)
+        try:
+            return {r.name: r for r in run.evaluation.evaluate(0)}
+        finally:
+            run.close()
 
     vllm, hf = evaluate("vllm", max_model_len=256), evaluate("hf")
     assert [s["response"] for s in vllm["held"].samples] == [s["response"] for s in hf["held"].samples]
@@ -483,10 +494,10 @@ def test_a_max_model_len_shorter_than_the_runs_sequences_is_one_error_line_befor
     prompts at the first generate call, a traceback after every model had loaded."""
     import yaml
 
-    import hybridrl.setup
+    import hybridrl.run
     from hybridrl import cli
 
-    monkeypatch.setattr(hybridrl.setup, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hybridrl.run, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"path": tiny_model},

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from hybridrl_http.client import ServiceError
 from hybridrl_rollout_vllm.testing import cpu_server, free_port
 
 from hybridrl import plugins
@@ -19,9 +20,9 @@ from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
 from hybridrl.errors import Interrupted
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http import ServiceError
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
+from hybridrl.run import build_run
 from hybridrl.testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
@@ -203,7 +204,7 @@ def test_grpo_through_the_server_stays_on_policy(server, model_dir, tmp_path, re
             "logging": {"loggers": ["jsonl"]},
         }
     )
-    Trainer(cfg).train()
+    Trainer(build_run(cfg)).train()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all("vllm/server_reload_s" in r for r in rows)
     # the probe before the first update found the server's stale weights, and the policy's were sent
@@ -239,7 +240,7 @@ def test_async_rollout_trains_on_batches_one_update_old_and_resumes_exactly(
 
     fresh()
     straight = tmp_path / "straight"
-    Trainer(load_config(data=async_config(model_dir, server, straight, 8))).train()
+    Trainer(build_run(load_config(data=async_config(model_dir, server, straight, 8)))).train()
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     stale = [r["rollout/staleness_max"] for r in rows]
     assert stale == [0.0] + [1.0] * 7  # the first batch came from the initial weights, the others one update old
@@ -250,18 +251,20 @@ def test_async_rollout_trains_on_batches_one_update_old_and_resumes_exactly(
 
     class StopAfter4:  # as SIGTERM after step 4 would: the checkpoint holds the batch of step 5 in flight
         armed = True
+        trainer = None  # the loop whose signals it sets (hooks get the Run): set before training
 
         @hookimpl
-        def on_step_end(self, trainer, step):
+        def on_step_end(self, step):
             if step == 4 and self.armed:
-                trainer.signals.name, self.armed = "SIGTERM", False
+                self.trainer.signals.name, self.armed = "SIGTERM", False
 
     fresh()
     resumed = tmp_path / "resumed"
-    register_plugin(StopAfter4(), name="stop-after-4")
+    stop = register_plugin(StopAfter4(), name="stop-after-4")
+    stop.trainer = Trainer(build_run(load_config(data=async_config(model_dir, server, resumed, 8))))
     with pytest.raises(Interrupted):
-        Trainer(load_config(data=async_config(model_dir, server, resumed, 8))).train()
-    Trainer(load_config(data=async_config(model_dir, server, resumed, 8, resume=True))).train()
+        stop.trainer.train()
+    Trainer(build_run(load_config(data=async_config(model_dir, server, resumed, 8, resume=True)))).train()
     again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in again] == list(range(1, 9))
     for got, want in zip(again, rows, strict=True):
@@ -274,7 +277,7 @@ def test_async_rollout_with_an_engine_in_the_trainers_process_runs_synchronously
     cfg = async_config(tiny_model, None, tmp_path / "run", 1)
     cfg["rollout"] = {"engine": "hf", "n": 4, "max_tokens": 8, "async": 1}
     cfg["rewards"] = [{"function": "format", "pattern": "7"}]
-    metrics = Trainer(load_config(data=cfg)).train()
+    metrics = Trainer(build_run(load_config(data=cfg))).train()
     assert "cannot generate while the policy trains: running synchronously" in capsys.readouterr().err
     assert "rollout/staleness_max" not in metrics
 
@@ -342,6 +345,7 @@ def test_server_answers_are_checked(scripted, model_dir, tmp_path):
         ([choice([True], [-0.5], 0), good[0]], r"token_ids\[0\] is True"),
         ([choice([1, 2], [-0.5, float("nan")], 0), good[0]], r"token_logprobs\[1\] is nan, not a finite number"),
         ([choice([1], [float("-inf")], 0), good[0]], r"token_logprobs\[0\] is -inf"),
+        ([choice([1, 2], [-0.5, 3.25], 0), good[0]], r"token_logprobs\[1\] is 3.25, above 0: .*processed_logprobs"),
         ([choice([1, 2, 3, 4], [-1.0] * 4, 0), good[0]], "4 tokens, over max_tokens=3"),
         ([choice([1, 2], [-1.0], 0), good[0]], "returned 2 tokens but 1 logprobs"),
         ([good[0]], r"choices with indexes \[1\] for a prompt, expected n=2"),

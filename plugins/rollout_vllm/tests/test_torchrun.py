@@ -69,17 +69,17 @@ class EngineCheck:
         self.out = out
 
     @hookimpl
-    def on_train_end(self, trainer):
+    def on_train_end(self, run):
         from transformers import AutoConfig, AutoModelForCausalLM
         from vllm import SamplingParams as VSP
 
         from hybridrl import distributed
 
-        full = {name: t.detach().cpu().clone() for name, t in trainer.strategy.full_tensors(trainer.policy)}
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer.ctx.model_path))
+        full = {name: t.detach().cpu().clone() for name, t in run.strategy.full_tensors(run.policy)}
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run.ctx.model_path))
         model.load_state_dict(full)
         want = hf_greedy(model.float().eval(), PROMPTS, 8)
-        engine = trainer.engine.backend  # the members of a tensor-parallel engine all ask the same
+        engine = run.engine.backend  # the members of a tensor-parallel engine all ask the same
         sp = VSP(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
         results = engine.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
         got = [list(r.outputs[0].token_ids) for r in results]
@@ -87,37 +87,37 @@ class EngineCheck:
         (self.out / f"engine-rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
-class PlainSGD:
-    """SGD instead of AdamW: its step is linear in the gradient, so two runs that compute the same
-    gradient up to float rounding end within rounding of each other (AdamW's first step divides
-    each gradient by its own magnitude and turns rounding in tiny gradients into lr-sized moves)."""
+def plain_sgd(run):
+    """``run`` with SGD instead of AdamW: its step is linear in the gradient, so two runs that compute
+    the same gradient up to float rounding end within rounding of each other (AdamW's first step
+    divides each gradient by its own magnitude and turns rounding in tiny gradients into lr-sized
+    moves). A new Run: its parts are read-only."""
+    import dataclasses
 
-    @hookimpl
-    def on_train_start(self, trainer):
-        params = [p for p in trainer.policy.parameters() if p.requires_grad]
-        trainer.optimizer = torch.optim.SGD(params, lr=trainer.config.trainer.lr)
-        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=run.config.trainer.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return dataclasses.replace(run, optimizer=optimizer, scheduler=scheduler)
 
 
 def worker(mode: str, out: str, config_path: str, *overrides: str) -> None:
     from hybridrl import distributed, plugins
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     out_dir = Path(out)
     pm = plugins.get_plugin_manager()
     pm.register(SevensPlugin(), name="sevens")
     pm.register(EngineCheck(out_dir), name="engine-check")
-    trainer = Trainer(load_config(config_path, list(overrides)))
 
-    if mode == "train-sgd":
-        pm.register(PlainSGD(), name="sgd")
-    elif mode == "die-in-sync":
+    if mode == "die-in-sync":
         real = Trainer.step
 
         def step(self, n):
             if n == 2 and distributed.rank() == 1:
-                sync = self.engine.update_weights
+                engine = self.run.engine
+                sync = engine.update_weights
 
                 def update_weights(named_tensors):
                     for i, _ in enumerate(named_tensors):  # the gathering of the FSDP shards is collective
@@ -125,7 +125,7 @@ def worker(mode: str, out: str, config_path: str, *overrides: str) -> None:
                             os.kill(os.getpid(), signal.SIGKILL)
                     sync([])
 
-                self.engine.update_weights = update_weights
+                engine.update_weights = update_weights
             return real(self, n)
 
         Trainer.step = step
@@ -140,7 +140,8 @@ def worker(mode: str, out: str, config_path: str, *overrides: str) -> None:
 
         pm.register(Die(), name="die")
     plugins.invalidate_registry()
-    trainer.train()
+    run = build_run(load_config(config_path, list(overrides)))
+    Trainer(plain_sgd(run) if mode == "train-sgd" else run).train()
 
 
 # -- the tests ------------------------------------------------------------------------------------

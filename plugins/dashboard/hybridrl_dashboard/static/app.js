@@ -2,6 +2,8 @@
 "use strict";
 
 const POLL_MS = Number(document.body.dataset.pollMs) || 2000;
+// the URL's ?token= set the server's cookie, which the page's requests carry: drop it from the address bar
+if (new URLSearchParams(location.search).has("token")) history.replaceState(null, "", location.pathname);
 const state = {
   metrics: [], metricsVersion: null, metricsNext: 0, lastStep: 0, lastRowTime: null,
   dist: new Map(), distVersion: null, lastDistStep: 0,

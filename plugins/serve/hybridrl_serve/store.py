@@ -1,7 +1,9 @@
 """The store of ``hybridrl serve``: every answer and every rating, in SQLite.
 
 The database (``RUN_DIR/online.sqlite``) runs in WAL mode with a full sync at each commit, and
-each write commits before the HTTP reply: what the server acknowledged survives a crash.
+each write commits before the HTTP reply: what the server acknowledged survives a crash. It holds
+users' chats: its files are their owner's alone (the store keeps them so; the core's list of run
+files, ``hybridrl.checkpoint.RUN_FILES``, knows only the core's).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import time
 from pathlib import Path
 
 from hybridrl.checkpoint import PRIVATE_FILE
-from hybridrl.online.api import BadRequest
+from hybridrl_serve.api import BadRequest
+
+STORE = "online.sqlite"  # in the run folder
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -35,7 +39,10 @@ class FeedbackStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE))  # users' chats: the owner's alone
-        os.chmod(self.path, PRIVATE_FILE)  # a store of an older version; SQLite gives its -wal file this mode
+        for name in ("", "-wal", "-shm"):  # a store of an older version; SQLite gives new -wal/-shm files its mode
+            journal = self.path.with_name(self.path.name + name)
+            if journal.exists():
+                os.chmod(journal, PRIVATE_FILE)
         self.db = sqlite3.connect(self.path, check_same_thread=False, timeout=30, isolation_level=None)
         self.lock = threading.Lock()
         with self.lock:

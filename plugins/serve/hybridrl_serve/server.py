@@ -1,21 +1,24 @@
-"""``hybridrl serve``: the trainer, the store, the learner, the batcher and the HTTP API of one
-process (the package docstring, docs/online.md)."""
+"""``hybridrl serve``: the run, its trainer, the store, the learner, the batcher and the HTTP API of
+one process (the package docstring, docs/online.md)."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from pathlib import Path
+
+from hybridrl_http.server import require_token
 
 from hybridrl.checkpoint import make_private, private_files
 from hybridrl.components import Sampling, SamplingParams
 from hybridrl.config import ConfigError
-from hybridrl.http_server import require_token
-from hybridrl.online.api import TOKEN_ENV, BadRequest, make_server
-from hybridrl.online.batcher import Batcher
-from hybridrl.online.learner import Learner
-from hybridrl.online.store import FeedbackStore
 from hybridrl.prompts import encode_prompt
+from hybridrl_serve.api import TOKEN_ENV, BadRequest, make_server
+from hybridrl_serve.batcher import Batcher
+from hybridrl_serve.chat import TokenText
+from hybridrl_serve.learner import Learner
+from hybridrl_serve.store import STORE, FeedbackStore
 
 LOCAL_LOGGERS = {"console", "jsonl", "tensorboard"}  # answers and ratings stay on this machine
 
@@ -42,6 +45,15 @@ def check_config(cfg) -> None:
         raise ConfigError("hybridrl serve answers single turns with an engine in this process: unset rollout.agent.")
 
 
+def model_name(path: str) -> str:
+    """The model's name in ``/v1/models`` and in replies: a hub id as given, a folder by its own name
+    (not where it lies on this machine), ``package:NAME`` as NAME."""
+    if path.startswith("package:"):
+        return path.split(":", 1)[1]
+    folder = Path(path).expanduser()
+    return folder.name if folder.is_absolute() or path.startswith(".") or folder.exists() else path
+
+
 def check_policy_alone(algorithm, name: str) -> None:
     """The learner trains the policy alone: an algorithm with models of its own (a critic) is refused."""
     if algorithm.trained_models():
@@ -53,33 +65,42 @@ def check_policy_alone(algorithm, name: str) -> None:
 
 
 class Server:
-    """The trainer, its learner, the store and the HTTP server of one ``hybridrl serve``.
+    """The run, its trainer, the learner, the store and the HTTP server of one ``hybridrl serve``.
 
-    The trainer is used as ``hybridrl train`` uses it: ``setup``, ``resume``, ``open``, and
-    ``close`` at the end (``on_train_end`` runs); its engine session answers the users (the
-    batcher's one call at a time) and the learner trains through ``train_on``."""
+    The run is built as ``hybridrl train`` builds it (``build_run``) and its trainer is the loop
+    ``hybridrl train`` runs, used for its loop alone: ``resume``, ``open``, and ``close`` at the end
+    (``on_train_end`` runs); the run's engine session answers the users (the batcher's one call at a
+    time) and the learner trains through ``train_on``."""
 
     def __init__(
         self, cfg, host: str = "127.0.0.1", port: int = 8000, token: str | None = None, allow: tuple[str, ...] = ()
     ):
+        from hybridrl.run import build_run
         from hybridrl.trainer import Trainer
 
         check_config(cfg)
         require_token("serve", host, token, TOKEN_ENV)  # before loading any model
         if cfg.trainer.run_dir:  # serving continues the run of that folder, if it has checkpoints
             cfg.trainer.resume = True
-        self.trainer = t = Trainer(cfg, name="serve")
+        self.options = cfg.section("online")
+        self.model_id, self.rollout, self.started = model_name(cfg.model.path), cfg.rollout, time.time()
         with private_files():  # the run folder, config.yaml, the logs and the store: the owner's alone
-            t.setup()
-            check_policy_alone(t.algorithm, cfg.algorithm.name)
-            self.store = FeedbackStore(t.run_dir / "online.sqlite")
-            self.learner = Learner(t, self.store)
-            t.extra_state["online"] = self.learner
-            t.resume()  # the newest checkpoint of run_dir, when there is one: version and learner state
+            run = build_run(cfg, name="serve")
+            try:  # what fails before the trainer opens releases the engine and the rewards
+                check_policy_alone(run.algorithm, cfg.algorithm.name)
+                self.trainer = t = Trainer(run)
+                self.store = FeedbackStore(run.run_dir / STORE)
+                self.learner = Learner(t, self.store)
+                self.tokens = TokenText(run.tokenizer)  # the text and bytes of tokens, for logprobs
+                t.extra_state["online"] = self.learner
+                t.resume()  # the newest checkpoint of run_dir, when there is one: version and learner state
+            except BaseException:
+                run.close()
+                raise
             t.open()  # no last step: it serves until stopped
-        make_private(t.run_dir)  # files an earlier version wrote
-        self.batcher = Batcher(self._generate, cfg.online.batch_requests)
-        self.http = make_server(self, host, port, token, cfg.online, allow)
+        make_private(run.run_dir)  # files an earlier version wrote
+        self.batcher = Batcher(self._generate, self.options.batch_requests)
+        self.http = make_server(self, host, port, token, self.options, allow)
 
     @property
     def url(self) -> str:
@@ -89,21 +110,19 @@ class Server:
     @property
     def version(self) -> int:
         """The policy version the engine's weights hold: the one the next answer gets."""
-        return self.trainer.session.version
+        return self.trainer.run.session.version
 
     # -- what the API asks ------------------------------------------------------------------
 
     def answer(self, messages: list[dict], max_tokens: int | None) -> dict:
-        """Generate one answer to ``messages`` with the current weights and store it."""
-        cfg, tokenizer = self.trainer.config, self.trainer.tokenizer
+        """Generate one answer to ``messages`` with the current weights and store it; ``max_tokens``:
+        at most that many tokens (checked by the API), None: ``rollout.max_tokens``."""
+        cfg, tokenizer = self.trainer.config, self.trainer.run.tokenizer
         try:
             prompt_ids, _ = encode_prompt({cfg.data.prompt_column: messages}, cfg.data, tokenizer)
         except ConfigError as e:
             raise BadRequest(400, str(e)) from None
-        limit = cfg.rollout.max_tokens
-        if max_tokens is not None and not (isinstance(max_tokens, int) and 0 < max_tokens <= limit):
-            raise BadRequest(400, f"'max_tokens' must be an integer from 1 to {limit} (rollout.max_tokens)")
-        a = self.batcher.submit(prompt_ids, max_tokens or limit)
+        a = self.batcher.submit(prompt_ids, max_tokens or cfg.rollout.max_tokens)
         answer = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": time.time(),
@@ -144,7 +163,7 @@ class Server:
         engine session stamps it under the lock of the call)."""
         keys = self.trainer.config.rollout.model_dump(include=set(Sampling.model_fields))
         sampling = SamplingParams(**keys | {"n": 1, "max_tokens": max_tokens, "seed": uuid.uuid4().int % 2**31})
-        out = self.trainer.session.generate(prompts, sampling)
+        out = self.trainer.run.session.generate(prompts, sampling)
         return [
             {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": out.policy_version}
             for ids, lp, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)
@@ -161,7 +180,7 @@ class Server:
 
     def close(self) -> None:
         """Stop what only serve owns (HTTP, the learner's thread, the batcher, the store), then end
-        the run as ``hybridrl train`` does (:meth:`hybridrl.trainer.Trainer.close`)."""
+        the run as ``hybridrl train`` does (the trainer's ``close``)."""
         self.http.server_close()
         self.learner.stop()
         self.batcher.close()

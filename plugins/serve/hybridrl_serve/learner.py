@@ -1,13 +1,13 @@
 """The learner of ``hybridrl serve``: trains the policy on users' ratings, on its own thread.
 
 Once ``online.update_every`` new ratings are in (or the oldest is ``online.update_every_s`` old),
-it makes one update through the trainer's public API, the way ``Trainer.step`` does after its
-rollout: the answers as sampled (token in, token out) in a batch whose scores are the ratings
-(the ``user_rating`` reward), with a ``baseline`` per answer (:func:`baselines`) from which the
-algorithm makes the advantage, score - baseline (``functional.baseline_advantages``); then
-``Trainer.train_on`` (logprobs, advantages, the algorithm's policy loss with its KL term and its
-off-policy correction for answers of older versions), ``Trainer.sync`` (the engine session
-counts the new version under the lock that generation takes), ``Trainer.save``,
+it makes one update through the trainer, the way ``Trainer.step`` does after its rollout: the
+answers as sampled (token in, token out) in a batch whose scores are the ratings (the
+``user_rating`` reward); the advantages, rating - baseline on every token of an answer, with a
+baseline per answer (:func:`baselines`, :func:`baseline_advantages`), handed to ``Trainer.train_on``
+in place of the algorithm's estimator (then the logprobs, the algorithm's policy loss with its KL
+term and its off-policy correction for answers of older versions); then ``Trainer.sync`` (the
+engine session counts the new version under the lock that generation takes), ``Trainer.save``,
 ``Trainer.log``. Its progress (the last rating trained on, the running baseline) is in the
 checkpoint: a restart continues from the last saved version and trains again on what came after.
 """
@@ -49,11 +49,16 @@ def baselines(scores: list[float], groups: list[int], mode: str, running: float 
     return out
 
 
+def baseline_advantages(scores: torch.Tensor, baseline: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """score - baseline on every token of a response: (B,), (B,), (B, T) -> (B, T), 0 where masked."""
+    return (scores.float() - baseline.to(scores.device).float())[:, None] * mask.float()
+
+
 class Learner:
     """Trains the trainer's policy on users' ratings, on its own thread (see the module docstring)."""
 
     def __init__(self, trainer, store):
-        self.trainer, self.store, self.options = trainer, store, trainer.config.online
+        self.trainer, self.store, self.options = trainer, store, trainer.config.section("online")
         self.consumed = 0  # sequence number of the last rating trained on
         self.rating_sum, self.rating_count = 0.0, 0  # of the ratings trained on: the running baseline
         self.wake, self.stopping = threading.Event(), threading.Event()
@@ -100,14 +105,14 @@ class Learner:
                     self.update(rows)
                 except Exception as e:  # the server keeps answering with the last good weights
                     self.error = f"{type(e).__name__}: {e}"
-                    version = self.trainer.session.version
+                    version = self.trainer.run.session.version
                     print(f"error: online update after version {version} failed: {self.error}", file=sys.stderr)
                     self.stopping.set()
 
     def batch(self, rows: list[dict]) -> Batch:
         """The rated answers as sampled, with their ratings (``rating``), a group per prompt
         (``group_ids``) and the texts the loggers' samples show."""
-        tokenizer = self.trainer.tokenizer
+        tokenizer = self.trainer.run.tokenizer
         prompts = [r["prompt_ids"] for r in rows]
         out = RolloutOutput(
             [r["response_ids"] for r in rows], [r["logprobs"] for r in rows], [r["finish_reason"] for r in rows]
@@ -121,21 +126,23 @@ class Learner:
         return batch
 
     def update(self, rows: list[dict]) -> dict[str, float]:
-        """One update on ``rows``: scores and baselines, the trainer's update, the engine's new
-        weights, a checkpoint (``online.save_every``), the metrics logged."""
-        t, o = self.trainer, self.options
+        """One update on ``rows``: scores, baselines and advantages, the trainer's update, the engine's
+        new weights, a checkpoint (``online.save_every``), the metrics logged."""
+        t, run, o = self.trainer, self.trainer.run, self.options
         self.learning = True
         try:
-            step = t.session.updates + 1  # the policy's updates so far, counted by the engine session
-            timer = Timer(t.ctx.device)
+            step = run.session.updates + 1  # the policy's updates so far, counted by the engine session
+            timer = Timer(run.ctx.device)
             batch = self.batch(rows)
             with timer("reward"):
-                metrics = t.rewards.score(batch)  # reward 'user_rating': batch["scores"]
+                metrics = run.rewards.score(batch)  # reward 'user_rating': batch["scores"]
             scores = batch["scores"].tolist()
             running = self.rating_sum / self.rating_count if self.rating_count else None
-            batch["baseline"] = torch.tensor(baselines(scores, batch["group_ids"].tolist(), o.baseline, running))
-            batch = batch.to(t.ctx.device)
-            trained, _ = t.train_on(batch, step, timer)  # the batch, or None: trainer.on_nonfinite skipped it
+            baseline = torch.tensor(baselines(scores, batch["group_ids"].tolist(), o.baseline, running))
+            advantages = baseline_advantages(batch["scores"], baseline, batch["response_mask"])
+            batch = batch.to(run.ctx.device)
+            # the batch, or None: trainer.on_nonfinite skipped it
+            trained, _ = t.train_on(batch, step, timer, advantages=advantages)
             self.consumed = rows[-1]["seq"]
             self.rating_sum += sum(scores)
             self.rating_count += len(scores)

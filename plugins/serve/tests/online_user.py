@@ -1,9 +1,9 @@
 """Simulated users of ``hybridrl serve``: they ask questions over HTTP, rate the answers by a rule
 the server does not know, and send the ratings back.
 
-    python tests/online_user.py --url http://127.0.0.1:8000 --ratings 480 --rule sum
-    python tests/online_user.py --serve examples/online_smollm2_sums.yaml --ratings 480 --rule sum
-    python tests/online_user.py --serve CONFIG --set online.update_every=16 --set trainer.lr=2e-5
+    python plugins/serve/tests/online_user.py --url http://127.0.0.1:8000 --ratings 480 --rule sum
+    python plugins/serve/tests/online_user.py --serve examples/online_smollm2_sums.yaml --ratings 480 --rule sum
+    python plugins/serve/tests/online_user.py --serve CONFIG --set online.update_every=16 --set trainer.lr=2e-5
 
 Rules: ``sum`` asks "What is a + b?" for one-digit a and b and rates 1 when the answer's last
 number is a + b, else 0; ``sevens`` asks for digits and rates the fraction of the answer's
@@ -40,8 +40,9 @@ def post(url: str, path: str, body: dict, token: str | None = None, timeout: flo
         return e.code, json.loads(e.read() or b"{}")
 
 
-def get(url: str, path: str, timeout: float = 30) -> dict:
-    with urllib.request.urlopen(url + path, timeout=timeout) as r:
+def get(url: str, path: str, token: str | None = None, timeout: float = 30) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -83,17 +84,19 @@ def simulate(url: str, ratings: int, rule: str = "sum", repeat: int = 4, every: 
 
 
 def start_server(config: str, *overrides: str, log: Path | None = None, timeout: float = 300):
-    """``hybridrl serve CONFIG --port 0`` in a subprocess, its output to ``log``; its process and
-    URL once it listens."""
+    """``hybridrl serve CONFIG --port 0`` in a subprocess, its output to ``log``; its process, URL and
+    token (the random one it printed) once it listens."""
     log = Path(log or Path(tempfile.gettempdir()) / f"hybridrl-serve-{Path(config).stem}.log")
     cmd = [sys.executable, "-m", "hybridrl.cli", "serve", config, *overrides, "--port", "0"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        found = re.search(r"on (http://\S+) ", log.read_text())
-        if found:
-            return proc, found.group(1)
+        text = log.read_text()
+        found = re.search(r"on (http://\S+) ", text)
+        token = re.search(r"'Authorization: Bearer (\S+)'", text)
+        if found and token:
+            return proc, found.group(1), token.group(1)
         if proc.poll() is not None:
             break
         time.sleep(0.2)
@@ -118,12 +121,12 @@ def main() -> int:
     proc = None
     if args.serve:
         # one simulated client asks far more often than online.requests_per_minute allows a person
-        proc, args.url = start_server(args.serve, "online.requests_per_minute=100000", *args.set)
+        proc, args.url, args.token = start_server(args.serve, "online.requests_per_minute=100000", *args.set)
         print(f"started hybridrl serve {args.serve} on {args.url}", flush=True)
     try:
         start = time.time()
         curve = simulate(args.url, args.ratings, args.rule, args.repeat, args.every, token=args.token)
-        status = get(args.url, "/v1/status")
+        status = get(args.url, "/v1/status", args.token)
         print(f"{args.ratings} ratings in {time.time() - start:.0f} s; status {status}")
         if args.out:
             Path(args.out).write_text(json.dumps({"curve": curve, "status": status, "args": vars(args)}, indent=1))

@@ -1,7 +1,10 @@
 """Loggers ``wandb`` (Weights & Biases, offline without an account) and ``tensorboard``.
 
-Both import their library when the logger is built, so the core does not depend on them; a
-missing library is an error that names the package to install.
+A first-party plugin (the ``hybridrl-trackers`` distribution, entry point ``trackers``): the core
+keeps the loggers that write the run's own record (``console``, ``jsonl``), and the integrations
+with outside trackers live here, registered through ``register_loggers`` like any third party's.
+Both import their library when the logger is built, so neither is a dependency; a missing library
+is an error that names the package to install.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-import yaml
 from pydantic import Field
 
 from hybridrl.builtin.loggers import clean_metrics, clean_value
 from hybridrl.components import Logger, Options
+from hybridrl.config_files import load_yaml
 from hybridrl.hookspecs import hookimpl
+
+__version__ = "0.1.0"
 
 
 def sample_columns(rows: list[dict]) -> list[str]:
@@ -72,7 +77,7 @@ class WandbLogger(Logger):
         except ImportError as e:
             raise ImportError(
                 f"logger 'wandb' (logging.loggers) needs the wandb package ({e}). "
-                "Install it with: pip install 'hybridrl[wandb]'"
+                "Install it with: pip install wandb (or the plugin's extra: pip install -e 'plugins/trackers[wandb]')"
             ) from None
         self.wandb = wandb
         self.run = None
@@ -91,7 +96,7 @@ class WandbLogger(Logger):
         run_dir = Path(self.ctx.run_dir)
         o = self.options
         config_file = run_dir / "config.yaml"
-        config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else None
+        config = load_yaml(config_file.read_text(), str(config_file)) if config_file.is_file() else None
         id_file = run_dir / "wandb-run-id"
         resume = {}
         if start_step > 0 and id_file.is_file():  # a resumed run continues the same wandb run
@@ -144,7 +149,8 @@ def _summary_writer():
     except ImportError:
         raise ImportError(
             "logger 'tensorboard' (logging.loggers) needs the tensorboard package (or tensorboardX). "
-            "Install it with: pip install 'hybridrl[tensorboard]'"
+            "Install it with: pip install tensorboard "
+            "(or the plugin's extra: pip install -e 'plugins/trackers[tensorboard]')"
         ) from None
 
 

@@ -1,19 +1,21 @@
 """What every server of hybridrl shares: binding, the checks made before a request body is read,
-JSON replies (standard library only; the client side is :mod:`hybridrl.http`).
+JSON replies (standard library only; the client side is :mod:`hybridrl_http.client`).
 
-The servers (``hybridrl serve``, ``serve-reward``, and the dashboard through :class:`HostCheck`)
-check, in this order, before reading a body:
+The servers (``hybridrl serve``, ``serve-reward``, and the dashboard through :class:`HostCheck` and
+:class:`FailedTokens`) check, in this order, before reading a body:
 
 1. **Host and Origin** (:class:`HostCheck`): the Host header must name the server as this machine
    does (``127.0.0.1``, ``localhost`` or ``[::1]`` with the server's port, or the address it is
    bound to), and an Origin header, when sent, must be such an address too. A web page elsewhere,
    or one reached through DNS rebinding, gets 403. Other names are allowed with
    ``$HYBRIDRL_ALLOWED_HOSTS`` (and the servers' ``allow`` arguments).
-2. **Wrong tokens** (:class:`FailedTokens`): an address that sent ``limit`` missing or wrong tokens
-   in ``window`` seconds gets 429 until the window has passed, whatever it sends.
-3. **The token**, when the server has one: 401 without ``Authorization: Bearer <token>``.
-4. **The body**: a POST must say ``Content-Type: application/json`` (415), and ``Content-Length``
-   (411 without it, 400 when it is not a plain number, 413 over the server's limit).
+2. **The token** (:func:`choose_token`: loopback keeps out other machines, not other users): 401
+   without ``Authorization: Bearer <token>``, 429 (:class:`FailedTokens`) to an address's wrong ones
+   past ``limit`` in ``window`` s; the right one always passes (behind a proxy all share an address:
+   the token's length stops guessers). A public endpoint checks one only when sent (``authorized``).
+3. **The body**: a POST must say ``Content-Type: application/json`` (415), and ``Content-Length``
+   (411 without it, 400 when it is not a plain number, 413 over the server's limit); JSON nested too
+   deeply or with a lone UTF-16 surrogate (``"\\ud800"``) gets 400.
 
 Each connection has :data:`REQUEST_TIMEOUT` seconds to send a whole request (waiting between
 requests included), the listen backlog is :data:`BACKLOG`, and an unexpected error is logged with
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -44,6 +47,8 @@ ALLOWED_HOSTS_ENV = "HYBRIDRL_ALLOWED_HOSTS"
 BACKLOG = 1024  # connections the kernel queues before the server accepts them (capped by somaxconn)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send one whole request, the wait before it included
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+BEARER = "missing or wrong token: send 'Authorization: Bearer <token>'"
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a body may hold a lone surrogate
 
 
 def require_token(command: str, host: str, token: str | None, env: str) -> None:
@@ -53,8 +58,37 @@ def require_token(command: str, host: str, token: str | None, env: str) -> None:
     if not is_loopback(host) and not token:
         raise ConfigError(
             f"{command}: --host {host} accepts connections from other machines, and no token is set. "
-            f"Pass --token (or set {env}), or keep the default --host 127.0.0.1."
+            f"Pass --token (or set {env}) or leave out --no-token, or keep the default --host 127.0.0.1."
         )
+
+
+def add_token_options(parser, env: str, exposes: str, shown: str = "printed") -> None:
+    """A command's ``--token`` / ``--no-token`` (one or the other): the token every request needs,
+    by default ``$ENV`` or a new random one (:func:`choose_token`); ``exposes``: what any local user
+    could do without one ("chat and rate"); ``shown``: where a new token is printed."""
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        default=None,
+        help=f"Require 'Authorization: Bearer TOKEN' (default: ${env}, else a new random one, {shown}).",
+    )
+    auth.add_argument(
+        "--no-token",
+        action="store_true",
+        help=f"Answer requests without a token: any user of this machine can then {exposes} (127.0.0.1 only).",
+    )
+
+
+def choose_token(command: str, host: str, given: str | None, env: str, off: bool, exposes: str) -> str | None:
+    """``given`` (--token or ``$env``), else a new random token; None only when ``off`` (--no-token) on a
+    loopback ``host``, after a warning that every user of this machine can then ``exposes``."""
+    if off:
+        require_token(command, host, None, env)
+        print(f"warning: {command}: --no-token: every user of this machine can {exposes}.", file=sys.stderr)
+        return None
+    if given and len(given) < 16:
+        print(f"warning: {command}: the token has {len(given)} characters: use a long random one.", file=sys.stderr)
+    return given or secrets.token_urlsafe(32)
 
 
 def is_loopback(host: str) -> bool:
@@ -176,6 +210,16 @@ class FailedTokens:
             while len(self.times) > self.addresses:
                 self.times.popitem(last=False)
 
+    def refusal(self, client: str, message: str = BEARER) -> HttpError:
+        """The error for a missing or wrong token from ``client``: 401 with ``message`` (counted), or 429
+        once it sent ``limit`` of them (not counted: the window frees a guess when the oldest ages)."""
+        wait = self.wait(client)
+        if wait:
+            headers = {"Retry-After": str(math.ceil(wait))}
+            return HttpError(429, "too many wrong tokens from this address: wait and retry", headers)
+        self.failed(client)
+        return HttpError(401, message)
+
 
 class HttpError(Exception):
     """A request the server refuses: ``code`` is its HTTP status, the message its one-line reason."""
@@ -283,7 +327,8 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def admit(self, body: bool, token: bool = True) -> None:
         """The checks of the module docstring, in order; raises HttpError. ``body``: a POST, whose body
-        is then announced and acceptable (``self.body_size`` bytes); ``token``: check the token."""
+        is then announced and acceptable (``self.body_size`` bytes); ``token``: the token is required (else
+        it is checked only when sent; ``self.authorized`` says whether the right one came)."""
         s, headers = self.server, self.headers
         lengths = headers.get_all("Content-Length") or []
         self.unread = bool(headers.get("Transfer-Encoding")) or any(v.strip() != "0" for v in lengths)
@@ -291,19 +336,12 @@ class JsonHandler(BaseHTTPRequestHandler):
         reason = s.hosts.refusal(headers.get_all("Host"), headers.get_all("Origin"))
         if reason:
             raise HttpError(403, reason)
-        if s.token and token:
-            client = self.client_address[0]
-            wait = s.failures.wait(client)
-            if wait:
-                raise HttpError(
-                    429,
-                    "too many wrong tokens from this address: wait and retry",
-                    {"Retry-After": str(math.ceil(wait))},
-                )
-            sent = headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(sent, f"Bearer {s.token}".encode()):
-                s.failures.failed(client)
-                raise HttpError(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        sent = headers.get("Authorization")
+        self.authorized = not s.token
+        if s.token and (token or sent is not None):
+            if not hmac.compare_digest((sent or "").encode(), f"Bearer {s.token}".encode()):
+                raise s.failures.refusal(self.client_address[0])
+            self.authorized = True
         if not body:
             return
         kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
@@ -332,9 +370,16 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise HttpError(400, f"the body ended after {len(data)} of {self.body_size} bytes")
         try:
-            return json.loads(data)
+            value = json.loads(data)
+            if SURROGATE_ESCAPE.search(data):  # a pair is text; a lone half cannot be encoded, later
+                json.dumps(value, ensure_ascii=False).encode()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HttpError(400, f"the body is not JSON: {e}") from None
+        except UnicodeEncodeError:
+            raise HttpError(400, "a string of the body holds a lone UTF-16 surrogate: send text") from None
+        except RecursionError:
+            raise HttpError(400, "the body nests JSON arrays or objects too deeply") from None
+        return value
 
     def send_json(self, code: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()

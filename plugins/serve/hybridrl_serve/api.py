@@ -1,0 +1,182 @@
+"""The HTTP API of ``hybridrl serve``: OpenAI's ``POST /v1/chat/completions`` (its request keys
+and reply: :mod:`hybridrl_serve.chat`) and ``GET /v1/models``, with ``POST /v1/feedback``,
+``GET /v1/status`` and ``GET /health``. Errors are OpenAI's shape, ``{"error": {"message", "type",
+"param", "code"}}``, so that OpenAI's clients show the message.
+
+On 127.0.0.1 unless told otherwise, with a token (the command makes one unless ``--no-token``, never
+off loopback), request size and rate limits, and the checks every server of hybridrl makes
+(:mod:`hybridrl_http.server`: Host and Origin, the token before the body, throttled wrong tokens,
+JSON too deep or with lone surrogates refused, timeouts). The endpoints are methods of
+:class:`Api`, which checks a request and calls the server (:class:`hybridrl_serve.server.Server`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from urllib.parse import quote
+
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
+
+from hybridrl_serve.chat import BadRequest, chat_request, completion
+
+TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+def json_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    return body
+
+
+def check_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRequest(
+                400, f"each message needs a role ({', '.join(sorted(ROLES))}) and a string content", "messages"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_rating(value, o) -> float:
+    """A number in [rating_min, rating_max], or 'up' / 'down' (thumbs)."""
+    if value in ("up", "down"):
+        return o.rating_max if value == "up" else o.rating_min
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not o.rating_min <= value <= o.rating_max:
+        raise BadRequest(
+            400, f"'rating' must be a number from {o.rating_min:g} to {o.rating_max:g}, or 'up' / 'down'", "rating"
+        )
+    return float(value)
+
+
+class RateLimit:
+    """At most ``per_minute`` requests per client address in any 60 seconds."""
+
+    def __init__(self, per_minute: int):
+        self.per_minute, self.seen, self.lock = per_minute, defaultdict(deque), threading.Lock()
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            times = self.seen[client]
+            while times and now - times[0] > 60:
+                times.popleft()
+            if len(times) >= self.per_minute:
+                return False
+            times.append(now)
+            return True
+
+
+def openai_error(code: int, body: dict, param: str | None = None) -> dict:
+    """An error reply (``{"error": message, ...}``) in OpenAI's shape, ``{"error": {"message", "type",
+    "param", "code"}, ...}``: OpenAI's clients show ``error.message`` and nothing else of the body."""
+    if code < 400 or not isinstance(body.get("error"), str):
+        return body
+    kind = "server_error" if code >= 500 else "invalid_request_error"
+    return body | {"error": {"message": body["error"], "type": kind, "param": param, "code": None}}
+
+
+class Api:
+    """The endpoints: each checks its request, then asks ``server`` (``answer``, ``rate``,
+    ``status``, ``health``, and ``model_id``, ``rollout``, ``tokens``, ``started`` for what it says
+    of the model); ``options``: the config's ``online`` section."""
+
+    def __init__(self, server, options):
+        self.server, self.options, self.limit = server, options, RateLimit(options.requests_per_minute)
+
+    def routes(self) -> dict:
+        model = self.server.model_id
+        return {
+            ("GET", "/health"): self.health,
+            ("GET", "/v1/status"): self.server.status,
+            ("GET", "/v1/models"): self.models,
+            ("GET", f"/v1/models/{quote(model, safe='')}"): self.model,
+            ("GET", f"/v1/models/{model}"): self.model,
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/feedback"): self.feedback,
+        }
+
+    def throttle(self, client: str) -> None:
+        if not self.limit.allow(client):
+            per_minute = self.options.requests_per_minute
+            raise HttpError(429, f"over {per_minute} requests a minute", {"Retry-After": "60"})
+
+    def health(self) -> dict:
+        return {"status": self.server.health()}
+
+    def model(self) -> dict:
+        """The one model serve answers with, as OpenAI's ``GET /v1/models/{id}`` describes one."""
+        return {
+            "id": self.server.model_id,
+            "object": "model",
+            "created": int(self.server.started),
+            "owned_by": "hybridrl",
+        }
+
+    def models(self) -> dict:
+        """OpenAI's model list: the policy, under the name ``model_id``."""
+        return {"object": "list", "data": [self.model()]}
+
+    def chat(self, body) -> dict:
+        request = chat_request(json_object(body), self.server.rollout)
+        answer = self.server.answer(check_messages(request["messages"]), request["max_tokens"])
+        return completion(answer, self.server.model_id, self.server.tokens if request["logprobs"] else None)
+
+    def feedback(self, body) -> dict:
+        body = json_object(body)
+        answer_id = body.get("id")
+        if not isinstance(answer_id, str):
+            raise BadRequest(400, "'id' must be the id of a chat completion", "id")
+        rating = parse_rating(body.get("rating"), self.options)
+        preferred = body.get("preferred")
+        if preferred is not None and not isinstance(preferred, str):
+            raise BadRequest(400, "'preferred' must be a string: the answer the user would have wanted", "preferred")
+        seq = self.server.rate(answer_id, rating, preferred)
+        return {"id": answer_id, "rating": rating, "stored": True, "seq": seq}
+
+
+def make_server(server, host: str, port: int, token: str | None, options, allow: tuple[str, ...] = ()) -> JsonServer:
+    """The HTTP server of ``server`` (not started: call serve_forever). A non-loopback ``host`` needs a
+    ``token``; ``allow``: Host names and origins it answers beside the loopback ones and
+    ``$HYBRIDRL_ALLOWED_HOSTS``."""
+    require_token("serve", host, token, TOKEN_ENV)
+    api = Api(server, options)
+
+    class Handler(JsonHandler):
+        param = None  # the request key a route refused: OpenAI's error.param
+
+        def routes(self):
+            return {key: self.noting_param(route) for key, route in api.routes().items()}
+
+        def noting_param(self, route):
+            def run(*body):
+                try:
+                    return route(*body)
+                except BadRequest as e:
+                    self.param = e.param
+                    raise
+
+            return run
+
+        def throttle(self):
+            api.throttle(self.client_address[0])
+
+        def send_json(self, code, body, headers=None):
+            param, self.param = self.param, None
+            super().send_json(code, openai_error(code, body, param), headers)
+
+    return listen(
+        "serve",
+        host,
+        port,
+        Handler,
+        token=token,
+        max_body=options.max_request_bytes,
+        max_body_name=f"online.max_request_bytes={options.max_request_bytes}",
+        allow=allow,
+        hint=f"list it in ${ALLOWED_HOSTS_ENV} (comma-separated) to allow it",
+    )
