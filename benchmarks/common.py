@@ -1,6 +1,12 @@
 """What the GPU scripts share: the reference model, its prompts and rewards, putting this
-checkout's hybridrl on the path, and the setup, step loop, summary and table/JSON/exit scaffolding
+checkout's hybridrl on the path, and the run, step loop, summary and table/JSON/exit scaffolding
 of the GRPO scripts.
+
+The scripts are clients of hybridrl: they build a run (``hybridrl.run.build_run``), drive it with
+``hybridrl.trainer.Trainer``'s public methods, and register what they need (prompts, rewards, an
+engine without a model) as a plugin through the contract of ``hybridrl.components``; a figure the
+surface does not hand out (the data sheet's peak, a FLOP count) comes from the metrics a step logs or
+is counted here. tests/test_benchmarks_surface.py holds them to that.
 
 The reference model is Qwen2.5-0.5B-shaped (Qwen2ForCausalLM: 24 layers, hidden 896, 14 heads
 of 64 with 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings) with random weights built
@@ -12,6 +18,7 @@ produces), so engines that detokenize (TRL's vLLM, transformers) handle random s
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 import json
@@ -24,7 +31,7 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn  # Literal: the replay engine's options (pydantic reads it here)
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN05 = dict(
@@ -210,8 +217,8 @@ def even_byte_fraction(text: str) -> float:
 # -- the GRPO scripts (gpu_vllm_grpo.py, gpu_sglang_grpo.py) -------------------------------
 
 
-def bench_plugin(datasets: dict[str, type], rewards: dict[str, type]):
-    """A plugin object that registers these prompt sources and reward functions by name."""
+def bench_plugin(datasets: dict[str, type], rewards: dict[str, type], engines: dict[str, type] | None = None):
+    """A plugin object that registers these prompt sources, reward functions and rollout engines by name."""
     from hybridrl.hookspecs import hookimpl
 
     class Bench:
@@ -225,13 +232,20 @@ def bench_plugin(datasets: dict[str, type], rewards: dict[str, type]):
             for name, cls in rewards.items():
                 register(name, cls)
 
+        @hookimpl
+        def register_rollout_engines(self, register):
+            for name, cls in (engines or {}).items():
+                register(name, cls)
+
     return Bench()
 
 
 def token_task_plugin():
-    """A plugin with the prompt source ``bench_sums`` (addition questions) and the reward
+    """A plugin with the prompt source ``bench_sums`` (addition questions), the rewards
     ``even_tokens`` (the fraction of even token ids in a response: about 0.5 at random, and
-    learnable). Import hybridrl first (use_checkout)."""
+    learnable) and ``random_scores`` (seeded uniform scores), and the rollout engine ``bench_replay``
+    (:func:`replay_engine`). Import hybridrl first (use_checkout)."""
+    import torch
     from pydantic import Field
 
     from hybridrl.components import Options as BaseOptions
@@ -256,7 +270,78 @@ def token_task_plugin():
             even = (batch["responses"] % 2 == 0).float() * mask
             return (even.sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
 
-    return bench_plugin({"bench_sums": Sums}, {"even_tokens": EvenTokens})
+    class RandomScores(RewardFunction):
+        """Uniform scores in [0, 1), seeded by the call: a batch whose advantages are not all zero."""
+
+        def __init__(self, options, ctx):
+            super().__init__(options, ctx)
+            self.calls = 0
+
+        def score(self, batch):
+            self.calls += 1
+            return torch.rand(len(batch), generator=torch.Generator().manual_seed(self.calls)).tolist()
+
+    rewards = {"even_tokens": EvenTokens, "random_scores": RandomScores}
+    return bench_plugin({"bench_sums": Sums}, rewards, {"bench_replay": replay_engine()})
+
+
+def replay_engine() -> type:
+    """The rollout engine ``bench_replay``: responses of random token ids drawn without a model, for
+    runs whose rollouts are not what is measured (the update alone, the trainer's pass over given
+    tokens). A call's ``n`` responses per prompt have ``max_tokens`` ids from ``low_id`` up, each
+    logprob -5; with ``response_lengths: long-tail`` each is cut at a geometric length (mean about
+    max_tokens / 4, capped at max_tokens) drawn with the call's number as seed (``fixed``: seed 0,
+    every call the same tokens). ``last``: the prompts and output of the last call. It loads no
+    weights (a sync costs the trainer's gather alone) and runs no sync check: set
+    ``rollout.sync_check: 0``."""
+    import torch
+    from pydantic import Field
+
+    from hybridrl.components import Options as BaseOptions
+    from hybridrl.components import RolloutEngine, RolloutOutput
+
+    class Replay(RolloutEngine):
+        weight_format = "transformers"
+
+        class Options(BaseOptions):
+            low_id: int = Field(300, ge=0, description="The smallest token id drawn.")
+            response_lengths: Literal["fixed", "long-tail"] = Field("fixed", description="Lengths of responses.")
+
+        def __init__(self, options, ctx):
+            super().__init__(options, ctx)
+            from transformers import AutoConfig
+
+            self.vocab = AutoConfig.from_pretrained(ctx.model_path).vocab_size
+            self.calls, self.last = 0, None
+
+        def generate(self, prompts, sampling):
+            self.calls += 1
+            long_tail = self.options.response_lengths == "long-tail"
+            g = torch.Generator().manual_seed(self.calls if long_tail else 0)
+            rows, T = len(prompts) * sampling.n, sampling.max_tokens
+            tokens = torch.randint(self.options.low_id, self.vocab, (rows, T), generator=g).tolist()
+            if long_tail:  # geometric, mean about max/4, a few at max
+                lengths = torch.empty(rows).exponential_(4 / T, generator=g).ceil().clamp(1, T)
+                tokens = [row[: int(k)] for row, k in zip(tokens, lengths)]
+            reasons = ["length" if len(t) == T else "stop" for t in tokens]
+            out = RolloutOutput(tokens, [[-5.0] * len(t) for t in tokens], reasons)
+            self.last = (prompts, out)
+            return out
+
+        def update_weights(self, named_tensors):
+            pass  # nothing to load: no model
+
+    return Replay
+
+
+def register_bench_plugin() -> None:
+    """Register :func:`token_task_plugin` as ``bench`` (once a process). Import hybridrl first."""
+    from hybridrl import plugins as registry
+
+    pm = registry.get_plugin_manager()
+    if not pm.has_plugin("bench"):
+        pm.register(token_task_plugin(), name="bench")
+        registry.invalidate_registry()
 
 
 # what both keep of Trainer.step's metrics; each adds its engine's
@@ -286,10 +371,7 @@ def start_grpo(result: dict, script: str, cuda: bool, plugins: tuple[str, ...], 
     except ImportError as e:
         raise SystemExit(f"{script}: hybridrl needs {e.name}: pip install pydantic pyyaml") from None
     use_checkout(*plugins)
-    from hybridrl import plugins as registry
-
-    registry.get_plugin_manager().register(token_task_plugin(), name="bench")
-    registry.invalidate_registry()
+    register_bench_plugin()
     import transformers
 
     result["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
@@ -300,18 +382,19 @@ def start_grpo(result: dict, script: str, cuda: bool, plugins: tuple[str, ...], 
         result["gpu"] = torch.cuda.get_device_name(0)
 
 
-def setup_trainer(result: dict, cfg: dict, name: str):
-    """A hybridrl Trainer of the config dict ``cfg`` (recorded in ``result``), after its setup(),
-    which loads the policy and starts the engine (timed: ``setup_s``)."""
+def build_trainer(result: dict, cfg: dict, name: str):
+    """A hybridrl Trainer over the run of the config dict ``cfg`` (recorded in ``result``); building
+    the run loads the policy and starts the engine (timed: ``setup_s``)."""
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     result["config"] = cfg
-    trainer = Trainer(load_config(data=cfg), name=name)
+    config = load_config(data=cfg)
     t = time.perf_counter()
-    trainer.setup()
+    run = build_run(config, name=name)
     result["setup_s"] = round(time.perf_counter() - t, 2)
-    return trainer
+    return Trainer(run)
 
 
 Hook = Callable[[int, dict], None]
@@ -328,14 +411,13 @@ def run_steps(
     after: Hook | None = None,
     close: Callable[[], None] | None = None,
 ) -> None:
-    """Steps 1 to ``steps`` of ``trainer``, with its loggers opened and closed as Trainer.train
-    does (its checkpoint at the end is not wanted here). Each step's record: the step, what
+    """Steps 1 to ``steps`` of ``trainer``, its record opened and closed as Trainer.train does
+    (its checkpoint at the end is not wanted here). Each step's record: the step, what
     ``before(step, record)`` adds, the metrics named in ``keep`` and what ``after(step, record)``
     adds, floats rounded to 5 places; it goes to ``result["steps"]``, ``result`` is written to
-    ``path`` and the row printed (print_row). At the end, failed or not, the loggers are closed
-    and the engine too, by ``close()`` where given."""
-    for logger in trainer.loggers:
-        logger.open(steps, 0)
+    ``path`` and the row printed (print_row). At the end, failed or not, the trainer is closed (its
+    loggers, engine and rewards released), by ``close()`` where given."""
+    trainer.open(steps)
     try:
         for step in range(1, steps + 1):
             record: dict = {"step": step}
@@ -349,9 +431,7 @@ def run_steps(
             write_json(result, path)
             print_row(result["steps"][-1], columns)
     finally:
-        for logger in trainer.loggers:
-            logger.close()
-        (close or trainer.engine.close)()
+        (close or trainer.close)()
 
 
 def median(rows: list[dict], key: str) -> float | None:
@@ -443,6 +523,139 @@ def wait_for_gpu() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+# -- what a script needs of a run beside its steps ------------------------------------------------
+
+
+def resolve_model(model: dict, workdir: Path) -> tuple[str, object]:
+    """The plain model folder a run trains from the config's model section ``model`` (a GGUF file
+    converted once, and cached) and the run's tokenizer: a run for evaluation alone is built on the
+    CPU and closed. Registers the bench plugin (its prompts and reward stand in for the data)."""
+    from hybridrl.config import load_config
+    from hybridrl.run import build_run
+
+    register_bench_plugin()
+    sums = {"source": "bench_sums", "size": 4, "chat_template": False}
+    cfg = {
+        "model": model,
+        "data": {**sums, "eval": [{"name": "probe", **sums}]},
+        "rewards": [{"function": "even_tokens"}],
+        "trainer": {"device": "cpu", "run_dir": str(workdir / "resolve-model"), "sample_every": 0},
+        "logging": {"loggers": []},
+    }
+    run = build_run(load_config(data=cfg), name="bench-resolve", train=False)
+    try:
+        return run.ctx.model_path, run.tokenizer
+    finally:
+        run.close()
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a model folder, padding with EOS where it has no padding token (as a run's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, dtype, device):
+    """A transformers copy of a model folder in ``dtype`` on ``device`` (a source of weights to send)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def scoring_run(model_dir: str, device, workdir: Path, name: str = "bench-scoring"):
+    """A run whose policy is ``model_dir`` in float32 on ``device``, without autocast, and whose
+    engine loads no model (``bench_replay``): its pass runner scores given responses as the trainer
+    does (:func:`trainer_logprobs`). Needs the grpo plugin (use_checkout("algo_grpo")). Close it with
+    ``run.close()``."""
+    from hybridrl.config import load_config
+    from hybridrl.run import build_run
+
+    register_bench_plugin()
+    cfg = {
+        "model": {"path": model_dir, "dtype": "float32"},
+        "data": {"source": "bench_sums", "size": 64, "chat_template": False},
+        "rollout": {"engine": "bench_replay", "sync_check": 0},
+        "rewards": [{"function": "even_tokens"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "sharding": {"strategy": "single", "mixed_precision": "off"},
+        "trainer": {"device": str(device), "run_dir": str(workdir / name), "sample_every": 0},
+        "logging": {"loggers": []},
+    }
+    return build_run(load_config(data=cfg), name=name)
+
+
+def trainer_logprobs(run, prompts: list[list[int]], out, n: int):
+    """(B, T) logprobs of the responses ``out`` (a RolloutOutput, ``n`` a prompt) under the run's
+    policy at temperature 1, in the passes the trainer plans (``run.passes``), and the batch."""
+    from hybridrl.batch import Batch
+
+    batch = Batch.from_rollout(prompts, out, n, run.tokenizer.pad_token_id).to(run.ctx.device)
+    return run.passes.logprobs(run.policy, batch, 1.0, "policy"), batch
+
+
+def matmul_flops(model, seq_lens: list[int], logit_tokens: int) -> float:
+    """FLOPs of one forward pass over sequences of ``seq_lens`` tokens, ``logit_tokens`` of them through
+    the output layer, counted as the trainer counts them for its MFU (throughput/update_mfu): matrix
+    multiplications only, 2 FLOPs a multiply-add; every weight matrix of the body once a token, the
+    output layer once a token whose logits are computed, causal attention (scores and weighted sum)
+    over each sequence's own length. ``model``: a transformers causal LM (on the meta device will do).
+    A training pass is 3x."""
+    from hybridrl.flops import forward_flops
+
+    return forward_flops(model, seq_lens, logit_tokens)
+
+
+def peak_from_metrics(rows: list[dict], tflops: str = "update_tflops", mfu: str = "update_mfu") -> float | None:
+    """The peak (FLOP/s) a trainer's MFU is counted against, from rows of its logged metrics: the
+    update's TFLOP/s over its MFU (the data sheet's dense bf16 figure; None where it logged no MFU)."""
+    peaks = [r[tflops] * 1e12 / r[mfu] for r in rows if r.get(tflops) and r.get(mfu)]
+    return float(f"{statistics.median(peaks):.4g}") if peaks else None
+
+
+def trainer_peak_flops(workdir: Path) -> float | None:
+    """The GPU's dense bf16 peak (FLOP/s) that the trainer's MFU is counted against, read from the
+    metrics of one step of a tiny run (:func:`peak_from_metrics`); None on a CPU, or a GPU whose peak
+    the trainer does not know. Needs the grpo plugin (use_checkout("algo_grpo"))."""
+    import torch
+
+    from hybridrl.config import load_config
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
+
+    if not torch.cuda.is_available():
+        return None
+    register_bench_plugin()
+    cfg = {
+        "model": {"path": build_model(workdir / "tiny", TINY, "float32")},
+        "data": {"source": "bench_sums", "size": 64, "chat_template": False},
+        "rollout": {"engine": "bench_replay", "sync_check": 0, "n": 2, "max_tokens": 8},
+        "rewards": [{"function": "random_scores"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "trainer": {
+            "steps": 1,
+            "prompts_per_step": 2,
+            "device": "cuda",
+            "sample_every": 0,
+            "run_dir": str(workdir / f"peak-{time.time_ns()}"),
+        },
+        "logging": {"loggers": []},
+    }
+    trainer = Trainer(build_run(load_config(data=cfg), name="bench-peak"))
+    trainer.open(1)
+    try:
+        metrics = trainer.step(1)
+    finally:
+        trainer.close()
+    del trainer
+    gc.collect()  # the tiny run's memory back before what is measured next
+    torch.cuda.empty_cache()
+    return peak_from_metrics([{k.split("/")[-1]: v for k, v in metrics.items() if k.startswith("throughput/")}])
 
 
 def trl_grpo_config(output_dir: str, prompts: int, n: int, max_tokens: int, **overrides):

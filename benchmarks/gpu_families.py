@@ -15,13 +15,15 @@ a tenth of the sampled tokens) so that response lengths vary. For each family:
   projections, grouped decoding attention, rows moved to loops of fewer rows as responses end,
   eager steps, every loop captured in CUDA graphs at the first call) in float32, 256 prompts of
   3-110 tokens, up to 48 tokens: the largest difference between its logprobs and the trainer's pass
-  over the same responses, the response lengths, the loops made and the graphs captured;
+  over the same responses (the pass runner of a run of the checkpoint, ``common.scoring_run``), the
+  response lengths, the loops made and the graphs captured (``hf/graph_*``);
 - ``compiled`` (families named in ``--compiled``): the same engine with ``compile: on``, greedy,
   against the eager engine, in float32 and in bfloat16: the rows whose tokens are the same and
   the largest logprob difference on them, and the compile time;
-- ``fallback`` (families named in ``--fallback``, default Llama): ``decode`` with a step that reads a
-  value back to the host, which a CUDA graph capture refuses: the engine says so once and decodes
-  on without graphs, its logprobs still the trainer's (a failed capture used to leave the CUDA
+- ``fallback`` (families named in ``--fallback``, default Llama): ``decode`` with a forward that reads
+  a value back to the host (a hook on the engine's model), which a CUDA graph capture refuses: the
+  engine says so once (``uncapturable``, from its log line) and decodes on without graphs, its
+  logprobs still the trainer's (a failed capture used to leave the CUDA
   generator in capture mode, and the next random draw raised);
 - ``train fp32`` and ``train bf16``: the tests' two GRPO steps through the trainer
   (``two_grpo_steps``: packed passes, 32 prompts x 4 samples here, the sync checked after each)
@@ -34,8 +36,11 @@ Prints a table and writes JSON (``--out``; default ``$OUT/families_gpu.json`` wh
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,52 +80,69 @@ def engine(path: str, device, workdir: Path, sampling=None, **options):
 
     from hybridrl import plugins
     from hybridrl.components import RunContext, Sampling
-    from hybridrl.models import load_tokenizer
 
     cls = plugins.lookup("rollout engine", "hf")
-    ctx = RunContext(path, load_tokenizer(path), device, torch.float32, 0, workdir, sampling=sampling or Sampling())
+    tokenizer = common.load_tokenizer(path)
+    ctx = RunContext(path, tokenizer, device, torch.float32, 0, workdir, sampling=sampling or Sampling())
     return cls(cls.Options(**{"dtype": "float32"} | options), ctx)
+
+
+def read_host(module, args, output) -> None:
+    """A forward hook that reads a value back to the host, as some models' forwards do: a CUDA graph
+    capture refuses it."""
+    float(output.float().sum())
+
+
+CANNOT_CAPTURE = re.compile(r"rollout engine 'hf': (eager|compiled) decoding cannot be captured")
+
+
+@contextlib.contextmanager
+def echoed_stdout():
+    """What is printed inside the block, printed and kept (the engine says there which captures failed)."""
+    kept, out = io.StringIO(), sys.stdout
+
+    class Tee(io.TextIOBase):
+        def write(self, text):
+            kept.write(text)
+            return out.write(text)
+
+        def flush(self):
+            out.flush()
+
+    with contextlib.redirect_stdout(Tee()):
+        yield kept
 
 
 def decode(path: str, device, workdir: Path, count: int, host_sync: bool = False, **options) -> dict:
     import torch
 
-    from hybridrl.batch import Batch
     from hybridrl.components import SamplingParams
-    from hybridrl.models import load_causal_lm
-    from hybridrl.passes import response_logprobs
 
     e = engine(path, device, workdir, **options)
-    if host_sync:
-        step = e._step
-
-        def syncing_step(loop, *args):  # reads a value back to the host, as some models' forwards do
-            float(loop.at.sum())
-            return step(loop, *args)
-
-        e._step = syncing_step
+    if host_sync:  # every decoding step's forward waits for the device
+        e.model.get_input_embeddings().register_forward_hook(read_host)
     p = prompts(e.tokenizer, count)
-    out = e.generate(p, SamplingParams(n=1, max_tokens=48, seed=0))
+    with echoed_stdout() as said:
+        out = e.generate(p, SamplingParams(n=1, max_tokens=48, seed=0))
     stats = e.metrics()
-    batch = Batch.from_rollout(p, out, 1, e.tokenizer.pad_token_id).to(device)
-    policy = load_causal_lm(path, torch.float32, device).eval()
-    with torch.no_grad():
-        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, batch["responses"].shape[1])
+    e.close()
+    run = common.scoring_run(path, device, workdir)  # the trainer's pass over the same responses
+    try:
+        lp, batch = common.trainer_logprobs(run, p, out, 1)
+    finally:
+        run.close()
     mask = batch["response_mask"].bool()
     lengths = sorted(len(t) for t in out.token_ids)
-    row = {
+    return {
         "static": e.static,
         "fused_groups": e.fused_groups,
         "grouped_attention": bool(e.grouped_attention),
-        "loop_rows": sorted({key[0] for key in e._loops}),
         "lengths_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
         "logprob_diff_max": (lp[mask] - batch["rollout_logprobs"][mask]).abs().max().item(),
         "nan": bool(torch.isnan(batch["rollout_logprobs"][mask]).any()),
-        "uncapturable": ["compiled" if c else "eager" for c in sorted(e._uncapturable)],
+        "uncapturable": sorted(set(CANNOT_CAPTURE.findall(said.getvalue()))),
         **{k: v for k, v in stats.items() if k.startswith("hf/graph")},
     }
-    e.close()
-    return row
 
 
 def compiled(path: str, device, workdir: Path, count: int) -> dict:
@@ -262,7 +284,7 @@ def print_table(result: dict) -> None:
             for steps in tr.values()
         ]
         print(
-            f"{arch:>10} | {f(d.get('logprob_diff_max'))} | {d.get('loop_rows', '-')} | "
+            f"{arch:>10} | {f(d.get('logprob_diff_max'))} | {d.get('hf/graph_new_loops', '-')} | "
             f"{d.get('hf/graph_captures', '-')} | {cells[0]} | {cells[1]}"
         )
 

@@ -13,10 +13,12 @@ Measured on this device in bfloat16, each figure the median of ``--repeats`` tim
   (64 x (128 + 256) in the reference configuration), each linear layer's shape forward and
   backward through autograd as a pass runs it, the output layer over the response tokens only,
   causal attention through SDPA, and a fused AdamW step over the shape's parameters in float32.
-  Their sum is the update's floor with these kernels; the FLOPs hybridrl counts for MFU over that
-  floor, against the data sheet's peak, is the highest MFU they allow. Then the same with the bytes
-  the work between them must move at the least (SiLU, norms, residual adds, rotary embedding, the
-  weights' casts, the output layer's softmax: :func:`pointwise_bytes`) at the measured bandwidth;
+  Their sum is the update's floor with these kernels; the FLOPs hybridrl counts for MFU
+  (``common.matmul_flops``) over that floor, against the data sheet's peak (the one the trainer's
+  MFU is counted against, read from one step of a tiny run), is the highest MFU they allow. Then
+  the same with the bytes the work between them must move at the least (SiLU, norms, residual adds,
+  rotary embedding, the weights' casts, the output layer's softmax: :func:`pointwise_bytes`) at
+  the measured bandwidth;
 - **decoding**: one token for ``--rows`` rows through every layer as the ``hf`` engine runs it
   (fused q/k/v and gate/up projections, attention over a cache of prompt + response columns,
   each layer its own weights so that nothing stays in L2), and the output layer, captured in one
@@ -32,6 +34,7 @@ import argparse
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -156,8 +159,6 @@ def update_floor(shape: dict, args, device, peak: float | None, bandwidth_tb_s: 
         lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True), args.repeats, device
     )
     rows["attention"] = {"forward_s": f * layers, "backward_s": b * layers}
-    from hybridrl.flops import forward_flops
-
     model = meta_model(shape)
     params = sum(p.numel() for p in model.parameters())
     p = torch.zeros(params, device=device, requires_grad=True)
@@ -166,7 +167,7 @@ def update_floor(shape: dict, args, device, peak: float | None, bandwidth_tb_s: 
     rows["AdamW (fp32)"] = {"forward_s": 0.0, "backward_s": timer(adam.step, args.repeats, device)}
     del p, adam
     total = sum(r["forward_s"] + r["backward_s"] for r in rows.values())
-    flops = 3 * forward_flops(model, [length] * seqs, args.response_tokens)  # as the trainer's MFU counts them
+    flops = 3 * common.matmul_flops(model, [length] * seqs, args.response_tokens)  # as the trainer's MFU counts them
     moved = pointwise_bytes(shape, args.tokens, args.response_tokens, params)
     with_moves = total + sum(moved.values()) / (bandwidth_tb_s * 1e12)
     return {
@@ -250,14 +251,13 @@ def main() -> int:
             4,
             2,
         )
-    common.use_checkout()
+    common.use_checkout("algo_grpo")
     import torch
-
-    from hybridrl.flops import peak_flops
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = peak_flops(device)
+    with tempfile.TemporaryDirectory() as tmp:  # the peak the trainer's MFU counts against: from a step's metrics
+        peak = common.trainer_peak_flops(Path(tmp)) if device.type == "cuda" else None
     shape = SHAPES[args.shape]
     result = {
         "machine": f"{platform.machine()}, {name}",

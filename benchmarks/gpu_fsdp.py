@@ -3,10 +3,11 @@
 
 A Qwen2.5-0.5B-shaped model (Qwen2ForCausalLM: 24 layers, hidden 896, vocabulary 151,936,
 tied embeddings; random weights built from its config, nothing downloaded) trains on the
-same global batch of random token sequences in every configuration: forward through
-``hybridrl.passes.response_logprobs`` (logits of the response half only, as the trainer
-computes them), backward of the mean response logprob, gradient clipping through the
-strategy, an AdamW step. No generation. For each configuration it measures, per GPU:
+same global batch of random token sequences in every configuration: the trainer's own update of a
+run of that strategy (``Trainer.train_on`` with given advantages: GRPO's loss over the response
+half, passes of ``--micro-batch`` sequences through the run's pass runner, gradient clipping
+through the strategy, an AdamW step). No generation (the run's engine, ``bench_replay`` of
+common.py, loads no model). For each configuration it measures, per GPU:
 
 - peak memory (``torch.cuda.max_memory_allocated`` and ``..._reserved``) over the timed steps;
 - step time (median over the timed steps) and training tokens/s (prompt + response tokens
@@ -19,10 +20,9 @@ set, else ``./gpu_fsdp.json``). Configurations run one after another in fresh pr
 (the fsdp ones under ``python -m torch.distributed.run --nproc-per-node 2``); a failing one
 is recorded with its error and the others still run.
 
-Runs from a source checkout with torch and transformers (it puts ``core/`` on ``sys.path``)
-and needs, beyond them, only pluggy and pydantic (the strategies' options are pydantic
-models): the wheels pydantic, pydantic-core (the version pydantic pins), annotated-types and
-typing-inspection. The config layer (pyyaml, datasets) is not imported.
+Runs from a source checkout with torch and transformers (it puts ``core/`` and the grpo plugin on
+``sys.path``) and needs, beyond them, what hybridrl's run needs: pluggy, pydantic (the wheels
+pydantic, pydantic-core, annotated-types, typing-inspection) and pyyaml.
 
     python benchmarks/gpu_fsdp.py                    # 2 GPUs: 16 sequences x 1024 tokens, 3 + 6 steps
     python benchmarks/gpu_fsdp.py --only fsdp-bf16   # one configuration
@@ -81,51 +81,40 @@ SMOKE_SKIP = {"fsdp-bf16-offload"}  # offload needs a GPU
 
 def worker(args) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch.distributed as dist
 
-    from hybridrl import devices, distributed
-    from hybridrl.builtin.sharding_fsdp import FSDPStrategy
-    from hybridrl.builtin.sharding_single import SingleDevice
-    from hybridrl.components import RunContext
-    from hybridrl.passes import response_logprobs
+    from hybridrl.config import load_config
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
 
+    common.use_checkout("algo_grpo")
+    common.register_bench_plugin()
     _, strategy_name, dtype_name, options = CONFIGS[args.worker]
-    dtype = getattr(torch, dtype_name)
-    device = devices.resolve_device("cpu" if args.smoke else "cuda")
-    torch.manual_seed(0)
-    cfg = Qwen2Config(**(TINY if args.smoke else QWEN05))
-    model = Qwen2ForCausalLM(cfg).to(dtype).train()
-    rank, world = distributed.rank(), distributed.world_size()
-    ctx = RunContext("", None, device, dtype, 0, Path(tempfile.gettempdir()), rank=rank, world_size=world)
-    if strategy_name == "fsdp":
-        strategy = FSDPStrategy(FSDPStrategy.Options(**options), ctx)
-    else:
-        strategy = SingleDevice(SingleDevice.Options(), ctx)
+    B, L, micro = args.batch, args.seq_len, args.micro_batch
+    T = L // 2  # the response half, as in an RL batch
+    cfg = {
+        "model": {"path": args.model, "dtype": dtype_name},
+        "data": {"source": "bench_sums", "size": 64, "chat_template": False},
+        "rollout": {"engine": "bench_replay", "sync_check": 0, "n": 1, "max_tokens": T},  # no rollouts: train_on
+        "rewards": [{"function": "random_scores"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "sharding": {"strategy": strategy_name, **options},
+        "trainer": {"device": "cpu" if args.smoke else "cuda", "prompts_per_step": B, "micro_batch_size": micro,
+                    "pack_sequences": False, "lr": 1e-6, "seed": 0, "sample_every": 0, "run_dir": args.run_dir},
+        "logging": {"loggers": []},
+    }  # fmt: skip
+    trainer = Trainer(build_run(load_config(data=cfg), name="bench-fsdp"))
+    run = trainer.run
+    device, rank, world = run.ctx.device, run.ctx.rank, run.ctx.world_size
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    model = strategy.wrap(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
-    world, rank = distributed.world_size(), distributed.rank()
-    B, L = args.batch, args.seq_len
     if B % world:
         raise SystemExit(f"--batch {B} does not divide by {world} processes")
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=gen)[rank * B // world : (rank + 1) * B // world]
-    ids = ids.to(device)
-    mask = torch.ones_like(ids)
-    T = L // 2  # the response half, as in an RL batch
-    micro = args.micro_batch
+    batch, advantages = rank_batch(run, B, L, T)
+    rows = len(batch)
 
-    def train_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(ids), micro):
-            part, part_mask = ids[start : start + micro], mask[start : start + micro]
-            logprobs, _ = response_logprobs(model, part, part_mask, T)
-            (-logprobs.mean() * len(part) / len(ids)).backward()
-        strategy.clip_grad_norm(model, 1.0)
-        optimizer.step()
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
 
     def sync() -> tuple[float, float]:
         """Seconds to stream every full tensor, and the memory that adds (bytes)."""
@@ -135,7 +124,7 @@ def worker(args) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         n = 0
-        for _, t in strategy.full_tensors(model):
+        for _, t in run.strategy.full_tensors(run.policy):
             n += t.numel()
         if cuda:
             torch.cuda.synchronize(device)
@@ -150,12 +139,12 @@ def worker(args) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         if cuda:
             torch.cuda.synchronize(device)
-        distributed.barrier()
+        barrier()
         start = time.perf_counter()
-        train_step()
+        trainer.train_on(batch.select(list(range(rows))), i + 1, advantages=advantages)
         if cuda:
             torch.cuda.synchronize(device)
-        distributed.barrier()
+        barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -170,8 +159,12 @@ def worker(args) -> None:
         "sync_s": sync_s,
         "sync_extra_gib": sync_extra / 2**30,
     }
-    ranks = distributed.all_gather_objects(mine)
-    if distributed.is_main():
+    ranks = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    if rank == 0:
         step = statistics.median(max(r["step_times_s"][i] for r in ranks) for i in range(len(times)))
         tokens = B * L  # the global batch: prompt + response tokens
         result = {
@@ -192,7 +185,26 @@ def worker(args) -> None:
             "devices": [r["device"] for r in ranks],
         }
         Path(args.result).write_text(json.dumps(result))
-    distributed.teardown()
+    trainer.close(finished=True)  # every rank leaves the process group together
+
+
+def rank_batch(run, B: int, L: int, T: int):
+    """This rank's share of the global batch of ``B`` random sequences of ``L`` tokens, the last ``T``
+    the response (a scored batch on the run's device), and random advantages for it."""
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.components import RolloutOutput
+
+    rank, world = run.ctx.rank, run.ctx.world_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, run.model_config.vocab_size, (B, L), generator=gen)
+    ids = ids[rank * B // world : (rank + 1) * B // world]
+    rows = len(ids)
+    out = RolloutOutput(ids[:, L - T :].tolist(), [[0.0] * T] * rows, ["length"] * rows)
+    batch = Batch.from_rollout(ids[:, : L - T].tolist(), out, 1, run.tokenizer.pad_token_id)
+    batch["scores"] = torch.zeros(rows)
+    return batch.to(run.ctx.device), torch.randn(rows, T, generator=gen)  # the caller's advantages
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -204,10 +216,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(name: str, args, workdir: Path) -> dict:
+def run_config(name: str, args, workdir: Path, model: str) -> dict:
     procs = CONFIGS[name][0]
     result = workdir / f"{name}.json"
     forward = ["--worker", name, "--result", str(result), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+    forward += ["--model", model, "--run-dir", str(workdir / f"run-{name}")]
     forward += ["--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     forward += ["--smoke"] if args.smoke else []
     env = dict(os.environ)
@@ -262,12 +275,14 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="Tiny model on the CPU with gloo: checks the script.")
     p.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)  # the model folder the driver built
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
-    missing = [m for m in ("pydantic", "pluggy") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("pydantic", "pluggy", "yaml") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(
             f"missing {', '.join(missing)}: install the wheels pydantic, pydantic-core, annotated-types, "
-            "typing-inspection and pluggy (pip install --no-index --find-links WHEEL_DIR ...)."
+            "typing-inspection, pluggy and pyyaml (pip install --no-index --find-links WHEEL_DIR ...)."
         )
     if args.worker:
         worker(args)
@@ -295,9 +310,10 @@ def main() -> int:
     }
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+        model = common.build_model(Path(tmp) / "model", TINY if args.smoke else QWEN05, "float32")
         for name in names:
             try:
-                results.append(run_config(name, args, Path(tmp)))
+                results.append(run_config(name, args, Path(tmp), model))
             except Exception:
                 results.append({"config": name, "error": traceback.format_exc()})
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,16 +9,16 @@ how exactly their logprobs match the trainer's.
 The engine is ``rollout.engine: hf`` with ``compile: on`` and ``cache: static``, on the
 Qwen2.5-0.5B-shaped random model of common.py: prompts of 128 tokens, temperature 1, EOS
 ignored (responses of exactly ``--max-tokens`` tokens), seed 0 for every call. On the static
-cache the engine decodes with its own loop (``HFEngine._decode``); ``generate`` is the path it
-takes for stop strings (``HFEngine._generate_hf``). Each engine serves both paths, one block of
+cache the engine decodes with its own loop; ``generate`` is the same engine with ``cache: dynamic``
+(its CPU default), which decodes through transformers ``generate``. Each path serves one block of
 calls after the other: ``--warmup`` calls per path first (they compile), then ``--rounds``
 rounds of ``--calls`` timed calls per path, the GPU synchronised around each. Reported per path:
 the median seconds per rollout and tokens/s, its time over the decoding loop's (``time ratio``),
 the fraction of tokens that are the same as the decoding loop's for the same seed, and the mean and max absolute
-difference between the engine's logprobs and the trainer's (``hybridrl.passes.response_logprobs``
-of a float32 policy on the same tokens). This runs for the bfloat16 engine (the default on
-CUDA) and for a float32 copy (``dtype: float32``), where the logprobs should match the
-trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
+difference between the engine's logprobs and the trainer's (the pass runner of a run whose policy
+is the model in float32, ``common.scoring_run``, on the same tokens). This runs for the bfloat16
+engine (the default on CUDA) and for a float32 copy (``dtype: float32``), where the logprobs should
+match the trainer's to float32 rounding. Writes ``$OUT/hf_engine.json`` (or ``--out``).
 
 ``--profile`` then profiles one call of the decoding loop (torch.profiler, CPU and CUDA): the
 GPU's busy time against the call's wall time (a gap is time the GPU waits for the host), the
@@ -66,21 +66,23 @@ COLUMNS = [
 
 
 @contextlib.contextmanager
-def decoding_path(engine, path: str):
-    """Let ``engine`` decode through ``path`` inside the block: 'decode' is what it does on the
-    static cache, 'decode:K' the same with ``graph_tokens`` K (0: no CUDA graphs); 'generate'
-    binds its ``_generate_hf`` in place of ``_decode`` on this instance."""
-    default, compact = engine.graph_tokens, engine.options.compact_rows
+def decoding_path(engines: dict, path: str):
+    """The engine that decodes through ``path`` inside the block: 'decode' is what the compiled engine
+    does on the static cache, 'decode:K' the same with ``graph_tokens`` K (0: no CUDA graphs) and
+    'decode:full' without ``compact_rows`` (its settings changed for the block); 'generate' is the
+    engine on the dynamic cache (``cache: dynamic``), which decodes through transformers ``generate``."""
     if path == "generate":
-        engine._decode = engine._generate_hf
-    elif path == "decode:full":
+        yield engines["generate"]
+        return
+    engine = engines["decode"]
+    default, compact = engine.graph_tokens, engine.options.compact_rows
+    if path == "decode:full":
         engine.options.compact_rows = False
     elif path.startswith("decode:"):
         engine.graph_tokens = int(path.split(":")[1])
     try:
         yield engine
     finally:
-        vars(engine).pop("_decode", None)
         engine.graph_tokens, engine.options.compact_rows = default, compact
 
 
@@ -98,20 +100,12 @@ def same_token_fraction(a, b) -> float:
     return same / max(1, sum(map(len, a.token_ids)))
 
 
-def logprob_diff(policy, prompts, out, n: int, pad_id: int, device) -> tuple[float, float]:
-    """Mean and max |engine logprob - trainer logprob| over the response tokens of ``out``."""
-    import torch
-
-    from hybridrl.batch import Batch
-    from hybridrl.passes import response_logprobs
-
-    batch = Batch.from_rollout(prompts, out, n, pad_id)
+def logprob_diff(run, prompts, out, n: int) -> tuple[float, float]:
+    """Mean and max |engine logprob - trainer logprob| over the response tokens of ``out``: the
+    trainer's pass (``run.passes``) of a float32 policy over the same tokens."""
+    lp, batch = common.trainer_logprobs(run, prompts, out, n)
     mask = batch["response_mask"].bool()
-    with torch.no_grad():
-        lp, _ = response_logprobs(
-            policy, batch.input_ids.to(device), batch.attention_mask.to(device), mask.shape[1], 1.0
-        )
-    diff = (lp.float().cpu() - batch["rollout_logprobs"]).abs()[mask]
+    diff = (lp.float() - batch["rollout_logprobs"]).abs()[mask]
     return diff.mean().item(), diff.max().item()
 
 
@@ -144,34 +138,38 @@ def profile_decode(engine, prompts, sampling, rows: int = 20) -> dict:
     }
 
 
-def run_engine(args, ctx, dtype: str, policy, prompts, sampling) -> dict:
-    """Warm-up, then alternating timed blocks of both paths on one engine; its rows of the table."""
+def run_engine(args, ctx, dtype: str, run, prompts, sampling) -> dict:
+    """Warm-up, then alternating timed blocks of every path; the rows of the table. The decoding
+    paths share one engine (compiled, static cache), 'generate' has its own (dynamic cache)."""
     from hybridrl import plugins
 
     cls = plugins.lookup("rollout engine", "hf")
-    engine = cls(cls.Options(compile="on", cache="static", dtype=dtype), ctx)
     paths = args.paths.split(",")
+    engines = {"decode": cls(cls.Options(compile="on", cache="static", dtype=dtype), ctx)}
+    if "generate" in paths:
+        engines["generate"] = cls(cls.Options(cache="dynamic", dtype=dtype), ctx)
     res = {p: {"dtype": dtype, "path": p, "warmup_calls_s": [], "calls_s": [], "tokens": [], "decoded": []}
            for p in paths}  # fmt: skip
     last = {}
     try:
         for path in paths:
-            with decoding_path(engine, path):
+            with decoding_path(engines, path) as engine:
                 for _ in range(args.warmup):
                     res[path]["warmup_calls_s"].append(timed_rollout(engine, prompts, sampling)[0])
                     engine.metrics()  # read: the next call's figures are its own
         for _ in range(args.rounds):
             for path in paths:
-                with decoding_path(engine, path):
+                with decoding_path(engines, path) as engine:
                     for _ in range(args.calls):
                         seconds, last[path] = timed_rollout(engine, prompts, sampling)
                         res[path]["calls_s"].append(seconds)
                         res[path]["tokens"].append(sum(map(len, last[path].token_ids)))
                         res[path]["decoded"].append(engine.metrics().get("hf/decoded_row_fraction"))
         if args.profile:
-            res["decode"]["profile"] = profile_decode(engine, prompts, sampling)
+            res["decode"]["profile"] = profile_decode(engines["decode"], prompts, sampling)
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
     for path, r in res.items():
         r["warmup_s"] = sum(r["warmup_calls_s"])
         r["median_s"] = statistics.median(r["calls_s"])
@@ -181,18 +179,35 @@ def run_engine(args, ctx, dtype: str, policy, prompts, sampling) -> dict:
         r["decoded_row_fraction"] = sum(known) / len(known) if known else None
         r["over_decode"] = r["median_s"] / res["decode"]["median_s"]
         r["same_token_fraction"] = same_token_fraction(last["decode"], last[path])
-        mean, worst = logprob_diff(policy, prompts, last[path], sampling.n, ctx.tokenizer.pad_token_id, ctx.device)
-        r["logprob_diff_mean"], r["logprob_diff_max"] = mean, worst
+        r["logprob_diff_mean"], r["logprob_diff_max"] = logprob_diff(run, prompts, last[path], sampling.n)
     return res
+
+
+def measure_engines(args, ctx, run, prompts, sampling) -> None:
+    """Every engine dtype's rows, into R and the JSON as each is done, and printed."""
+    step = 0
+    for dtype in args.dtypes.split(","):
+        R["engines"][dtype] = run_engine(args, ctx, dtype, run, prompts, sampling)
+        common.write_json(R, common.out_path(args.out, "hf_engine.json"))
+        for row in R["engines"][dtype].values():
+            step += 1
+            common.print_row({"step": step, **row}, COLUMNS)
+        prof = R["engines"][dtype]["decode"].get("profile")
+        if prof:
+            print(
+                f"profile ({dtype}, decode): {prof['ms_per_token']:.2f} ms a token, GPU busy "
+                f"{prof['gpu_busy_fraction']:.0%} of the call, {prof['kernels_per_token']:.0f} kernels a token"
+            )
+            for k in prof["top_kernels"]:
+                print(f"  {k['total_ms']:>9.1f} ms {k['calls']:>7} x {k['mean_us']:>7.1f} us  {k['name']}")
 
 
 def main(args) -> None:
     import torch
     import transformers
 
-    common.use_checkout()
+    common.use_checkout("algo_grpo")
     from hybridrl.components import RunContext, SamplingParams
-    from hybridrl.models import load_causal_lm, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -229,28 +244,17 @@ def main(args) -> None:
         "paths": args.paths,
         "profile": args.profile,
     }
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = common.load_tokenizer(model_dir)
     ctx = RunContext(model_dir, tokenizer, device, torch.float32, 0, workdir / "run")
     prompts = [tokenizer(common.prompt(i, args.prompt_chars))["input_ids"] for i in range(args.prompts)]
     sampling = SamplingParams(
         n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=args.lengths == "fixed", seed=0
     )
-    policy = load_causal_lm(model_dir, torch.float32, device).eval()  # the trainer's side of the logprobs
-    step = 0
-    for dtype in args.dtypes.split(","):
-        R["engines"][dtype] = run_engine(args, ctx, dtype, policy, prompts, sampling)
-        common.write_json(R, common.out_path(args.out, "hf_engine.json"))
-        for row in R["engines"][dtype].values():
-            step += 1
-            common.print_row({"step": step, **row}, COLUMNS)
-        prof = R["engines"][dtype]["decode"].get("profile")
-        if prof:
-            print(
-                f"profile ({dtype}, decode): {prof['ms_per_token']:.2f} ms a token, GPU busy "
-                f"{prof['gpu_busy_fraction']:.0%} of the call, {prof['kernels_per_token']:.0f} kernels a token"
-            )
-            for k in prof["top_kernels"]:
-                print(f"  {k['total_ms']:>9.1f} ms {k['calls']:>7} x {k['mean_us']:>7.1f} us  {k['name']}")
+    run = common.scoring_run(model_dir, device, workdir)  # the trainer's side of the logprobs: a float32 policy
+    try:
+        measure_engines(args, ctx, run, prompts, sampling)
+    finally:
+        run.close()
     R["summary"] = {
         f"{dtype}_{key}": float(f"{R['engines'][dtype][path][field]:.4g}")
         for dtype in R["engines"]

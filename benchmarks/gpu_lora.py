@@ -153,9 +153,9 @@ def main(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     stage = "setup"
     try:
-        trainer = common.setup_trainer(R, config(args, model_dir, workdir), f"bench-lora-{args.mode}")
-        R["trained_parameters"] = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
-        R["parameters"] = sum(p.numel() for p in trainer.policy.parameters())
+        trainer = common.build_trainer(R, config(args, model_dir, workdir), f"bench-lora-{args.mode}")
+        R["trained_parameters"] = sum(p.numel() for p in trainer.run.policy.parameters() if p.requires_grad)
+        R["parameters"] = sum(p.numel() for p in trainer.run.policy.parameters())
         if cuda:
             R["allocated_after_setup_gib"] = gib(torch.cuda.memory_allocated())
 

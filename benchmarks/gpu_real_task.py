@@ -232,11 +232,17 @@ def trl_side(args) -> None:
     import common
 
     common.use_checkout()
-    from hybridrl.builtin.rewards import extract_answer, to_number
+    from hybridrl import plugins
+    from hybridrl.batch import Batch
+    from hybridrl.components import RunContext
 
-    def answer_match(completions, answer, **_):  # hybridrl's answer_match: the reply's last number
-        said = [to_number(extract_answer(c[0]["content"], "last_number")) for c in completions]
-        return [float(x is not None and abs(x - to_number(a)) <= 1e-6) for x, a in zip(said, answer)]
+    cls = plugins.lookup("reward function", "answer_match")  # hybridrl's own: the reply's last number
+    ctx = RunContext(str(folder), None, torch.device("cpu"), torch.float32, 0, run_dir)
+    reward = plugins.build("reward function", "answer_match", cls.Options(extract="last_number"), ctx)
+
+    def answer_match(completions, answer, **_):
+        texts = [c[0]["content"] for c in completions]
+        return reward.score(Batch(lists={"response_text": texts, "answer": list(answer)}))
 
     best = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
     config = GRPOConfig(

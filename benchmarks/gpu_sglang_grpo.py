@@ -195,23 +195,23 @@ def main(args) -> None:
     model_dir = build_model(workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped"),
                             TINY if args.smoke else common.QWEN05, "cuda" if cuda else "cpu")  # fmt: skip
     R["build_model_s"] = round(time.perf_counter() - t, 2)
-    trainer = common.setup_trainer(R, config(args, model_dir, workdir), "bench-sglang")
+    trainer = common.build_trainer(R, config(args, model_dir, workdir), "bench-sglang")
     if cuda:
         R["free_after_setup_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     dump(args)
 
     def before(step: int, record: dict) -> None:
-        instrument(trainer.engine, record, cuda)
+        instrument(trainer.run.engine, record, cuda)
 
     def after(step: int, record: dict) -> None:
         if record.get("generate_s"):
             record["generate_tokens_per_s"] = record["generated_tokens"] / record["generate_s"]
         for name in ("sleep", "wake_up", "generate", "update_weights"):  # unwrap for the next step
-            trainer.engine.__dict__.pop(name, None)
+            trainer.run.engine.__dict__.pop(name, None)
 
-    def close() -> None:
+    def close() -> None:  # the trainer, the engine with it: its time
         t = time.perf_counter()
-        trainer.engine.close()
+        trainer.close()
         R["close_s"] = round(time.perf_counter() - t, 2)
 
     common.run_steps(trainer, args.steps, KEEP, R, out_path(args), COLUMNS, before, after, close)

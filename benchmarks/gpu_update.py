@@ -8,19 +8,21 @@ reference batch, for each way of running it.
         --only "fp32 (no autocast);fp32 + compile"   # another model, e.g. on the CPU
 
 The batch is the reference configuration's (see gpu_vs_trl.py): 64 responses of 256 tokens
-after prompts of 128, random token ids, GRPO with KL k3 (beta 0.04) against a reference model.
-Each variant is a fresh Trainer (its real ``update``, as a step runs it) with other sharding or
-model options, in a process of its own (``--in-process``: all in this one); ``--warmup``
-updates, then ``--steps`` timed ones, the GPU synchronised around each. MFU counts the matrix
-multiplications of the forward and backward passes (hybridrl.flops) against the GPU's dense
-bf16 peak. Writes ``$OUT/update_gpu.json``.
+after prompts of 128, random token ids (the rollout engine ``bench_replay`` of common.py: no model,
+the same ids every step), random scores, GRPO with KL k3 (beta 0.04) against a reference model.
+Each variant is a fresh run (``build_run``) with other sharding or model options, driven by
+``Trainer.step`` in a process of its own (``--in-process``: all in this one); ``--warmup`` steps,
+then ``--steps`` timed ones. Its figures are the trainer's own metrics of each step: the update's
+seconds (``timing/update``), the logprobs' (``timing/logprobs`` and ``timing/advantages``), training
+tokens/s, TFLOP/s and MFU (``throughput/*``: the matrix multiplications of the forward and backward
+passes against the GPU's dense bf16 peak). Writes ``$OUT/update_gpu.json``.
 
 ``--lengths long-tail`` gives each step new response lengths, geometric with a mean of about
-max/4 and capped at ``--max-tokens`` (what a real run sees), and ``--pass-costs`` runs each
-variant once per cost of a pass in the trainer's micro-batch cut (``token_budget_split``;
-``budget``: its default). Rows then report the passes of an update and how many graphs
-torch.compile has built by the end (a number that keeps growing means recompiles each step), and
-the tokens the passes ran (packed rows where trainer.pack_sequences packs, else padded ones).
+max/4 and capped at ``--max-tokens`` (what a real run sees). Rows report the passes of an update (as
+the run's pass runner plans them for the step's batch) and how many graphs torch.compile has built
+by the end (a number that keeps growing means recompiles each step), and the tokens the passes ran
+(packed rows where trainer.pack_sequences packs, else padded ones). ``--pass-costs`` is 'budget'
+alone: the cost of a pass in the trainer's micro-batch cut is the planner's own, not a setting.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 VARIANTS = {
-    # name: (model options, sharding options, hybridrl.models head path on?[, trainer options])
+    # name: (model options, sharding options, the pass runner's head path on?[, trainer options])
     # trainer.pack_sequences is 'auto' unless set: packed passes on a GPU
     "fp32 (no autocast)": ({}, {"mixed_precision": "off"}, True),
     "bf16 autocast, full logits": ({}, {"mixed_precision": "bf16"}, False),
@@ -64,26 +66,6 @@ VARIANTS = {
 }
 
 
-def reference_batch(args, tokenizer, vocab: int, step: int = 0):
-    import torch
-
-    from hybridrl.batch import Batch
-    from hybridrl.components import RolloutOutput
-
-    g = torch.Generator().manual_seed(step if args.lengths == "long-tail" else 0)
-    prompts = [tokenizer(common.prompt(i))["input_ids"] for i in range(args.prompts)]
-    n = args.prompts * args.n
-    tokens = torch.randint(300, vocab, (n, args.max_tokens), generator=g).tolist()
-    if args.lengths == "long-tail":  # geometric, mean about max/4, a few at max
-        lengths = torch.empty(n).exponential_(4 / args.max_tokens, generator=g).ceil().clamp(1, args.max_tokens)
-        tokens = [row[: int(k)] for row, k in zip(tokens, lengths)]
-    reasons = ["length" if len(t) == args.max_tokens else "stop" for t in tokens]
-    out = RolloutOutput(tokens, [[-5.0] * len(t) for t in tokens], reasons)
-    batch = Batch.from_rollout(prompts, out, args.n, tokenizer.pad_token_id)
-    batch["scores"] = torch.rand(n, generator=g)
-    return batch
-
-
 def compiled_graphs() -> int:
     try:
         from torch._dynamo.utils import counters
@@ -94,35 +76,38 @@ def compiled_graphs() -> int:
 
 
 def run_tokens(p, prompt, response) -> int:
-    """Tokens the planned pass ``p`` runs: its packed rows (trainer.pack_sequences), else its padded ones."""
-    from hybridrl import batch as batch_module
-    from hybridrl.passes import PACKED
-
-    if p.layout == PACKED:
+    """Tokens the planned pass ``p`` runs: its packed rows (trainer.pack_sequences), else its padded
+    ones (each row at the pass's longest prompt + longest response)."""
+    if p.layout == "packed":
         return p.placement.tokens()
-    return batch_module.padded_tokens(prompt, response, p.rows)
+    return len(p.rows) * (max(prompt[i] for i in p.rows) + max(response[i] for i in p.rows))
 
 
-def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budget") -> dict:
-    import functools
-
-    import torch
-
-    from hybridrl import batch as batch_module
-    from hybridrl import passes
-    from hybridrl.config import load_config
-    from hybridrl.metrics import update_throughput
-    from hybridrl.trainer import Trainer
-
-    model_opts, sharding, head, *trainer_opts = VARIANTS[name]
-    cfg = {
+def variant_config(args, model_dir: str, name: str, device) -> dict:
+    """The run of a variant: the reference batch's sizes, its responses drawn without a model
+    (``bench_replay``: random ids, the same every step, or long-tail lengths new each step) and scored
+    at random (``random_scores``), GRPO with KL k3 against a reference."""
+    model_opts, sharding, _, *trainer_opts = VARIANTS[name]
+    return {
         "model": {"path": model_dir, "dtype": "float32", **model_opts},
-        "data": {"source": "hf", "path": str(Path(args.workdir) / "prompts.jsonl"), "chat_template": False},
-        "rollout": {"engine": "hf", "n": args.n, "max_tokens": args.max_tokens},
-        "rewards": [{"function": "answer_match"}],
+        "data": {
+            "source": "hf",
+            "path": str(Path(args.workdir) / "prompts.jsonl"),
+            "chat_template": False,
+            "shuffle": False,
+        },
+        "rollout": {
+            "engine": "bench_replay",
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "sync_check": 0,
+            "response_lengths": args.lengths,
+        },
+        "rewards": [{"function": "random_scores"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.04, "kl_kind": "k3"},
         "sharding": {"strategy": "single", **sharding},
         "trainer": {
+            "steps": args.warmup + args.steps,
             "prompts_per_step": args.prompts,
             "lr": 1e-6,
             "device": str(device),
@@ -132,49 +117,57 @@ def run_variant(args, model_dir: str, name: str, device, pass_cost: str = "budge
         },  # fmt: skip
         "logging": {"loggers": []},
     }
-    trainer = Trainer(load_config(data=cfg), name="bench-update")
-    trainer.setup()
-    if not head:
-        for model in filter(None, (trainer.policy, trainer.ref)):  # the plain path: (B, T, V) logits from the model
-            trainer.passes.handle(model).plain_head()
-    trainer.engine.close()
-    cost = None if pass_cost == "budget" else int(pass_cost)
-    passes.token_budget_split = functools.partial(batch_module.token_budget_split, pass_cost=cost)
-    vocab = trainer.policy.config.vocab_size
-    batch = reference_batch(args, trainer.tokenizer, vocab).to(trainer.ctx.device)
+
+
+def run_variant(args, model_dir: str, name: str, device) -> dict:
+    """Warm-up and timed steps of a variant's run: each step's stage times and throughput as the
+    trainer logs them (``timing/*``, ``throughput/*``), the passes its pass runner plans for the
+    step's batch and the tokens they run."""
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.config import load_config
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
+
+    common.register_bench_plugin()
+    trainer = Trainer(build_run(load_config(data=variant_config(args, model_dir, name, device)), name="bench-update"))
+    run = trainer.run
+    if not VARIANTS[name][2]:
+        for model in filter(None, (run.policy, run.ref)):  # the plain path: (B, T, V) logits from the model
+            run.passes.handle(model).plain_head()
     rows = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for step in range(1, args.warmup + args.steps + 1):
-        if args.lengths == "long-tail":
-            batch = reference_batch(args, trainer.tokenizer, vocab, step).to(trainer.ctx.device)
-        b = batch.select(list(range(len(batch))))
-        common.wait_for_gpu()
-        start = time.perf_counter()
-        trainer.compute_logprobs(b)
-        trainer.algorithm.compute_advantages(b)
-        common.wait_for_gpu()
-        mid = time.perf_counter()
-        trainer.update(b, step)
-        common.wait_for_gpu()
-        end = time.perf_counter()
-        m = update_throughput(trainer.policy, b, 1, end - mid, trainer.ctx.device)
-        groups = [part.planned for part in trainer.passes.parts(trainer.policy, b)]
-        prompt, response = b["prompt_mask"].sum(-1).tolist(), b.response_lengths().tolist()
-        padded = sum(run_tokens(p, prompt, response) for p in groups)  # what the passes run
-        rows.append({"logprobs_s": mid - start, "update_s": end - mid, **{k.split("/")[-1]: v for k, v in m.items()},
-                     "passes": len(groups), "padded_tokens": padded, "graphs": compiled_graphs()})  # fmt: skip
-        print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)
+    trainer.open(args.warmup + args.steps)
+    try:
+        for step in range(1, args.warmup + args.steps + 1):
+            m = trainer.step(step)
+            prompts, out = run.engine.last  # the step's batch, as the trainer built it
+            b = Batch.from_rollout(prompts, out, args.n, run.tokenizer.pad_token_id).to(run.ctx.device)
+            groups = [part.planned for part in run.passes.parts(run.policy, b)]
+            prompt, response = b["prompt_mask"].sum(-1).tolist(), b.response_lengths().tolist()
+            rows.append({"logprobs_s": m["timing/logprobs"] + m.get("timing/advantages", 0.0),
+                         "update_s": m["timing/update"],
+                         **{k.split("/")[-1]: v for k, v in m.items() if k in THROUGHPUT},
+                         "passes": len(groups), "padded_tokens": sum(run_tokens(p, prompt, response) for p in groups),
+                         "graphs": compiled_graphs()})  # fmt: skip
+            print(f"  [{name}] {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items()), flush=True)
+    finally:
+        trainer.close()
     timed = rows[args.warmup :]
     res = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     res["steps"] = rows
     if device.type == "cuda":
         res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del trainer, batch
+    del trainer, run
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+THROUGHPUT = ("throughput/train_tokens_per_s", "throughput/update_tflops", "throughput/update_mfu")
 
 
 def run_in_own_process(args, model_dir: str, variant: str) -> dict:
@@ -231,18 +224,14 @@ def main(args) -> int:
         "errors": {},
     }
     if args.variant:  # a variant's own process (below): its result to --result
-        variant, _, cost = args.variant.partition(" | pass cost ")
-        Path(args.result).write_text(json.dumps(run_variant(args, model_dir, variant, device, cost or "budget")))
+        Path(args.result).write_text(json.dumps(run_variant(args, model_dir, args.variant, device)))
         return 0
-    names = [v for v in VARIANTS if not args.only or v in args.only.split(";")]
-    costs = args.pass_costs.split(",")
-    for name in [f"{v} | pass cost {c}" if len(costs) > 1 else v for v in names for c in costs]:
-        variant, _, cost = name.partition(" | pass cost ")
+    for name in [v for v in VARIANTS if not args.only or v in args.only.split(";")]:
         try:
             if args.in_process:
-                R["variants"][name] = run_variant(args, model_dir, variant, device, cost or costs[0])
+                R["variants"][name] = run_variant(args, model_dir, name, device)
             else:
-                R["variants"][name] = run_in_own_process(args, model_dir, f"{variant} | pass cost {cost or costs[0]}")
+                R["variants"][name] = run_in_own_process(args, model_dir, name)
         except Exception as e:  # noqa: BLE001 - one variant failing keeps the others
             R["errors"][name] = traceback.format_exc()[-3000:]
             print(f"  [{name}] failed: {e!r}", flush=True)
@@ -277,11 +266,13 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="an HF model folder instead of the reference model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--lengths", choices=("fixed", "long-tail"), default="fixed", help="response lengths")
-    p.add_argument("--pass-costs", default="budget", help="','-separated: 'budget' (the default) or tokens")
+    p.add_argument("--pass-costs", default="budget", help="'budget', the cut's own cost of a pass (the only one)")
     p.add_argument("--in-process", action="store_true", help="every variant in this process (default: one each)")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.pass_costs != "budget":  # the micro-batch cut's cost of a pass is the planner's own, no setting
+        p.error("--pass-costs: only 'budget' (the cost of a pass in the trainer's micro-batch cut is not a setting)")
     if args.smoke and not args.variant:
         args.prompts, args.n, args.max_tokens, args.warmup, args.steps = 2, 4, 16, 1, 1
     return args

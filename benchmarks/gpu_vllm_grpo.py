@@ -98,16 +98,16 @@ def main(args) -> None:
     folder = workdir / ("tiny" if args.smoke else "qwen2.5-0.5b-shaped")
     model_dir = common.build_model(folder, TINY if args.smoke else common.QWEN05, chat_template=common.CHATML)
     R["build_model_s"] = round(time.perf_counter() - t, 2)
-    trainer = common.setup_trainer(R, config(args, model_dir, workdir), "bench-vllm")
-    R["engine_load_s"] = round(trainer.engine.backend.load_seconds, 2)
+    trainer = common.build_trainer(R, config(args, model_dir, workdir), "bench-vllm")
+    R["engine_load_s"] = round(trainer.run.engine.backend.load_seconds, 2)
     if cuda:
         R["free_after_setup_gib"] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
     dump(args)
 
     def before(step: int, record: dict) -> None:
         if step > args.steps - args.level2_steps and not args.smoke:
-            trainer.engine.backend.sleep_level = 2
-        record["sleep_level"] = trainer.engine.backend.sleep_level
+            trainer.run.engine.backend.sleep_level = 2
+        record["sleep_level"] = trainer.run.engine.backend.sleep_level
 
     def after(step: int, record: dict) -> None:
         if cuda:

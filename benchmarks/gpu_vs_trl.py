@@ -75,6 +75,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
     from hybridrl.components import Options as BaseOptions
     from hybridrl.components import PromptSource, RewardFunction
     from hybridrl.config import load_config
+    from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     class Prompts(PromptSource):
@@ -92,7 +93,7 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
             return [common.even_byte_fraction(t) for t in batch["response_text"]]
 
     pm = plugins.get_plugin_manager()
-    pm.register(common.bench_plugin({"bench_prompts": Prompts}, {"even_bytes": EvenBytes}), name="bench")
+    pm.register(common.bench_plugin({"bench_prompts": Prompts}, {"even_bytes": EvenBytes}), name="bench-vs-trl")
     plugins.invalidate_registry()
 
     fixed = args.lengths == "fixed"
@@ -131,13 +132,20 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         "logging": {"loggers": []},
     }
     result["config"] = cfg
+    config = load_config(data=cfg)
     t = time.perf_counter()
-    trainer = Trainer(load_config(data=cfg), name="bench")
-    trainer.setup()
+    trainer = Trainer(build_run(config, name="bench"))
     result["setup_s"] = round(time.perf_counter() - t, 1)
-    calls = record_calls(trainer.engine)
-    for logger in trainer.loggers:  # train() would open them; this drives step() itself, to time each
-        logger.open(args.warmup + args.steps, 0)
+    try:
+        measure_hybridrl(args, trainer, engine, result)
+    finally:
+        trainer.close()
+
+
+def measure_hybridrl(args, trainer, engine: str, result: dict) -> None:
+    """The hybridrl side's steps, each timed, then with vllm the sync sweep and the bare engine."""
+    calls = record_calls(trainer.run.engine)
+    trainer.open(args.warmup + args.steps)  # as train() does; this drives step() itself, to time each
     keep = ("rollout", "logprobs", "update", "sync", "sync_check", "reward", "advantages")
     for step in range(1, args.warmup + args.steps + 1):
         common.wait_for_gpu()
@@ -161,9 +169,8 @@ def run_hybridrl(args, engine: str, result: dict) -> None:
         dump_side(args, result)
     if engine == "vllm" and args.bare:
         largest = max(calls, key=lambda c: len(c[0]) * c[1].n)  # a rollout, not a sync check's probe
-        result["bare"] = bare_vllm(trainer.engine, *largest)
+        result["bare"] = bare_vllm(trainer.run.engine, *largest)
         dump_side(args, result)
-    trainer.engine.close()
 
 
 def number(value) -> float | None:
@@ -226,18 +233,20 @@ def count(results) -> int:
 
 def sync_sweep(trainer, reps: int = 3) -> dict:
     """Weight sync seconds (median of ``reps``) for several bucket sizes, the engine awake."""
+    run = trainer.run
+    engine, strategy, policy = run.engine, run.strategy, run.policy  # the engine's weights sent, around the session
     out = {}
     for mib in (128, 512, 2048, 8192):
-        trainer.engine.options.update_bucket_mb = mib
+        engine.options.update_bucket_mb = mib
         times = []
         for _ in range(reps):
             common.wait_for_gpu()
             start = time.perf_counter()
-            trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy))
+            engine.update_weights(strategy.full_tensors(policy))
             common.wait_for_gpu()
             times.append(time.perf_counter() - start)
         out[f"{mib} MiB"] = {"median_s": statistics.median(times), "all_s": times,
-                             "buckets": trainer.engine.metrics().get("vllm/sync_buckets")}  # fmt: skip
+                             "buckets": engine.metrics().get("vllm/sync_buckets")}  # fmt: skip
         print(f"sync, buckets of {mib} MiB: {out[f'{mib} MiB']}", flush=True)
     import torch
 
@@ -245,13 +254,13 @@ def sync_sweep(trainer, reps: int = 3) -> dict:
     for _ in range(reps):  # the engine's dtype sent: the conversion happens before the engine's loaders
         common.wait_for_gpu()
         start = time.perf_counter()
-        tensors = trainer.strategy.full_tensors(trainer.policy)
-        trainer.engine.update_weights((n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors)
+        tensors = strategy.full_tensors(policy)
+        engine.update_weights((n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors)
         common.wait_for_gpu()
         times.append(time.perf_counter() - start)
     out["8192 MiB, bf16 sent"] = {"median_s": statistics.median(times), "all_s": times}
     print(f"sync, bf16 sent: {out['8192 MiB, bf16 sent']}", flush=True)
-    out["profile"] = profile(lambda: trainer.engine.update_weights(trainer.strategy.full_tensors(trainer.policy)))
+    out["profile"] = profile(lambda: engine.update_weights(strategy.full_tensors(policy)))
     return out
 
 

@@ -32,9 +32,10 @@ there; its PPO critic, which asks for flash-attn by name, is built with sdpa thr
 imports in all its processes, named in its ``VERL_USE_EXTERNAL_MODULES`` (``gpu/verl/verl_critic_sdpa.py``).
 Step times are each framework's own step timer, over the steps after ``--warmup``; the peak is the
 GPU's memory in use by all processes (nvidia-smi, sampled every 0.5 s); MFU is counted the same
-way for both (hybridrl.flops: matrix FLOPs of the update's forward and backward passes against
-the bf16 peak), verl's own figure beside it. Prints a table and writes JSON (``--out``; default
-``$OUT/vs_verl_gpu.json`` when OUT is set).
+way for both (matrix FLOPs of the update's forward and backward passes, as the trainer counts them
+for its ``throughput/update_mfu``, against the bf16 peak its metrics imply), verl's own figure
+beside it. Prints a table and writes JSON (``--out``; default ``$OUT/vs_verl_gpu.json`` when OUT is
+set).
 """
 
 from __future__ import annotations
@@ -267,26 +268,42 @@ class GpuMemory:
         self.thread.join()
 
 
-def update_mfu(model: str, rows: int, response_length: float, update_s: float) -> float | None:
-    """hybridrl.flops' MFU of an update over ``rows`` sequences of 128 prompt tokens and
-    ``response_length`` response tokens (the mean, for verl, which logs no lengths per row)."""
-    import torch
+def update_mfu(model: str, rows: int, response_length: float, update_s: float, peak: float | None) -> float | None:
+    """The MFU of an update over ``rows`` sequences of 128 prompt tokens and ``response_length``
+    response tokens (the mean, for verl, which logs no lengths per row), its FLOPs counted as the
+    trainer counts its own (common.matmul_flops), against ``peak`` (FLOP/s)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    common.use_checkout()
-    from hybridrl.flops import PEAK_BF16, forward_flops
-
-    if not torch.cuda.is_available() or not update_s:
+    if not peak or not update_s:
         return None
-    peak = next((p for key, p in PEAK_BF16 if key in torch.cuda.get_device_name()), None)
+    import torch
+
     with torch.device("meta"):
         policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     length = round(common.PROMPT_CHARS + response_length)
-    flops = 3 * forward_flops(policy, [length] * rows, round(rows * response_length))
-    return flops / update_s / peak if peak else None
+    flops = 3 * common.matmul_flops(policy, [length] * rows, round(rows * response_length))
+    return flops / update_s / peak
 
 
-def summarize(side: dict, args, model: str) -> dict:
+def verl_update_mfu(R: dict, args, model: str, workdir: Path) -> None:
+    """verl's update MFU counted as hybridrl counts its own, against the peak the trainer's MFU uses:
+    read from the hybridrl sides' logged metrics (update TFLOP/s over MFU), else from one step of a
+    tiny run."""
+    verl = R["sides"].get("verl", {}).get("summary")
+    if not verl or not verl.get("response_length"):
+        return
+    ours = [row for side, r in R["sides"].items() if side != "verl" for row in r.get("steps", [])]
+    peak = common.peak_from_metrics(ours)
+    if peak is None:
+        common.use_checkout("algo_grpo")
+        peak = common.trainer_peak_flops(workdir)
+    timed = [r["update_actor_s"] for r in R["sides"]["verl"]["steps"][args.warmup :] if r.get("update_actor_s")]
+    if timed:
+        update_s = statistics.median(timed)
+        verl["update_mfu"] = update_mfu(model, args.prompts * args.n, verl["response_length"], update_s, peak)
+
+
+def summarize(side: dict, args) -> dict:
     timed = side.get("steps", [])[args.warmup :]
     if not timed:
         return {}
@@ -300,8 +317,6 @@ def summarize(side: dict, args, model: str) -> dict:
                 "update_mfu", "rollout_tokens_per_s"):  # fmt: skip
         if med(key) is not None:
             out[key] = med(key)
-    if side["side"] == "verl" and out.get("response_length"):  # counted as hybridrl counts its own
-        out["update_mfu"] = update_mfu(model, args.prompts * args.n, out["response_length"], med("update_actor_s"))
     out["gpu_peak_gib"] = side.get("gpu_peak_gib")
     return out
 
@@ -347,12 +362,14 @@ def main(args) -> int:
             "gpu_peak_gib": round(memory.peak_mib / 1024, 1),
             "gpu_samples": memory.samples,
         }
-        result["summary"] = summarize(result, args, model)
+        result["summary"] = summarize(result, args)
         R["sides"][side] = result
         R["summary"] = {k: v["summary"] for k, v in R["sides"].items() if v["summary"]}
         s = {k: v["step_s"] for k, v in R["summary"].items()}
         R["ratios"] = {f"verl_over_{k}": s["verl"] / v for k, v in s.items() if k != "verl" and "verl" in s}
         common.write_json(R, out)
+    verl_update_mfu(R, args, model, workdir)  # once every side has run: the hybridrl sides give the peak
+    common.write_json(R, out)
     common.print_sides(R, COLUMNS, out)
     return 0
 

@@ -134,7 +134,6 @@ def main(args) -> None:
 
     from hybridrl import plugins
     from hybridrl.components import RunContext, SamplingParams
-    from hybridrl.models import load_causal_lm, load_tokenizer
 
     device = torch.device("cuda" if cuda else "cpu")
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-vs-trl").absolute()
@@ -154,7 +153,7 @@ def main(args) -> None:
     R["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "vllm": vllm.__version__}  # fmt: skip
     R["config"] = {"model": model_dir, "engine": options, "policy_dtypes": args.policy_dtypes, "syncs": args.syncs}
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = common.load_tokenizer(model_dir)
     ctx = RunContext(model_dir, tokenizer, device, torch.float32, 0, workdir / "run")
     cls = plugins.lookup("rollout engine", "vllm")
     engine = cls(cls.Options(**options), ctx)
@@ -177,7 +176,7 @@ def main(args) -> None:
 
         step = 0
         for dtype in args.policy_dtypes.split(","):
-            policy = load_causal_lm(model_dir, getattr(torch, dtype), device).eval()
+            policy = common.load_model(model_dir, getattr(torch, dtype), device).eval()
             R["policies"][dtype] = run_policy(args, engine, policy, dtype, methods, greedy)
             common.write_json(R, common.out_path(args.out, "weight_sync.json"))
             del policy

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import signal
 import sqlite3
 import statistics
@@ -67,10 +68,14 @@ def config(model: Path, run_dir: Path, args) -> dict:
     }
 
 
+TOKEN = secrets.token_urlsafe(32)  # serve requires a token by default; the clients send it as users would
+
+
 def start_server(cfg_path: Path, log: Path, timeout: float = 300) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "hybridrl.cli", "serve", str(cfg_path), "--host", "127.0.0.1", "--port", "0"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "HYBRIDRL_SERVE_TOKEN": TOKEN}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         found = re.search(r"on (http://127\.0\.0\.1:\d+) ", log.read_text())
@@ -96,7 +101,7 @@ def request(port: int, path: str, body: dict, timeout: float) -> tuple[str, floa
     start = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        conn.request("POST", path, data, {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
         response = conn.getresponse()
         reply = json.loads(response.read())
         return str(response.status), time.perf_counter() - start, reply
