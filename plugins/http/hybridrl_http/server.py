@@ -221,6 +221,13 @@ class FailedTokens:
         return HttpError(401, message)
 
 
+class EventStream:
+    """A route's reply sent as server-sent events (:meth:`JsonHandler.send_events`): ``events``, dicts."""
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+
+
 class HttpError(Exception):
     """A request the server refuses: ``code`` is its HTTP status, the message its one-line reason."""
 
@@ -323,7 +330,15 @@ class JsonHandler(BaseHTTPRequestHandler):
         except Exception:
             reply = internal_error(self.server.command, f"{method} {path[:100]}")
             return self.send_json(500, reply)
+        if isinstance(reply, EventStream):
+            return self.send_events(reply)
         self.send_json(200, reply)
+
+    def send_events(self, stream: EventStream) -> None:
+        """A 200 reply of server-sent events: ``data: <json>`` per event, then ``data: [DONE]``
+        (OpenAI's streams), written as one body whose length is known (the events are ready)."""
+        data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in stream.events) + b"data: [DONE]\n\n"
+        self.send_body(200, data, "text/event-stream", {"Cache-Control": "no-cache"})
 
     def admit(self, body: bool, token: bool = True) -> None:
         """The checks of the module docstring, in order; raises HttpError. ``body``: a POST, whose body
@@ -382,10 +397,12 @@ class JsonHandler(BaseHTTPRequestHandler):
         return value
 
     def send_json(self, code: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
+        self.send_body(code, json.dumps(body).encode(), "application/json", headers)
+
+    def send_body(self, code: int, data: bytes, kind: str, headers: dict | None = None) -> None:
         self.connection.settimeout(self.server.request_timeout)  # a reply may take as long as a request
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Content-Type-Options", "nosniff")
         if self.unread:  # the rest of the stream is that body, not a request
@@ -403,38 +420,17 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_json(code, {"error": message or HTTPStatus(code).phrase})
 
 
-def listen(
-    command: str,
-    host: str,
-    port: int,
-    handler: type[JsonHandler],
-    *,
-    token: str | None = None,
-    max_body: int = 65536,
-    max_body_name: str = "",
-    allow: Iterable[str] = (),
-    hint: str = "",
-    timeout: float = REQUEST_TIMEOUT,
-) -> JsonServer:
-    """A server on ``host:port`` (not started), or a ConfigError naming the port's problem. ``token``:
-    required of every request (None: none); ``max_body``: the largest body in bytes, which a 413 reply
-    calls ``max_body_name``; ``allow``: more
-    names for :class:`HostCheck` beside those of ``$HYBRIDRL_ALLOWED_HOSTS``; ``hint``: where a user
-    allows another name; ``timeout``: seconds a connection has for one request."""
+def listen(command: str, host: str, port: int, handler: type[JsonHandler], **options) -> JsonServer:
+    """A server on ``host:port`` (not started), or a ConfigError naming the port's problem.
+    ``options``: ``token`` required of every request (None: none); ``max_body``, the largest body in
+    bytes (65536), which a 413 reply calls ``max_body_name``; ``allow``, more names for
+    :class:`HostCheck` beside those of ``$HYBRIDRL_ALLOWED_HOSTS``; ``hint``, where a user allows
+    another name; ``timeout``, seconds a connection has for one request (:data:`REQUEST_TIMEOUT`)."""
     from hybridrl.errors import ConfigError
 
+    defaults = {"token": None, "max_body": 65536, "max_body_name": "", "allow": (), "hint": ""}
     try:
-        return JsonServer(
-            (host, port),
-            handler,
-            command=command,
-            token=token,
-            max_body=max_body,
-            max_body_name=max_body_name,
-            timeout=timeout,
-            allow=allow,
-            hint=hint,
-        )
+        return JsonServer((host, port), handler, command=command, **defaults | {"timeout": REQUEST_TIMEOUT} | options)
     except OSError as e:
         raise ConfigError(
             f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another --port (0: any free one)."

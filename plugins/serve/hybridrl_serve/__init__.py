@@ -10,11 +10,12 @@ registers the ``serve`` command, the ``user_rating`` reward and the run config's
   (``RUN_DIR/online.sqlite``) holding every answer (its messages, prompt and response token ids,
   the engine's logprobs, the policy version that sampled it) and every rating, each write
   committed before the HTTP reply.
-- :mod:`~hybridrl_serve.batcher`: :class:`Batcher`, requests that wait answered in one call.
 - :mod:`~hybridrl_serve.learner`: :class:`Learner`, the thread that trains on the ratings, and the
   advantages it hands the trainer (rating - baseline).
 - :mod:`~hybridrl_serve.chat`: OpenAI's chat completions: the request keys it takes (and why it
-  refuses the others) and its reply, logprobs included.
+  refuses the others) and its reply, logprobs included. What every OpenAI-compatible server of
+  hybridrl shares (sampling keys, errors, logprobs, the batcher that answers requests that wait in
+  one engine call) is hybridrl-http's (:mod:`hybridrl_http.openai`, :mod:`hybridrl_http.batcher`).
 - :mod:`~hybridrl_serve.api`: the HTTP endpoints (``/v1/models`` among them), errors in OpenAI's
   shape, and :func:`make_server`.
 - :mod:`~hybridrl_serve.server`: :class:`Server`, which holds them all, and :func:`check_config`.

@@ -17,9 +17,10 @@ import time
 from collections import defaultdict, deque
 from urllib.parse import quote
 
-from hybridrl_http.server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, JsonServer, listen, require_token
+from hybridrl_http.openai import BadRequest, OpenAIHandler
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, HttpError, JsonServer, listen, require_token
 
-from hybridrl_serve.chat import BadRequest, chat_request, completion
+from hybridrl_serve.chat import chat_request, completion
 
 TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
 ROLES = {"system", "user", "assistant", "tool"}
@@ -69,15 +70,6 @@ class RateLimit:
                 return False
             times.append(now)
             return True
-
-
-def openai_error(code: int, body: dict, param: str | None = None) -> dict:
-    """An error reply (``{"error": message, ...}``) in OpenAI's shape, ``{"error": {"message", "type",
-    "param", "code"}, ...}``: OpenAI's clients show ``error.message`` and nothing else of the body."""
-    if code < 400 or not isinstance(body.get("error"), str):
-        return body
-    kind = "server_error" if code >= 500 else "invalid_request_error"
-    return body | {"error": {"message": body["error"], "type": kind, "param": param, "code": None}}
 
 
 class Api:
@@ -146,28 +138,12 @@ def make_server(server, host: str, port: int, token: str | None, options, allow:
     require_token("serve", host, token, TOKEN_ENV)
     api = Api(server, options)
 
-    class Handler(JsonHandler):
-        param = None  # the request key a route refused: OpenAI's error.param
-
+    class Handler(OpenAIHandler):
         def routes(self):
             return {key: self.noting_param(route) for key, route in api.routes().items()}
 
-        def noting_param(self, route):
-            def run(*body):
-                try:
-                    return route(*body)
-                except BadRequest as e:
-                    self.param = e.param
-                    raise
-
-            return run
-
         def throttle(self):
             api.throttle(self.client_address[0])
-
-        def send_json(self, code, body, headers=None):
-            param, self.param = self.param, None
-            super().send_json(code, openai_error(code, body, param), headers)
 
     return listen(
         "serve",

@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+from hybridrl_http.batcher import Batcher
 from hybridrl_http.server import require_token
 
 from hybridrl.checkpoint import make_private, private_files
@@ -15,7 +16,6 @@ from hybridrl.components import Sampling, SamplingParams
 from hybridrl.config import ConfigError
 from hybridrl.prompts import encode_prompt
 from hybridrl_serve.api import TOKEN_ENV, BadRequest, make_server
-from hybridrl_serve.batcher import Batcher
 from hybridrl_serve.chat import TokenText
 from hybridrl_serve.learner import Learner
 from hybridrl_serve.store import STORE, FeedbackStore
@@ -122,7 +122,8 @@ class Server:
             prompt_ids, _ = encode_prompt({cfg.data.prompt_column: messages}, cfg.data, tokenizer)
         except ConfigError as e:
             raise BadRequest(400, str(e)) from None
-        a = self.batcher.submit(prompt_ids, max_tokens or cfg.rollout.max_tokens)
+        seed = uuid.uuid4().int % 2**31  # each answer its own sample
+        (a,) = self.batcher.submit([prompt_ids], [seed], max_tokens or cfg.rollout.max_tokens)
         answer = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": time.time(),
@@ -158,11 +159,11 @@ class Server:
     def health(self) -> str:
         return "ok" if self.learner.error is None else "learner stopped"
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    def _generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
         """One sample of up to ``max_tokens`` for each prompt, with the weights of one version (the
         engine session stamps it under the lock of the call)."""
         keys = self.trainer.config.rollout.model_dump(include=set(Sampling.model_fields))
-        sampling = SamplingParams(**keys | {"n": 1, "max_tokens": max_tokens, "seed": uuid.uuid4().int % 2**31})
+        sampling = SamplingParams(**keys | {"n": 1, "max_tokens": max_tokens, "seed": seeds[0], "seeds": seeds})
         out = self.trainer.run.session.generate(prompts, sampling)
         return [
             {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": out.policy_version}

@@ -1,0 +1,61 @@
+"""Requests of an OpenAI-compatible server that arrive while the engine is busy, answered
+together by one engine call (``hybridrl serve``, the agent gateway of hybridrl-agents)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+
+class Batcher:
+    """One thread calls the engine, ``generate(prompts, seeds, max_tokens)`` -> one answer dict
+    (``ids``, ``logprobs``, ``finish_reason``, ...) per prompt: requests that wait are sampled
+    together (up to ``size`` prompts), each prompt with its own seed, each request cut to its own
+    ``max_tokens`` (the first k tokens of a sample, with their logprobs, are a sample of k tokens)."""
+
+    def __init__(self, generate, size: int):
+        self.generate, self.size, self.queue = generate, size, queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="hybridrl-engine-calls", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
+        """The answers to one request's ``prompts``; blocks until they are there."""
+        item = {"prompts": prompts, "seeds": seeds, "max_tokens": max_tokens, "done": threading.Event()}
+        self.queue.put(item)
+        item["done"].wait()
+        if "error" in item:
+            raise item["error"]
+        return item["answers"]
+
+    def _loop(self) -> None:
+        while (first := self.queue.get()) is not None:
+            items = [first]
+            while sum(len(i["prompts"]) for i in items) < self.size and not self.queue.empty():
+                item = self.queue.get()
+                if item is None:
+                    self.queue.put(None)
+                    break
+                items.append(item)
+            try:
+                prompts = [p for i in items for p in i["prompts"]]
+                seeds = [s for i in items for s in i["seeds"]]
+                answers = self.generate(prompts, seeds, max(i["max_tokens"] for i in items))
+                for item in items:
+                    mine, answers = answers[: len(item["prompts"])], answers[len(item["prompts"]) :]
+                    item["answers"] = [cut_length(a, item["max_tokens"]) for a in mine]
+            except Exception as e:  # every request of the call gets the error
+                for item in items:
+                    item["error"] = e
+            for item in items:
+                item["done"].set()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
+def cut_length(answer: dict, k: int) -> dict:
+    """The first ``k`` tokens of a sample are a sample of ``k`` tokens (with their logprobs)."""
+    if len(answer["ids"]) <= k:
+        return answer
+    return answer | {"ids": answer["ids"][:k], "logprobs": answer["logprobs"][:k], "finish_reason": "length"}
