@@ -74,6 +74,33 @@ class AgentLoop:
     def run(self, prompts: list[list[int]], rows: list[dict], messages: list[list[dict]], sampling: SamplingParams):
         """``RolloutOutput`` (with ``sampled_masks``) for ``sampling.n`` trajectories per prompt, and
         per trajectory: its final assistant text, its messages, its environment reward, its counts."""
+        if self.env.drives:
+            trajectories = self._driven(rows, messages, sampling)
+        else:
+            trajectories = self._stepped(prompts, rows, messages, sampling)
+        out = RolloutOutput([], [], [], [])
+        for t in trajectories:
+            out.token_ids.append(t.ids)
+            out.logprobs.append(t.logprobs)
+            out.finish_reasons.append(t.finish)
+            out.sampled_masks.append(t.sampled)
+        return out, trajectories
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _driven(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams) -> list[Trajectory]:
+        """The episodes of an environment that runs its agent itself, checked."""
+        with stage_errors(self.env_name, "rollout"):
+            trajectories = self.env.rollout(rows, messages, sampling, self)
+        if len(trajectories) != len(rows) * sampling.n:
+            raise StageError(
+                f"{self.env_name} returned {len(trajectories)} episodes for {len(rows)} rows x n={sampling.n}"
+            )
+        return trajectories
+
+    def _stepped(self, prompts, rows, messages, sampling: SamplingParams) -> list[Trajectory]:
+        """Trajectories whose turns this loop generates and whose environment answers each turn."""
         n = sampling.n
         trajectories = []
         for i, (prompt, row, chat) in enumerate(zip(prompts, rows, messages)):
@@ -97,13 +124,7 @@ class AgentLoop:
                         t = pending.pop(future)
                         if self._observe(t, future):
                             ready.append(t)
-        out = RolloutOutput([], [], [], [])
-        for t in trajectories:
-            out.token_ids.append(t.ids)
-            out.logprobs.append(t.logprobs)
-            out.finish_reasons.append(t.finish)
-            out.sampled_masks.append(t.sampled)
-        return out, trajectories
+        return trajectories
 
     def _generate(self, live: list[Trajectory], base: SamplingParams, seed: int) -> list[Trajectory]:
         """One engine call for ``live``'s next turns; the trajectories that go on to their environment."""

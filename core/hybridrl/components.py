@@ -26,8 +26,7 @@ class Component:
     Options: ClassVar[type[Options]] = Options
 
     def __init__(self, options: Options, ctx: RunContext):
-        self.options = options
-        self.ctx = ctx
+        self.options, self.ctx = options, ctx
 
 
 # --- rollout -----------------------------------------------------------------------------
@@ -138,7 +137,7 @@ class RewardFunction(Component):
         return {}
 
     def close(self) -> None:
-        pass
+        """Called once at the end of the run."""
 
 
 # --- algorithm ---------------------------------------------------------------------------
@@ -377,7 +376,7 @@ class Tool(Component):
 
 
 @dataclass
-class ToolCall:
+class ToolCall:  # a call read from a turn
     name: str
     arguments: dict
     error: str | None = None  # why the call could not be read (malformed JSON, no name...)
@@ -388,6 +387,9 @@ class ToolParser(Component):
 
     def parse(self, turn: str) -> list[ToolCall]:
         raise NotImplementedError
+
+    def content(self, turn: str) -> str:  # the text outside its calls: an OpenAI reply's content
+        return turn
 
 
 class Environment(Component):
@@ -400,6 +402,7 @@ class Environment(Component):
 
     tools: dict[str, Tool] = {}
     parser: ToolParser | None = None
+    drives: bool = False  # True: it runs its agent itself (rollout), not turn by turn (step)
 
     def reset(self, row: dict, messages: list[dict]) -> Any:
         """The state of a new trajectory for a prompt-source ``row`` and its chat ``messages``."""
@@ -408,6 +411,14 @@ class Environment(Component):
     def step(self, state: Any, turn: str) -> Observation:
         """Answer the sampled assistant ``turn`` (its text, special tokens removed)."""
         raise NotImplementedError
+
+    def rollout(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams, loop) -> list:
+        """With ``drives``: ``sampling.n`` episodes per row of its own agent, generated through
+        ``loop.session``, as ``hybridrl.agents.Trajectory`` objects, row by row (docs/plugins.md)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what it started (servers, processes); the run calls it once, at its end."""
 
 
 # --- data and logging --------------------------------------------------------------------
@@ -436,4 +447,4 @@ class Logger(Component):
         """Rollout samples (prompt, response, rewards, advantage), every few steps."""
 
     def close(self) -> None:
-        pass
+        """Called once at the end of the run."""

@@ -164,9 +164,10 @@ def batch_metrics(batch: Batch, rollout_time: float, rollout: Batch | None = Non
         "throughput/rollout_tokens_per_s": lengths.sum().item() / max(rollout_time, 1e-9),
     }
     if "turns" in rollout:  # multi-turn trajectories
-        for key in ("turns", "tool_calls", "tool_errors", "observation_tokens"):
-            values = torch.tensor([float(x) for x in rollout[key]])
-            out[f"agent/{key}_mean"] = values.mean().item()
+        out["agent/turns_mean"] = sum(rollout["turns"]) / len(rollout)
+        infos = rollout["agent_info"]
+        for key in sorted({"tool_calls", "tool_errors", "observation_tokens"}.union(*infos)):
+            out[f"agent/{key}_mean"] = sum(float(info.get(key, 0)) for info in infos) / len(infos)
         out["agent/trajectory_length_mean"] = rollout.response_lengths().float().mean().item()
     if adv is not None:
         mask = batch["response_mask"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from hybridrl import distributed
 from hybridrl.batch import Batch
 from hybridrl.components import SamplingParams
@@ -41,11 +43,13 @@ class RolloutStage:
         cfg, n = self.config, sampling.n
         prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer, self.tools) for row in rows))
         chats = [prompt_messages(row, cfg.data) for row in rows]
-        if self.agent is not None:
+        if self.agent is not None:  # each trajectory has its prompt (an agent harness writes its own)
             out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling)
+            rollout = Batch.from_rollout([t.prompt for t in trajectories], out, 1, self.tokenizer.pad_token_id)
+            rollout["group_ids"] = torch.arange(len(rollout)) // n
         else:
             out = self.session.generate(list(prompt_ids), sampling)
-        rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
+            rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
         rollout["prompt_text"] = [prompt_texts[i // n] for i in range(len(rollout))]
         answers = [row_answer(row, cfg.data) for row in rows]
         rollout["answer"] = [answers[i // n] for i in range(len(rollout))]
@@ -57,9 +61,11 @@ class RolloutStage:
             return rollout
         # rewards read the final answer; the whole exchange is there for those that want it
         rollout["response_text"] = [t.last_text for t in trajectories]
-        rollout["trajectory"] = [t.messages[len(chats[i // n]) :] for i, t in enumerate(trajectories)]
+        drives = self.agent.env.drives  # an agent harness's messages are its own, not the prompt's
+        rollout["trajectory"] = [t.messages[0 if drives else len(chats[i // n]) :] for i, t in enumerate(trajectories)]
         rollout["env_reward"] = [t.reward for t in trajectories]
         rollout["turns"] = [t.turns for t in trajectories]
-        for key in ("tool_calls", "tool_errors", "observation_tokens"):
-            rollout[key] = [t.info[key] for t in trajectories]
+        rollout["agent_info"] = [dict(t.info) for t in trajectories]  # counts, logged as agent/<key>_mean
+        if drives:
+            rollout["episode"] = [t.state for t in trajectories]
         return rollout

@@ -83,6 +83,8 @@ class Run:
         (``together``: every rank ended normally and leaves at once)."""
         self.rewards.close()
         self.evaluation.close()
+        if self.agent is not None:
+            self.agent.close()
         self.session.close()
         distributed.teardown(together=together)
 

@@ -41,6 +41,9 @@ class HermesParser(ToolParser):
                 calls.append(ToolCall(name, arguments))
         return calls
 
+    def content(self, turn: str) -> str:
+        return _TOOL_CALL.sub("", turn).strip()
+
 
 class ToolEnvironment(Environment):
     """Runs the tool calls of each turn and answers with their results (role ``tool``); a turn without
