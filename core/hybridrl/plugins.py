@@ -78,6 +78,8 @@ FIRST_PARTY = {
     "reranker": "hybridrl-reward-hf",
     "embedding_similarity": "hybridrl-reward-hf",
     "user_rating": "hybridrl-serve",
+    "harness": "hybridrl-agents",
+    "posted": "hybridrl-agents",
     "wandb": "hybridrl-trackers",
     "tensorboard": "hybridrl-trackers",
 }

@@ -1,0 +1,97 @@
+"""Episodes: what an agent's calls to the gateway sampled, kept as token-exact trajectories.
+
+Each call's messages are compared with the calls the episode made before. When they extend one of
+them (its messages, then the assistant message the gateway answered, then new messages: tool
+results, a user's reply), the call continues that trajectory: its prompt is the trajectory's ids
+(the first prompt, the sampled turns, the observations between them) followed by the new messages
+as the chat template frames them after a sampled turn (:func:`hybridrl.agents.observation_ids`),
+tokenised once. The sampled text is never tokenised again, so the ids trained on are the ids
+sampled. A call whose messages do not extend any earlier one (the harness cut, summarised or
+rewrote its history) starts a new branch from its own rendered messages: a fork, counted.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from hybridrl.agents import observation_ids
+
+
+def comparable(m: dict) -> dict:
+    """What of a message must be the same for a call to continue an earlier one: not the ids of
+    tool calls (the harness's bookkeeping), the rest as sent."""
+    out = {k: v for k, v in m.items() if k not in ("tool_call_id", "tool_calls")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [c["function"] for c in m["tool_calls"]]
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return comparable(a) == comparable(b)
+
+
+@dataclass
+class Turn:
+    """One answer of one call: the call's messages and tools, the reply the gateway sent, and the
+    trajectory up to and including that reply."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    reply: dict  # the assistant message answered
+    prompt: list[int]  # the branch's prompt: its first call's rendered messages
+    ids: list[int]  # the response so far: sampled turns (sampled 1) and observations (sampled 0)
+    logprobs: list[float]
+    sampled: list[int]
+    version: int  # the policy version that sampled this reply
+    text: str  # the reply's text as answered
+    finish: str  # its finish reason: stop, length, tool_calls
+
+
+@dataclass
+class Context:
+    """Where a call's answer starts: the branch's prompt and its response so far."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def engine_prompt(self) -> list[int]:
+        return self.prompt + self.ids
+
+
+class Episode:
+    """The calls of one agent run: its turns (every answer, every branch), calls, forks, and the
+    reward posted for it. One lock per episode: its calls are answered one after another."""
+
+    def __init__(self, episode_id: str, index: int = 0, row: dict | None = None):
+        self.id, self.index, self.row = episode_id, index, row  # index: its place among the call's episodes
+        self.seed = index  # its calls' seeds start here
+        self.turns: list[Turn] = []
+        self.calls = self.forks = self.tool_calls = self.malformed = 0
+        self.closed = False
+        self.reward: float | None = None
+        self.final: Turn | None = None  # the last call's (first) answer: the trajectory trained on
+        self.lock = threading.Lock()
+
+    def context(self, messages: list[dict], tools: list[dict] | None, tokenizer, end_ids: set[int]) -> Context:
+        """Where an answer to ``messages`` starts: continuing the latest turn they extend, else a
+        new branch rendered from them (a fork, when the episode has answered before)."""
+        for turn in reversed(self.turns):
+            k = len(turn.messages)
+            if (
+                turn.tools == tools
+                and len(messages) > k
+                and all(same(a, b) for a, b in zip(messages[:k], turn.messages))
+                and same(messages[k], turn.reply)
+            ):
+                last = turn.ids[-1] if turn.ids and turn.ids[-1] in end_ids and turn.sampled[-1] else None
+                obs = observation_ids(tokenizer, messages[k + 1 :], tools, last)
+                return Context(
+                    turn.prompt, turn.ids + obs, turn.logprobs + [0.0] * len(obs), turn.sampled + [0] * len(obs)
+                )
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return Context(tokenizer(text, add_special_tokens=False)["input_ids"], forked=bool(self.turns))

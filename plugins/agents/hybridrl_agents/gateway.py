@@ -1,0 +1,297 @@
+"""The agent gateway: an OpenAI-compatible HTTP endpoint on 127.0.0.1 answered by the run's engine
+session, recording each call's exact ids, logprobs and policy version into its episode.
+
+An agent reaches its episode through its base URL, ``http://127.0.0.1:PORT/episodes/EPISODE/v1``
+(what ``OPENAI_BASE_URL`` says to a harness), or ``http://127.0.0.1:PORT/v1`` with an
+``X-Episode-Id: EPISODE`` header. Every request needs the run's token (``OPENAI_API_KEY``) and
+passes the checks of every hybridrl server (:mod:`hybridrl_http.server`).
+
+Calls that arrive together are answered by one engine call (:class:`hybridrl_http.batcher.Batcher`);
+each request is seeded on its own, by its episode and its call.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+import uuid
+from urllib.parse import unquote, urlsplit
+
+from hybridrl_http.batcher import Batcher
+from hybridrl_http.openai import BadRequest, OpenAIHandler, TokenText
+from hybridrl_http.server import EventStream, listen
+
+from hybridrl.components import SamplingParams
+from hybridrl_agents import requests
+from hybridrl_agents.episodes import Context, Episode, Turn
+
+EPISODE_PATH = re.compile(r"/episodes/([A-Za-z0-9_.:-]{1,128})(/.*)")
+EPISODE_HEADER = "X-Episode-Id"
+CALL_SEED_STRIDE = 1_000_003
+
+
+def cut_at_stop(answer: dict, stop: list[str], decode) -> tuple[dict, str]:
+    """The answer up to the first token whose text completes a stop string, and its text before
+    that string (OpenAI's ``stop``: the stop string is not returned)."""
+    text = decode(answer["ids"])
+    if not stop or not any(s in text for s in stop):
+        return answer, text
+    for k in range(1, len(answer["ids"]) + 1):
+        text = decode(answer["ids"][:k])
+        hits = [text.index(s) for s in stop if s in text]
+        if hits:
+            cut = answer | {"ids": answer["ids"][:k], "logprobs": answer["logprobs"][:k], "finish_reason": "stop"}
+            return cut, text[: min(hits)]
+    return answer, text
+
+
+class Gateway:
+    """The endpoint of a run's harness episodes: ``loop`` is the run's agent loop (its session
+    generates, its tokenizer renders, its budget bounds an episode), ``parser`` reads tool calls,
+    ``options`` the harness environment's."""
+
+    def __init__(self, loop, parser, options, model_id: str):
+        self.loop, self.parser, self.options, self.model_id = loop, parser, options, model_id
+        self.tokenizer, self.rollout = loop.tokenizer, loop.rollout
+        self.tokens = TokenText(self.tokenizer)
+        self.episodes: dict[str, Episode] = {}
+        self.lock = threading.Lock()
+        self.sampling: SamplingParams | None = None  # the rollout call's: set by open_call
+        self.token = secrets.token_urlsafe(32)  # the harnesses' OPENAI_API_KEY; new every run
+        self.started = time.time()
+        self.batcher = Batcher(self._generate, options.batch_requests)
+        self.http = make_server(self)
+        self.thread = threading.Thread(target=self.http.serve_forever, name="hybridrl-gateway", daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def base_url(self, episode: Episode) -> str:
+        return f"{self.url}/episodes/{episode.id}/v1"
+
+    def open(self, index: int, row: dict | None, sampling: SamplingParams) -> Episode:
+        """A new episode of the rollout call sampled with ``sampling`` (its seed seeds the episode's calls)."""
+        self.sampling = sampling
+        episode = Episode(f"ep-{index}-{uuid.uuid4().hex[:12]}", index, row)
+        episode.seed = (sampling.seed or 0) + index
+        with self.lock:
+            self.episodes[episode.id] = episode
+        return episode
+
+    def finish(self, episode: Episode) -> None:
+        """No more calls: a late one of a harness that outlived its episode gets 409."""
+        with episode.lock:
+            episode.closed = True
+        with self.lock:
+            self.episodes.pop(episode.id, None)
+
+    def episode(self, episode_id: str | None) -> Episode:
+        if not episode_id:
+            why = f"no episode: use the base URL .../episodes/ID/v1 or send the {EPISODE_HEADER} header"
+            raise BadRequest(404, why)
+        found = self.episodes.get(episode_id)
+        if found is None:
+            raise BadRequest(404, f"unknown episode '{episode_id[:128]}': it never was, or it has ended")
+        return found
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def chat(self, episode: Episode, body) -> dict | EventStream:
+        request = requests.chat(body, self.rollout)
+        with episode.lock:
+            self._admit(episode)
+            ctx = episode.context(request["messages"], request["tools"], self.tokenizer, self.loop.end_ids)
+            answers = self._sample(episode, ctx, request)
+            choices, turns = [], []
+            for i, a in enumerate(answers):
+                a, text = cut_at_stop(a, request["stop"], self._decode)
+                message, finish = self._message(text, request["tools"], a["finish_reason"], episode)
+                turn = Turn(
+                    request["messages"], request["tools"], message, ctx.prompt, ctx.ids + a["ids"],
+                    ctx.logprobs + a["logprobs"], ctx.sampled + [1] * len(a["ids"]), a["version"], text, finish,
+                )  # fmt: skip
+                turns.append(turn)
+                logprobs = self.tokens.logprobs(a["ids"], a["logprobs"]) if request["logprobs"] else None
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            self._record(episode, ctx, turns)
+        reply = self._reply("chat.completion", episode, choices, ctx, answers)
+        return chat_stream(reply, request["usage_in_stream"]) if request["stream"] else reply
+
+    def completion(self, episode: Episode, body) -> dict | EventStream:
+        request = requests.completions(body, self.rollout)
+        prompt = request["prompt"]
+        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        with episode.lock:
+            self._admit(episode)
+            ctx = self._completion_context(episode, ids)
+            answers = self._sample(episode, ctx, request)
+            choices, turns = [], []
+            for i, a in enumerate(answers):
+                a, text = cut_at_stop(a, request["stop"], self._decode)
+                message = {"role": "assistant", "content": text}
+                turns.append(
+                    Turn([], None, message, ctx.prompt, ctx.ids + a["ids"], ctx.logprobs + a["logprobs"],
+                         ctx.sampled + [1] * len(a["ids"]), a["version"], text, a["finish_reason"])
+                )  # fmt: skip
+                logprobs = self._legacy_logprobs(a) if request["logprobs"] else None
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": a["finish_reason"]})
+            self._record(episode, ctx, turns)
+        reply = self._reply("text_completion", episode, choices, ctx, answers)
+        return chat_stream(reply, request["usage_in_stream"]) if request["stream"] else reply
+
+    def post_reward(self, episode_id: str, body) -> dict:
+        """``{"reward": number}`` for an episode: once, while the episode is open or waits for it."""
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise BadRequest(400, "'reward' must be a number", "reward")
+        episode = self.episode(episode_id)
+        with episode.lock:
+            if episode.reward is not None:
+                raise BadRequest(409, f"episode '{episode.id}' already has its reward ({episode.reward:g})", "reward")
+            episode.reward = float(value)
+        return {"id": episode.id, "reward": float(value), "stored": True}
+
+    def _admit(self, episode: Episode) -> None:
+        if episode.closed:
+            raise BadRequest(409, f"episode '{episode.id}' has ended: its harness was stopped or timed out")
+        if episode.calls >= self.options.max_calls:
+            raise BadRequest(
+                429,
+                f"episode '{episode.id}' made {episode.calls} calls, its limit (max_calls={self.options.max_calls})",
+            )
+
+    def _sample(self, episode: Episode, ctx: Context, request: dict) -> list[dict]:
+        room = self.loop.budget - len(ctx.ids)
+        if room <= 0:
+            raise BadRequest(
+                400, f"episode '{episode.id}' used its {self.loop.budget} tokens (rollout.agent.max_total_tokens)"
+            )
+        first = episode.seed + CALL_SEED_STRIDE * episode.calls * requests.MAX_N
+        seeds = [first + CALL_SEED_STRIDE * i for i in range(request["n"])]
+        episode.calls += 1
+        return self.batcher.submit([ctx.engine_prompt] * request["n"], seeds, min(request["max_tokens"], room))
+
+    def _message(self, text: str, tools, finish: str, episode: Episode) -> tuple[dict, str]:
+        """The reply's assistant message (tool calls read by the run's parser) and finish reason."""
+        calls = self.parser.parse(text) if tools else []
+        good = [c for c in calls if c.error is None]
+        episode.malformed += len(calls) - len(good)
+        if not good:
+            return {"role": "assistant", "content": text, "refusal": None}, finish
+        episode.tool_calls += len(good)
+        tool_calls = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": requests.dumps(c.arguments)}}
+            for c in good
+        ]  # fmt: skip
+        content = self.parser.content(text) or None
+        message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": tool_calls}
+        return message, "tool_calls" if finish == "stop" else finish
+
+    def _record(self, episode: Episode, ctx: Context, turns: list[Turn]) -> None:
+        for turn in turns:  # what the next call's messages are compared with: as the harness sends it
+            turn.reply = requests.messages([{k: v for k, v in turn.reply.items() if k != "refusal"}])[0]
+        episode.turns += turns
+        episode.final = turns[0]
+        episode.forks += ctx.forked
+
+    def _completion_context(self, episode: Episode, ids: list[int]) -> Context:
+        """A completion prompt that starts with an earlier answer's ids continues it (the rest of
+        the prompt is observation), else starts a branch."""
+        for turn in reversed(episode.turns):
+            done = turn.prompt + turn.ids
+            if len(ids) >= len(done) and ids[: len(done)] == done:
+                extra = ids[len(done) :]
+                return Context(turn.prompt, turn.ids + extra, turn.logprobs + [0.0] * len(extra),
+                               turn.sampled + [0] * len(extra))  # fmt: skip
+        return Context(list(ids), forked=bool(episode.turns))
+
+    def _reply(self, kind: str, episode: Episode, choices: list[dict], ctx: Context, answers: list[dict]) -> dict:
+        generated = sum(len(a["ids"]) for a in answers)
+        prompt = len(ctx.engine_prompt)
+        return {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_id,
+            "episode_id": episode.id,
+            "policy_version": answers[0]["version"],
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+        }
+
+    def _legacy_logprobs(self, answer: dict) -> dict:
+        content = self.tokens.logprobs(answer["ids"], answer["logprobs"])["content"]
+        return {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content]}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
+        sampling = self.sampling.model_copy(update={"n": 1, "max_tokens": max_tokens, "seeds": seeds})
+        out = self.loop.session.generate(prompts, sampling)
+        return [
+            {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": out.policy_version}
+            for ids, lp, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)
+        ]
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.batcher.close()
+
+
+def chat_stream(reply: dict, usage: bool) -> EventStream:
+    """A reply as OpenAI's stream of chunks: per choice, the role, the content, the tool calls,
+    then the finish reason; the usage last when ``stream_options.include_usage``."""
+    chat = reply["object"] == "chat.completion"
+    head = {k: reply[k] for k in ("id", "created", "model", "episode_id", "policy_version")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events = []
+    for c in reply["choices"]:
+        if chat:
+            m = c["message"]
+            delta = {"role": "assistant", "content": m["content"] or ""}
+            if m.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k} | call for k, call in enumerate(m["tool_calls"])]
+            part = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+            end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+        else:
+            part = c | {"finish_reason": None}
+            end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        events += [head | {"choices": [part]}, head | {"choices": [end]}]
+    if usage:
+        events.append(head | {"choices": [], "usage": reply["usage"]})
+    return EventStream(events)
+
+
+def make_server(gateway: Gateway):
+    """The gateway's HTTP server on 127.0.0.1, any free port, with the run's token."""
+
+    class Handler(OpenAIHandler):
+        def routes(self):
+            path = urlsplit(self.path).path.rstrip("/")
+            found = EPISODE_PATH.fullmatch(path)
+            episode_id = unquote(found.group(1)) if found else self.headers.get(EPISODE_HEADER)
+            prefix = path[: found.start(2)] if found else ""
+            api = {
+                ("GET", "/v1/models"): lambda: {"object": "list", "data": [model(gateway)]},
+                ("GET", f"/v1/models/{gateway.model_id}"): lambda: model(gateway),
+                ("POST", "/v1/chat/completions"): lambda body: gateway.chat(gateway.episode(episode_id), body),
+                ("POST", "/v1/completions"): lambda body: gateway.completion(gateway.episode(episode_id), body),
+                ("POST", "/reward"): lambda body: gateway.post_reward(episode_id or "", body),
+            }
+            return {(m, prefix + p): self.noting_param(route) for (m, p), route in api.items()}
+
+    size = gateway.options.max_request_bytes
+    return listen("agent gateway", "127.0.0.1", 0, Handler, token=gateway.token, max_body=size,
+                  max_body_name=f"max_request_bytes={size}")  # fmt: skip
+
+
+def model(gateway: Gateway) -> dict:
+    return {"id": gateway.model_id, "object": "model", "created": int(gateway.started), "owned_by": "hybridrl"}

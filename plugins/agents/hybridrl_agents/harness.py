@@ -1,0 +1,266 @@
+"""The ``harness`` environment: runs an unmodified agent per task against the agent gateway.
+
+Each episode runs the configured ``command`` (a process) or ``callable`` (a Python function) with
+``OPENAI_BASE_URL`` pointing at its episode and ``OPENAI_API_KEY`` holding the gateway's token; the
+episode's trajectory is what its calls sampled (:mod:`hybridrl_agents.episodes`). An episode whose
+harness fails, hangs past ``timeout_s`` or makes no call is lost: it stays in its group with no
+tokens (nothing of it trains; its reward is what the reward functions give an empty answer),
+counted in ``agent/lost_mean`` and named on stderr, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hybridrl.agents import Trajectory
+from hybridrl.components import Environment, Options
+from hybridrl_agents.gateway import Gateway
+from hybridrl_agents.store import STORE, EpisodeStore, episode_key
+
+OUTPUT_TAIL = 65536  # bytes of a command's output kept for rewards and the log
+
+
+class HarnessOptions(Options):
+    command: str | None = Field(
+        None, description="The agent as a command line, run once per episode (no shell; split like a shell would)."
+    )
+    callable: str | None = Field(
+        None, description="The agent as a Python function 'module:function' or 'file.py:function', called with a Task."
+    )
+    concurrency: int = Field(8, gt=0, description="Episodes that run at once.")
+    timeout_s: float = Field(300.0, gt=0, description="Seconds an episode may run; past them it is stopped and lost.")
+    reward_wait_s: float = Field(
+        0.0, ge=0, description="Seconds to wait, after the harness ends, for a reward posted to the episode."
+    )
+    answer: Literal["reply", "returned", "stdout"] = Field(
+        "reply",
+        description="The episode's final answer for rewards: the last reply's text, what the callable returned, "
+        "or the command's standard output.",
+    )
+    workdir: str | None = Field(None, description="A folder copied into each episode's working folder.")
+    env: dict[str, str] = Field(default_factory=dict, description="More environment variables for the command.")
+    max_calls: int = Field(64, gt=0, description="Most calls of one episode; more get 429.")
+    batch_requests: int = Field(64, gt=0, description="Most requests answered by one engine call.")
+    max_request_bytes: int = Field(4 << 20, gt=0, description="Largest request body the gateway reads.")
+    keep_episodes: int = Field(10_000, gt=0, description="Finished episodes kept for an exact resume.")
+
+    @model_validator(mode="after")
+    def _one_agent(self):
+        if (self.command is None) == (self.callable is None):
+            raise ValueError("set one of 'command' (a command line) or 'callable' ('module:function')")
+        if self.answer == "returned" and self.callable is None or self.answer == "stdout" and self.command is None:
+            raise ValueError(f"answer: {self.answer} needs {'callable' if self.answer == 'returned' else 'command'}")
+        return self
+
+
+@dataclass
+class Task:
+    """What a callable harness gets: the task, and where its agent calls."""
+
+    prompt: str  # the task's last user message
+    messages: list[dict]  # the task's chat messages, as the data section builds them
+    row: dict  # the prompt source's row
+    base_url: str  # OPENAI_BASE_URL of its episode
+    api_key: str  # OPENAI_API_KEY
+    episode_id: str
+    reward_url: str  # POST {"reward": x} here for a reward the harness gives
+    workdir: Path
+
+    def environ(self) -> dict[str, str]:
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "HYBRIDRL_EPISODE_ID": self.episode_id,
+            "HYBRIDRL_REWARD_URL": self.reward_url,
+            "HYBRIDRL_PROMPT": self.prompt,
+            "HYBRIDRL_TASK": json.dumps(self.row, default=str)[:100_000],
+        }
+
+
+def load_callable(spec: str):
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"callable '{spec}' must be 'module:function' or 'file.py:function'")
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        module_spec = importlib.util.spec_from_file_location(f"hybridrl_harness_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+class HarnessEnvironment(Environment):
+    """An unmodified agent per episode, its calls answered and recorded by the gateway."""
+
+    Options = HarnessOptions
+    drives = True
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.gateway: Gateway | None = None
+        self.agent = load_callable(options.callable) if options.callable else None
+        self.argv = shlex.split(options.command) if options.command else None
+        self.store = EpisodeStore(Path(ctx.run_dir) / STORE, options.keep_episodes)
+        self.folders: list[str] = []  # the previous call's working folders: kept for its rewards
+        self.name = options.command or options.callable
+
+    def rollout(self, rows, messages, sampling, loop) -> list[Trajectory]:
+        if self.gateway is None:
+            self.gateway = Gateway(loop, self.parser, self.options, Path(self.ctx.model_path).name)
+        self._remove_folders()
+        n, out = sampling.n, {}
+        work = []
+        for index in range(len(rows) * n):
+            key = episode_key(sampling.seed, index, rows[index // n])
+            stored = self.store.get(key)
+            if stored is not None:
+                out[index] = Trajectory(**stored | {"info": Counter(stored["info"])})
+            else:
+                work.append((index, key))
+        with cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="hybridrl-harness") as pool:
+            futures = {
+                pool.submit(self._episode, index, rows[index // n], messages[index // n], sampling, loop): (index, key)
+                for index, key in work
+            }
+            for future in cf.as_completed(futures):
+                index, key = futures[future]
+                t = out[index] = future.result()
+                self.store.put(key, record(t))  # acknowledged: a resume trains it, never runs it again
+        return [out[i] for i in range(len(rows) * n)]
+
+    def _episode(self, index: int, row: dict, chat: list[dict], sampling, loop) -> Trajectory:
+        gateway = self.gateway
+        episode = gateway.open(index, row, sampling)
+        folder = tempfile.mkdtemp(prefix="hybridrl-episode-")
+        self.folders.append(folder)
+        if self.options.workdir:
+            shutil.copytree(Path(self.options.workdir).expanduser(), folder, dirs_exist_ok=True)
+        prompt = next((m["content"] for m in reversed(chat) if m["role"] == "user"), "")
+        task = Task(
+            prompt, chat, row, gateway.base_url(episode), gateway.token, episode.id,
+            f"{gateway.url}/episodes/{episode.id}/reward", Path(folder),
+        )  # fmt: skip
+        state: dict[str, Any] = {"id": episode.id, "workdir": folder, "output": "", "returned": None}
+        lost = self._run(task, state)
+        deadline = time.monotonic() + self.options.reward_wait_s
+        while episode.reward is None and not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gateway.finish(episode)
+        if lost is None and episode.final is None:
+            lost = "it made no call to the gateway"
+        if lost:
+            print(f"agent harness: episode {episode.id} lost: {lost} ({self.name})", file=sys.stderr)
+        state |= {"reward": episode.reward, "lost": lost, "calls": episode.calls}
+        return trajectory(index, episode, state, lost, loop, chat, self.options.answer)
+
+    def _run(self, task: Task, state: dict) -> str | None:
+        """Run the harness for ``task``; why the episode is lost, or None."""
+        if self.agent is not None:
+            return self._call(task, state)
+        env = os.environ | self.options.env | task.environ()
+        log = task.workdir / ".hybridrl-output"
+        with open(log, "wb") as output:
+            try:
+                proc = subprocess.Popen(
+                    self.argv, cwd=task.workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            except OSError as e:
+                return f"cannot start the command: {e}"
+            try:
+                code = proc.wait(self.options.timeout_s)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # what it started, too
+                proc.wait()
+        with open(log, "rb") as f:
+            f.seek(max(0, log.stat().st_size - OUTPUT_TAIL))
+            state["output"] = f.read().decode(errors="replace")
+        log.unlink()
+        if code is None:
+            return f"it ran longer than timeout_s={self.options.timeout_s:g} s and was stopped"
+        last = (state["output"].strip().splitlines() or [""])[-1][:300]
+        return f"the command exited with status {code}: {last}" if code else None
+
+    def _call(self, task: Task, state: dict) -> str | None:
+        result: dict[str, Any] = {}
+
+        def run():
+            try:
+                result["value"] = self.agent(task)
+            except BaseException as e:  # the agent's failure is the episode's, never the run's
+                result["error"] = f"{type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=run, name=f"hybridrl-agent-{task.episode_id}", daemon=True)
+        thread.start()
+        thread.join(self.options.timeout_s)
+        if thread.is_alive():  # it cannot be killed: its episode ends, so its next call fails
+            return f"it ran longer than timeout_s={self.options.timeout_s:g} s and was abandoned"
+        if "error" in result:
+            return f"the callable raised {result['error'][:300]}"
+        value = result.get("value")
+        state["returned"] = value if isinstance(value, str) else None
+        return None
+
+    def _remove_folders(self) -> None:
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.folders = []
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.close()
+        self._remove_folders()
+        self.store.close()
+
+
+def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: list[dict], answer: str) -> Trajectory:
+    """The episode as the batch's row: the last call's trajectory, or no tokens when lost."""
+    info = Counter(
+        calls=episode.calls, forks=episode.forks, tool_calls=episode.tool_calls, lost=int(bool(lost)),
+        malformed_tool_calls=episode.malformed, reward_missing=int(episode.reward is None),
+    )  # fmt: skip
+    final = None if lost else episode.final
+    if final is None:
+        text = loop.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = loop.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return Trajectory(index, prompt, list(chat), state, finish="abort", info=info, done=True)
+    info["observation_tokens"] = final.sampled.count(0)
+    last_text = {"reply": final.text, "returned": state["returned"], "stdout": state["output"].strip()}[answer]
+    return Trajectory(
+        index, final.prompt, [*final.messages, final.reply], state, list(final.ids), list(final.logprobs),
+        list(final.sampled), turns=episode.calls, last_text=last_text or "", done=True,
+        finish="length" if final.finish == "length" else "stop", info=info,
+    )  # fmt: skip
+
+
+def record(t: Trajectory) -> dict:
+    """A trajectory as the store keeps it (the fields of :class:`Trajectory`)."""
+    return {
+        "index": t.index, "prompt": t.prompt, "messages": t.messages, "state": t.state, "ids": t.ids,
+        "logprobs": t.logprobs, "sampled": t.sampled, "turns": t.turns, "last_text": t.last_text,
+        "done": t.done, "finish": t.finish, "reward": t.reward, "info": dict(t.info),
+    }  # fmt: skip

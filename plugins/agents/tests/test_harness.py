@@ -1,0 +1,211 @@
+"""The harness environment: unmodified agents as commands and callables, a whole GRPO run through
+them, posted rewards, lost episodes that never stop the run, and finished episodes a resume reuses."""
+
+import os
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+import torch
+from hybridrl_agents.harness import HarnessEnvironment
+
+from hybridrl import plugins
+from hybridrl.agents import AgentLoop
+from hybridrl.builtin.environments import HermesParser
+from hybridrl.components import RunContext, SamplingParams
+from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
+from hybridrl.models import end_token_ids, load_tokenizer
+from hybridrl.session import EngineSession
+
+AGENT = textwrap.dedent(
+    """
+    import json, os, sys, urllib.request
+    import openai
+
+    client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY: the episode's
+    messages = [{"role": "user", "content": os.environ["HYBRIDRL_PROMPT"]}]
+    for turn in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "Are you sure?"}]
+    open("answer.txt", "w").write(reply.choices[0].message.content)
+    request = urllib.request.Request(
+        os.environ["HYBRIDRL_REWARD_URL"],
+        data=json.dumps({"reward": len(reply.choices[0].message.content) % 3}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+    )
+    urllib.request.urlopen(request).read()
+    print("done")
+    """
+)
+
+
+def run_config(model, run_dir, agent):
+    return {
+        "model": {"path": model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
+        "rollout": {"n": 2, "max_tokens": 8, "agent": agent},
+        "rewards": [{"function": "posted"}],
+        "algorithm": {"name": "grpo", "kl_coef": 0.01},
+        "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "run_dir": str(run_dir)},
+        "logging": {"loggers": ["jsonl"]},
+    }
+
+
+def test_grpo_trains_an_unmodified_command_agent_on_its_posted_rewards(tiny_model, tmp_path):
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
+
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    agent = {"environment": "harness", "command": f"{sys.executable} {script}", "timeout_s": 120}
+    agent |= {"concurrency": 4, "max_total_tokens": 256}
+    run = build_run(load_config(data=run_config(tiny_model, tmp_path / "run", agent)))
+    metrics = Trainer(run).train()
+    assert metrics["agent/calls_mean"] == 2 and metrics["agent/lost_mean"] == 0 and metrics["agent/forks_mean"] == 0
+    assert metrics["agent/reward_missing_mean"] == 0 and metrics["agent/observation_tokens_mean"] > 0
+    assert metrics["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on every sampled token
+    # every finished episode is in the store, committed
+    from hybridrl_agents.store import STORE, EpisodeStore
+
+    store = EpisodeStore(tmp_path / "run" / STORE, 100)
+    assert store.db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 2 * 2 * 2
+    store.close()
+
+
+@pytest.fixture
+def loop(tiny_model, tmp_path):
+    tok = load_tokenizer(tiny_model)
+    ctx = RunContext(tiny_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path)
+    hf = plugins.lookup("rollout engine", "hf")
+    rollout = RolloutConfig(n=2, max_tokens=6)
+    agent = AgentConfig(environment="harness")
+    loop = AgentLoop(
+        EngineSession(hf(hf.Options(), ctx), rollout), None, agent, rollout, tok, end_token_ids(tiny_model, tok)
+    )
+    yield ctx, loop
+    if loop.env is not None:
+        loop.env.close()
+
+
+def harness(ctx, loop, agent=None, **options):
+    env = HarnessEnvironment(HarnessEnvironment.Options(**{"callable": "os:getcwd"} | options), ctx)
+    if agent is not None:
+        env.agent = agent
+    env.parser = HermesParser(None, None)
+    loop.env = env
+    return env
+
+
+def run(loop, rows=1, n=2, seed=1):
+    chats = [[{"role": "user", "content": f"task {i}"}] for i in range(rows)]
+    return loop.run([[0]] * rows, [{"i": i} for i in range(rows)], chats, SamplingParams(n=n, max_tokens=6, seed=seed))
+
+
+def one_call(task):
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    return client.chat.completions.create(model="x", messages=[{"role": "user", "content": task.prompt}]).id
+
+
+def test_a_resumed_rollout_reuses_the_episodes_that_finished(loop, capsys):
+    ctx, loop_ = loop
+    calls = []
+
+    def counting(task):
+        calls.append(task.episode_id)
+        return one_call(task)
+
+    harness(ctx, loop_, counting)
+    first = run(loop_, rows=2)[1]
+    assert len(calls) == 4
+    loop_.env.close()
+    # a new process on the same run folder: the same tasks and seeds find their episodes
+    harness(ctx, loop_, counting)
+    again = run(loop_, rows=2)[1]
+    assert len(calls) == 4  # no harness ran again
+    assert [(t.prompt, t.ids, t.logprobs, t.sampled) for t in again] == [
+        (t.prompt, t.ids, t.logprobs, t.sampled) for t in first
+    ]
+    run(loop_, rows=2, seed=2)  # another step: new episodes
+    assert len(calls) == 8
+
+
+def test_a_failing_hanging_or_silent_harness_loses_its_episode_not_the_run(loop, tmp_path, capsys):
+    ctx, loop_ = loop
+
+    def flaky(task):
+        if task.episode_id.startswith("ep-0-"):
+            raise RuntimeError("the agent broke")
+        if task.episode_id.startswith("ep-1-"):
+            return None  # made no call
+        return one_call(task)
+
+    harness(ctx, loop_, flaky)
+    _, (broken, silent, fine, _) = run(loop_, rows=2)
+    assert broken.state["lost"] == "the callable raised RuntimeError: the agent broke" and broken.ids == []
+    assert silent.state["lost"] == "it made no call to the gateway" and silent.info["lost"] == 1
+    assert fine.state["lost"] is None and fine.ids and fine.info["lost"] == 0
+    err = capsys.readouterr().err
+    assert "agent harness: episode ep-0-" in err and "lost: the callable raised RuntimeError" in err
+    # a command that hangs is stopped at timeout_s with what it started; one that fails is named
+    marker = tmp_path / "child-alive"
+    hang = tmp_path / "hang.py"
+    child = tmp_path / "child.py"
+    child.write_text(f"import time\ntime.sleep(4)\nopen({str(marker)!r}, 'w')\n")
+    hang.write_text(
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(child)!r}])\ntime.sleep(60)\n"
+    )
+    loop_.env.close()
+    harness(ctx, loop_, callable=None, command=f"{sys.executable} {hang}", timeout_s=1)
+    _, trajectories = run(loop_, rows=1, seed=7)
+    assert all("longer than timeout_s=1 s" in t.state["lost"] for t in trajectories)
+    time.sleep(4.5)
+    assert not marker.exists()  # the harness's child was killed with it
+    loop_.env.close()
+    harness(ctx, loop_, callable=None, command=f"{sys.executable} -c 'import sys; sys.exit(3)'")
+    _, trajectories = run(loop_, rows=1, seed=8)
+    assert all(t.state["lost"].startswith("the command exited with status 3") for t in trajectories)
+
+
+def test_a_flooding_agent_is_stopped_at_max_calls(loop):
+    ctx, loop_ = loop
+    seen = []
+
+    def flood(task):
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        try:
+            while True:
+                client.chat.completions.create(model="x", messages=[{"role": "user", "content": "again"}])
+                seen.append(1)
+        except openai.RateLimitError as e:
+            return str(e)
+
+    harness(ctx, loop_, flood, max_calls=3)
+    _, trajectories = run(loop_, rows=1, n=1)
+    assert len(seen) == 3 and trajectories[0].info["calls"] == 3 and not trajectories[0].state["lost"]
+
+
+def test_harness_options_name_what_is_wrong(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="set one of 'command'.*or 'callable'"):
+        load_config(data=run_config(tiny_model, tmp_path, {"environment": "harness"}))
+    with pytest.raises(ConfigError, match="answer: returned needs callable"):
+        load_config(
+            data=run_config(tiny_model, tmp_path, {"environment": "harness", "command": "x", "answer": "returned"})
+        )
+    with pytest.raises(ConfigError, match=r"Did you mean 'timeout_s'"):
+        load_config(data=run_config(tiny_model, tmp_path, {"environment": "harness", "command": "x", "timeout": 3}))
+
+
+def test_the_gateway_is_gone_with_the_run(loop):
+    ctx, loop_ = loop
+    env = harness(ctx, loop_, one_call)
+    run(loop_, rows=1, n=1)
+    url = env.gateway.url
+    env.close()
+    loop_.env = None
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=2)
+    with pytest.raises(openai.APIConnectionError):
+        client.models.list()
+    assert not any(os.path.exists(f) for f in env.folders)
