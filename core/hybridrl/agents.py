@@ -74,7 +74,7 @@ class AgentLoop:
     def run(self, prompts: list[list[int]], rows: list[dict], messages: list[list[dict]], sampling: SamplingParams):
         """``RolloutOutput`` (with ``sampled_masks``) for ``sampling.n`` trajectories per prompt, and
         per trajectory: its final assistant text, its messages, its environment reward, its counts."""
-        if self.env.drives:
+        if self.drives:
             trajectories = self._driven(rows, messages, sampling)
         else:
             trajectories = self._stepped(prompts, rows, messages, sampling)
@@ -86,8 +86,15 @@ class AgentLoop:
             out.sampled_masks.append(t.sampled)
         return out, trajectories
 
+    @property
+    def drives(self) -> bool:
+        """The environment runs its agent itself (an environment need not subclass Environment)."""
+        return getattr(self.env, "drives", False)
+
     def close(self) -> None:
-        self.env.close()
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            close()
 
     def _driven(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams) -> list[Trajectory]:
         """The episodes of an environment that runs its agent itself, checked."""

@@ -61,7 +61,7 @@ class RolloutStage:
             return rollout
         # rewards read the final answer; the whole exchange is there for those that want it
         rollout["response_text"] = [t.last_text for t in trajectories]
-        drives = self.agent.env.drives  # an agent harness's messages are its own, not the prompt's
+        drives = self.agent.drives  # an agent harness's messages are its own, not the prompt's
         rollout["trajectory"] = [t.messages[0 if drives else len(chats[i // n]) :] for i, t in enumerate(trajectories)]
         rollout["env_reward"] = [t.reward for t in trajectories]
         rollout["turns"] = [t.turns for t in trajectories]
