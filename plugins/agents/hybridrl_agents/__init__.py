@@ -18,8 +18,8 @@ from hybridrl.hookspecs import hookimpl
 
 class PostedReward(RewardFunction):
     """The reward posted to the gateway for each episode (``POST .../episodes/ID/reward``;
-    ``HYBRIDRL_REWARD_URL`` tells a harness where); 0 for an episode without one, counted in
-    ``agent/reward_missing_mean``."""
+    ``HYBRIDRL_REWARD_URL`` tells a harness where); 0 for an episode without one
+    (``agent/reward_posted_mean`` is the share that had one)."""
 
     def score(self, batch):
         if "episode" not in batch:

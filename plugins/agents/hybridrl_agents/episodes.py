@@ -71,7 +71,7 @@ class Episode:
         self.id, self.index, self.row = episode_id, index, row  # index: its place among the call's episodes
         self.seed = index  # its calls' seeds start here
         self.turns: list[Turn] = []
-        self.calls = self.forks = self.tool_calls = self.malformed = 0
+        self.calls = self.forks = self.tool_calls = self.malformed = self.unforced = 0
         self.closed = False
         self.reward: float | None = None
         self.final: Turn | None = None  # the last call's (first) answer: the trajectory trained on

@@ -111,6 +111,7 @@ class Gateway:
             for i, a in enumerate(answers):
                 a, text = cut_at_stop(a, request["stop"], self._decode)
                 message, finish = self._message(text, request["tools"], a["finish_reason"], episode)
+                episode.unforced += request["forced"] and "tool_calls" not in message
                 turn = Turn(
                     request["messages"], request["tools"], message, ctx.prompt, ctx.ids + a["ids"],
                     ctx.logprobs + a["logprobs"], ctx.sampled + [1] * len(a["ids"]), a["version"], text, finish,

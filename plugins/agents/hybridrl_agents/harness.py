@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from hybridrl.agents import Trajectory
-from hybridrl.components import Environment, Options
+from hybridrl.components import INPUT_PATH, Environment, Options
 from hybridrl_agents.gateway import Gateway
 from hybridrl_agents.store import STORE, EpisodeStore, episode_key
 
@@ -56,7 +56,9 @@ class HarnessOptions(Options):
         description="The episode's final answer for rewards: the last reply's text, what the callable returned, "
         "or the command's standard output.",
     )
-    workdir: str | None = Field(None, description="A folder copied into each episode's working folder.")
+    workdir: str | None = Field(
+        None, description="A folder copied into each episode's working folder.", json_schema_extra=INPUT_PATH
+    )
     env: dict[str, str] = Field(default_factory=dict, description="More environment variables for the command.")
     max_calls: int = Field(64, gt=0, description="Most calls of one episode; more get 429.")
     batch_requests: int = Field(64, gt=0, description="Most requests answered by one engine call.")
@@ -96,6 +98,16 @@ class Task:
         }
 
 
+def command_line(command: str) -> list[str]:
+    """The command's words, run in each episode's own folder: ``python``/``python3`` is the
+    interpreter that runs hybridrl (its packages, openai among them), and a word naming a file or
+    folder relative to where the run started is made absolute."""
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return [str(Path(w).resolve()) if not os.path.isabs(w) and os.path.exists(w) else w for w in argv]
+
+
 def load_callable(spec: str):
     where, _, name = spec.rpartition(":")
     if not where or not name:
@@ -120,7 +132,8 @@ class HarnessEnvironment(Environment):
         super().__init__(options, ctx)
         self.gateway: Gateway | None = None
         self.agent = load_callable(options.callable) if options.callable else None
-        self.argv = shlex.split(options.command) if options.command else None
+        self.argv = command_line(options.command) if options.command else None
+        self.succeeded = False  # an episode of this run has ended well: a failing one is the harness's
         self.store = EpisodeStore(Path(ctx.run_dir) / STORE, options.keep_episodes)
         self.folders: list[str] = []  # the previous call's working folders: kept for its rewards
         self.name = options.command or options.callable
@@ -132,7 +145,7 @@ class HarnessEnvironment(Environment):
         n, out = sampling.n, {}
         work = []
         for index in range(len(rows) * n):
-            key = episode_key(sampling.seed, index, rows[index // n])
+            key = episode_key(self.name, sampling.seed, index, rows[index // n])
             stored = self.store.get(key)
             if stored is not None:
                 out[index] = Trajectory(**stored | {"info": Counter(stored["info"])})
@@ -147,7 +160,14 @@ class HarnessEnvironment(Environment):
                 index, key = futures[future]
                 t = out[index] = future.result()
                 self.store.put(key, record(t))  # acknowledged: a resume trains it, never runs it again
-        return [out[i] for i in range(len(rows) * n)]
+        episodes = [out[i] for i in range(len(rows) * n)]
+        self.succeeded = self.succeeded or any(t.state["lost"] is None for t in episodes)
+        if not self.succeeded:  # nothing has worked yet: the harness, not the policy, is at fault
+            raise RuntimeError(
+                f"every episode of the run's first rollout was lost; the first: {episodes[0].state['lost']}. "
+                f"Check that {self.name!r} runs on its own, with OPENAI_BASE_URL and OPENAI_API_KEY set"
+            )
+        return episodes
 
     def _episode(self, index: int, row: dict, chat: list[dict], sampling, loop) -> Trajectory:
         gateway = self.gateway
@@ -241,7 +261,8 @@ def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: l
     """The episode as the batch's row: the last call's trajectory, or no tokens when lost."""
     info = Counter(
         calls=episode.calls, forks=episode.forks, tool_calls=episode.tool_calls, lost=int(bool(lost)),
-        malformed_tool_calls=episode.malformed, reward_missing=int(episode.reward is None),
+        malformed_tool_calls=episode.malformed, reward_posted=int(episode.reward is not None),
+        tool_choice_unmet=episode.unforced,
     )  # fmt: skip
     final = None if lost else episode.final
     if final is None:

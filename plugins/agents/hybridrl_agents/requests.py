@@ -116,13 +116,19 @@ def tools(body: dict) -> list[dict] | None:
         for t in value
     ):
         raise BadRequest(400, "'tools' must be a list of {type: function, function: {name, ...}}", "tools")
-    if choice not in (None, "auto", "none"):
-        why = (
-            "'tool_choice' must be auto or none: the policy decides whether to call a tool (forcing a call "
-            "would train on tokens it did not choose)"
-        )
+    named = isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
+    if choice not in (None, "auto", "none", "required") and not named:
+        why = "'tool_choice' must be auto, none, required or {type: function, function: {name}}"
         raise BadRequest(400, why, "tool_choice")
     return None if choice == "none" else value
+
+
+def forced(body: dict) -> bool:
+    """``tool_choice`` asks for a call (required, or a named function). The gateway never constrains
+    sampling, which would train on tokens the policy did not choose: the request is answered as the
+    policy samples it, and a reply without a call is counted."""
+    choice = body.get("tool_choice")
+    return bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))
 
 
 def chat(body, rollout) -> dict:
@@ -136,7 +142,8 @@ def chat(body, rollout) -> dict:
         )
     if body.get("logprobs") not in (None, True, False):
         raise BadRequest(400, "'logprobs' must be true or false", "logprobs")
-    return {"messages": messages(body.get("messages")), "tools": tools(body)} | answering(body, rollout)
+    chat = {"messages": messages(body.get("messages")), "tools": tools(body), "forced": forced(body)}
+    return chat | answering(body, rollout)
 
 
 def completions(body, rollout) -> dict:

@@ -1,7 +1,7 @@
 """Finished episodes, kept where a crash cannot take them (``episodes.sqlite`` in the run folder).
 
-An episode is written, and committed, the moment its harness ends, under a key made of the rollout
-call's seed, its place in the call and its task. A resumed run draws the same tasks with the same
+An episode is written, and committed, the moment its harness ends, under a key made of the harness,
+the rollout call's seed, its place in the call and its task. A resumed run draws the same tasks with the same
 seeds, so the rollout of a step that a kill interrupted finds the episodes that finished before the
 kill and runs only the rest: each finished episode is trained exactly once in the run that goes on.
 The store keeps the newest ``keep`` episodes (a resume from a checkpoint further back runs the
@@ -19,8 +19,10 @@ from pathlib import Path
 STORE = "episodes.sqlite"
 
 
-def episode_key(seed: int | None, index: int, row: dict) -> str:
-    task = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def episode_key(harness: str, seed: int | None, index: int, row: dict) -> str:
+    """The harness, the rollout call's seed, the episode's place in it and its task: a resumed run
+    asks again for exactly the episodes it asked for before (another harness gets its own)."""
+    task = hashlib.sha256(json.dumps([harness, row], sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"{seed}/{index}/{task}"
 
 

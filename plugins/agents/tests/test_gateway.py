@@ -10,15 +10,13 @@ from hybridrl_agents.episodes import Episode, Turn
 from hybridrl_agents.gateway import Gateway, cut_at_stop
 from hybridrl_agents.harness import HarnessEnvironment
 
-from hybridrl import plugins
-from hybridrl.agents import AgentLoop, observation_ids
+from hybridrl.agents import observation_ids
 from hybridrl.batch import Batch
 from hybridrl.builtin.environments import HermesParser
-from hybridrl.components import RunContext, SamplingParams
+from hybridrl.components import SamplingParams
 from hybridrl.config import AgentConfig, RolloutConfig
-from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer
+from hybridrl.models import end_token_ids, load_causal_lm
 from hybridrl.passes import response_logprobs
-from hybridrl.session import EngineSession
 
 ADD = {
     "type": "function",
@@ -30,31 +28,12 @@ ADD = {
 }
 
 
-class Recording:
-    """The real hf engine, recording what each call was asked and answered."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def generate(self, prompts, sampling):
-        out = self.engine.generate(prompts, sampling)
-        self.calls.append((prompts, out))
-        return out
-
-    def seeds_each_request(self):
-        return False
-
-
 @pytest.fixture(scope="module")
-def parts(tiny_model, tmp_path_factory):
-    tok = load_tokenizer(tiny_model)
-    ctx = RunContext(tiny_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path_factory.mktemp("run"))
-    hf = plugins.lookup("rollout engine", "hf")
-    engine = Recording(hf(hf.Options(), ctx))
+def parts(tiny_model, tmp_path_factory, recorded_loop):
     rollout = RolloutConfig(n=2, max_tokens=12, temperature=0.7)
     agent = AgentConfig(environment="harness", max_turns=8)
-    loop = AgentLoop(EngineSession(engine, rollout), None, agent, rollout, tok, end_token_ids(tiny_model, tok))
-    return tok, ctx, engine, loop
+    ctx, engine, loop = recorded_loop(tiny_model, tmp_path_factory.mktemp("run"), rollout, agent)
+    return ctx.tokenizer, ctx, engine, loop
 
 
 def make_env(ctx, loop, agent, **options):
@@ -233,8 +212,11 @@ def test_what_the_gateway_cannot_honour_is_refused_by_name(live, parts):
         client.chat.completions.create(model="any", messages=chat, seed=3)
     with pytest.raises(openai.BadRequestError, match="rollout.temperature=0.7"):
         client.chat.completions.create(model="any", messages=chat, temperature=0.2)
-    with pytest.raises(openai.BadRequestError, match="'tool_choice' must be auto or none"):
-        client.chat.completions.create(model="any", messages=chat, tools=[ADD], tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="'tool_choice' must be auto, none, required"):
+        client.chat.completions.create(model="any", messages=chat, tools=[ADD], tool_choice="any")
+    # a call asked for is answered as the policy samples it: never forced, counted when not made
+    client.chat.completions.create(model="any", messages=chat, tools=[ADD], tool_choice="required")
+    assert episode.unforced == 1 and episode.calls == 1
     with pytest.raises(openai.BadRequestError, match="content must be a string or a list of text parts"):
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     other = openai.OpenAI(base_url=f"{gateway.url}/episodes/ep-none/v1", api_key=gateway.token, max_retries=0)
@@ -249,7 +231,7 @@ def test_what_the_gateway_cannot_honour_is_refused_by_name(live, parts):
         base_url=f"{gateway.url}/v1", api_key=gateway.token, default_headers={"X-Episode-Id": episode.id}
     )
     by_header.completions.create(model="any", prompt="1, 2, 3,", max_tokens=4)
-    assert episode.calls == 1
+    assert episode.calls == 2
     gateway.finish(episode)
     with pytest.raises(openai.NotFoundError):  # an ended episode takes no more calls
         client.chat.completions.create(model="any", messages=chat)

@@ -16,6 +16,7 @@ from hybridrl.agents import AgentLoop
 from hybridrl.builtin.environments import HermesParser
 from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
+from hybridrl.errors import StageError
 from hybridrl.models import end_token_ids, load_tokenizer
 from hybridrl.session import EngineSession
 
@@ -65,7 +66,7 @@ def test_grpo_trains_an_unmodified_command_agent_on_its_posted_rewards(tiny_mode
     run = build_run(load_config(data=run_config(tiny_model, tmp_path / "run", agent)))
     metrics = Trainer(run).train()
     assert metrics["agent/calls_mean"] == 2 and metrics["agent/lost_mean"] == 0 and metrics["agent/forks_mean"] == 0
-    assert metrics["agent/reward_missing_mean"] == 0 and metrics["agent/observation_tokens_mean"] > 0
+    assert metrics["agent/reward_posted_mean"] == 1 and metrics["agent/observation_tokens_mean"] > 0
     assert metrics["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on every sampled token
     # every finished episode is in the store, committed
     from hybridrl_agents.store import STORE, EpisodeStore
@@ -158,15 +159,18 @@ def test_a_failing_hanging_or_silent_harness_loses_its_episode_not_the_run(loop,
         f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(child)!r}])\ntime.sleep(60)\n"
     )
     loop_.env.close()
-    harness(ctx, loop_, callable=None, command=f"{sys.executable} {hang}", timeout_s=1)
+    harness(ctx, loop_, callable=None, command=f"python {hang}", timeout_s=1)
+    loop_.env.succeeded = True  # a run whose harness has worked before: its lost episodes are the policy's
     _, trajectories = run(loop_, rows=1, seed=7)
     assert all("longer than timeout_s=1 s" in t.state["lost"] for t in trajectories)
     time.sleep(4.5)
     assert not marker.exists()  # the harness's child was killed with it
     loop_.env.close()
-    harness(ctx, loop_, callable=None, command=f"{sys.executable} -c 'import sys; sys.exit(3)'")
-    _, trajectories = run(loop_, rows=1, seed=8)
-    assert all(t.state["lost"].startswith("the command exited with status 3") for t in trajectories)
+    # a harness that never works stops the run at its first rollout, saying why
+    harness(ctx, loop_, callable=None, command="python -c 'import sys; print(\"no model here\"); sys.exit(3)'")
+    why = "every episode of the run's first rollout was lost; the first: the command exited with status 3: no model"
+    with pytest.raises(StageError, match=why):
+        run(loop_, rows=1, seed=8)
 
 
 def test_a_flooding_agent_is_stopped_at_max_calls(loop):
