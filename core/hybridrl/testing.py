@@ -387,6 +387,15 @@ def small_model(arch: str):
     return transformers.AutoModelForCausalLM.from_config(configs[arch]())
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:

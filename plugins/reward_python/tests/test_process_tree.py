@@ -1,7 +1,6 @@
 """A supervised child and every process it starts end together, whether it exits, is stopped, or the
 process that started it is gone; the child's exit status reads as the supervisor's."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import time
 
 import pytest
 from hybridrl_reward_python import process_tree
+
+from hybridrl.testing import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
 
@@ -31,14 +32,6 @@ DAEMON = textwrap.dedent(
         time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 with a time limit per response; what reaches them, what comes back, and what a failure costs."""
 
 import json
-import os
 import sys
 import textwrap
 
@@ -14,6 +13,7 @@ from hybridrl.batch import Batch
 from hybridrl.config import RewardConfig, load_config
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.rewards import Rewards
+from hybridrl.testing import alive
 
 VERL_ROW = {
     "data_source": "openai/gsm8k",
@@ -153,14 +153,6 @@ def compute_score(solution_str, ground_truth, pidfile):
         os._exit(1)
     return 1.0
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")

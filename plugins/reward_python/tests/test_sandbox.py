@@ -15,6 +15,8 @@ from hybridrl_reward_python import sandbox, sandbox_child, scratch
 from hybridrl_reward_python.sandbox import Limits, SandboxUnavailable, WasmSandbox
 from hybridrl_reward_python.tool import PythonTool
 
+from hybridrl.testing import alive
+
 TRAINER = os.getpid()
 
 
@@ -350,14 +352,6 @@ print("started")
 if {hang}:
     time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
