@@ -12,6 +12,7 @@ each request is seeded on its own, by its episode and its call.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import threading
@@ -127,6 +128,8 @@ class Gateway:
         request = requests.completions(body, self.rollout)
         prompt = request["prompt"]
         ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not all(0 <= i < len(self.tokenizer) for i in ids):
+            raise BadRequest(400, f"'prompt' holds token ids outside the vocabulary (0 to {len(self.tokenizer) - 1})")
         with episode.lock:
             self._admit(episode)
             ctx = self._completion_context(episode, ids)
@@ -148,8 +151,12 @@ class Gateway:
     def post_reward(self, episode_id: str, body) -> dict:
         """``{"reward": number}`` for an episode: once, while the episode is open or waits for it."""
         value = body.get("reward") if isinstance(body, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise BadRequest(400, "'reward' must be a number", "reward")
+        try:
+            value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise BadRequest(400, "'reward' must be a finite number", "reward")
         episode = self.episode(episode_id)
         with episode.lock:
             if episode.reward is not None:

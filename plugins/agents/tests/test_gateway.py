@@ -231,6 +231,8 @@ def test_what_the_gateway_cannot_honour_is_refused_by_name(live, parts):
         base_url=f"{gateway.url}/v1", api_key=gateway.token, default_headers={"X-Episode-Id": episode.id}
     )
     by_header.completions.create(model="any", prompt="1, 2, 3,", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="token ids outside the vocabulary"):
+        by_header.completions.create(model="any", prompt=[5, 10**6], max_tokens=4)
     assert episode.calls == 2
     gateway.finish(episode)
     with pytest.raises(openai.NotFoundError):  # an ended episode takes no more calls
@@ -253,7 +255,7 @@ def test_a_posted_reward_is_kept_once(live):
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    assert post("high")[0] == 400
+    assert post("high")[0] == 400 and post(10**400)[0] == 400
     assert post(0.5) == (200, {"id": episode.id, "reward": 0.5, "stored": True})
     assert post(1.0)[0] == 409 and episode.reward == 0.5
     assert post(1.0, "ep-other")[0] == 404
