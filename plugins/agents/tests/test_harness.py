@@ -5,6 +5,7 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -68,12 +69,7 @@ def test_grpo_trains_an_unmodified_command_agent_on_its_posted_rewards(tiny_mode
     assert metrics["agent/calls_mean"] == 2 and metrics["agent/lost_mean"] == 0 and metrics["agent/forks_mean"] == 0
     assert metrics["agent/reward_posted_mean"] == 1 and metrics["agent/observation_tokens_mean"] > 0
     assert metrics["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on every sampled token
-    # every finished episode is in the store, committed
-    from hybridrl_agents.store import STORE, EpisodeStore
-
-    store = EpisodeStore(tmp_path / "run" / STORE, 100)
-    assert store.db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 2 * 2 * 2
-    store.close()
+    assert stored(tmp_path / "run") == 2 * 2 * 2  # every finished episode is in the store, committed
 
 
 @pytest.fixture
@@ -213,3 +209,88 @@ def test_the_gateway_is_gone_with_the_run(loop):
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
     assert not any(os.path.exists(f) for f in env.folders)
+
+
+KILLED_AGENT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import openai
+
+    log = os.environ["AGENT_LOG"]
+    me = [os.environ["HYBRIDRL_EPISODE_ID"].split("-")[1], os.environ["HYBRIDRL_PROMPT"]]
+    finished = sum('"done"' in line for line in open(log)) if os.path.exists(log) else 0
+    with open(log, "a") as f:
+        f.write(json.dumps(["start", *me]) + "\\n")
+    if finished >= 4:  # the second step: the first agent to get here hangs until the trainer is killed
+        try:
+            fd = os.open(os.environ["AGENT_LOG"] + ".hung", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            time.sleep(600)
+        except FileExistsError:
+            pass
+    client = openai.OpenAI(max_retries=0)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": me[1]}])
+    with open(log, "a") as f:
+        f.write(json.dumps(["done", *me]) + "\\n")
+    """
+)
+
+
+def stored(run_dir) -> int:
+    """Episodes committed to the run's store (0 before it exists)."""
+    import sqlite3
+
+    from hybridrl_agents.store import STORE
+
+    if not (run_dir / STORE).exists():
+        return 0
+    db = sqlite3.connect(run_dir / STORE)
+    try:
+        return db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0]
+    except sqlite3.OperationalError:  # the table is not there yet
+        return 0
+    finally:
+        db.close()
+
+
+def test_after_a_sigkill_resume_runs_each_finished_episode_once(tiny_model, tmp_path):
+    """The trainer is killed in the second step's rollout, with three of its four episodes finished
+    (committed to the store) and one hanging; the resumed run reuses the three and runs only the
+    fourth again."""
+    import json
+    import signal
+    import subprocess
+
+    import yaml
+
+    script, log, run_dir = tmp_path / "agent.py", tmp_path / "agent.log", tmp_path / "run"
+    script.write_text(KILLED_AGENT)
+    agent = {"environment": "harness", "command": f"python {script}", "env": {"AGENT_LOG": str(log)}}
+    cfg = run_config(tiny_model, run_dir, agent | {"concurrency": 4, "timeout_s": 300})
+    cfg["rewards"] = [{"function": "format", "pattern": "7"}]
+    cfg["trainer"] |= {"save_every": 1}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    command = [str(Path(sys.executable).with_name("hybridrl")), "train", str(tmp_path / "run.yaml")]
+    errors = open(tmp_path / "trainer.err", "wb")
+    trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+    hung = log.with_name("agent.log.hung")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and trainer.poll() is None:  # until 3 of step 2's are committed
+        if hung.exists() and stored(run_dir) == 4 + 3:
+            break
+        time.sleep(0.2)
+    assert trainer.poll() is None, (tmp_path / "trainer.err").read_text()[-2000:]
+    os.killpg(trainer.pid, signal.SIGKILL)  # the trainer and what runs in its session
+    trainer.wait()
+    errors.close()
+    os.kill(int(hung.read_text()), signal.SIGKILL)  # the hanging agent left its own session
+    assert (run_dir / "checkpoints").exists()  # the first step's
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    lines = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    done = [line[1:] for line in lines if line[0] == "done"]
+    assert len(done) == len(set(done)) == 8  # every episode of both steps finished exactly once
+    assert len([line for line in lines if line[0] == "start"]) == 9  # only the killed one ran twice
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "agent/calls_mean" in m] == [1, 2]
