@@ -37,6 +37,7 @@ from hybridrl_agents.gateway import Gateway
 from hybridrl_agents.store import STORE, EpisodeStore, episode_key
 
 OUTPUT_TAIL = 65536  # bytes of a command's output kept for rewards and the log
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class HarnessOptions(Options):
@@ -108,6 +109,22 @@ def command_line(command: str) -> list[str]:
     return [str(Path(w).resolve()) if not os.path.isabs(w) and os.path.exists(w) else w for w in argv]
 
 
+def death_signal():
+    """A function for the harness's process to run before its program (Linux): the kernel then
+    kills it when the thread that started it ends, so a trainer killed with SIGKILL leaves no agent
+    behind. ``libc.prctl`` is looked up here, in the trainer: after a fork only the call is made."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    args = [ctypes.c_ulong(v) for v in (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)]
+    return lambda: prctl(*args)
+
+
 def load_callable(spec: str):
     where, _, name = spec.rpartition(":")
     if not where or not name:
@@ -134,6 +151,7 @@ class HarnessEnvironment(Environment):
         self.agent = load_callable(options.callable) if options.callable else None
         self.argv = command_line(options.command) if options.command else None
         self.succeeded = False  # an episode of this run has ended well: a failing one is the harness's
+        self.death_signal = death_signal()
         self.store = EpisodeStore(Path(ctx.run_dir) / STORE, options.keep_episodes)
         self.folders: list[str] = []  # the previous call's working folders: kept for its rewards
         self.name = options.command or options.callable
@@ -204,7 +222,7 @@ class HarnessEnvironment(Environment):
             try:
                 proc = subprocess.Popen(
                     self.argv, cwd=task.workdir, env=env, stdin=subprocess.DEVNULL, stdout=output,
-                    stderr=subprocess.STDOUT, start_new_session=True,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self.death_signal,
                 )  # fmt: skip
             except OSError as e:
                 return f"cannot start the command: {e}"

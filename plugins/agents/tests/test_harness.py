@@ -20,6 +20,7 @@ from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.models import end_token_ids, load_tokenizer
 from hybridrl.session import EngineSession
+from hybridrl.testing import alive
 
 AGENT = textwrap.dedent(
     """
@@ -284,7 +285,11 @@ def test_after_a_sigkill_resume_runs_each_finished_episode_once(tiny_model, tmp_
     os.killpg(trainer.pid, signal.SIGKILL)  # the trainer and what runs in its session
     trainer.wait()
     errors.close()
-    os.kill(int(hung.read_text()), signal.SIGKILL)  # the hanging agent left its own session
+    hanging = int(hung.read_text())  # in a session of its own, but it dies with the trainer
+    deadline = time.monotonic() + 10
+    while alive(hanging) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(hanging)
     assert (run_dir / "checkpoints").exists()  # the first step's
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
