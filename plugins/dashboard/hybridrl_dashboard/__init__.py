@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl_http.server import ALLOWED_HOSTS_ENV, add_token_options, choose_token, is_loopback
+from hybridrl_http.server import add_server_options, choose_token, is_loopback
 
 from hybridrl.hookspecs import hookimpl
 
@@ -36,20 +36,8 @@ def register_commands(subparsers):
         "run while it is going.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="A run directory (holding metrics.jsonl).")
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0 picks a free port)."
-    )
     p.add_argument("--poll", type=float, default=2.0, help="Seconds between the page's refreshes (default 2).")
-    p.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="Also answer requests whose Host (or page Origin) is NAME, NAME:PORT or an origin https://NAME; "
-        f"repeatable. Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV}).",
-    )
-    add_token_options(p, TOKEN_ENV, "read the run", "printed in the page's URL")
+    add_server_options(p, DEFAULT_PORT, TOKEN_ENV, "read the run", "printed in the page's URL")
     p.set_defaults(func=cmd_dashboard)
 
 

@@ -62,6 +62,17 @@ def require_token(command: str, host: str, token: str | None, env: str) -> None:
         )
 
 
+def add_server_options(parser, port: int, env: str, exposes: str, shown: str = "printed") -> None:
+    """A server command's ``--host``, ``--port`` (default ``port``), ``--token`` / ``--no-token``
+    (:func:`add_token_options`) and ``--allow-host``."""
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=port, help=f"Port (default {port}; 0: any free one).")
+    add_token_options(parser, env, exposes, shown)
+    allow = "Also answer requests whose Host (or a web page's Origin) is NAME, NAME:PORT or https://NAME; repeatable. "
+    allow += f"Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV})."
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME", help=allow)
+
+
 def add_token_options(parser, env: str, exposes: str, shown: str = "printed") -> None:
     """A command's ``--token`` / ``--no-token`` (one or the other): the token every request needs,
     by default ``$ENV`` or a new random one (:func:`choose_token`); ``exposes``: what any local user

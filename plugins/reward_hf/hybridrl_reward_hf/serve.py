@@ -25,7 +25,7 @@ from hybridrl_http.server import (
     ALLOWED_HOSTS_ENV,
     HttpError,
     JsonHandler,
-    add_token_options,
+    add_server_options,
     choose_token,
     listen,
     require_token,
@@ -191,17 +191,7 @@ def add_command(subparsers) -> None:
     )
     p.add_argument("config", help="YAML run config; its 'rewards' section is served.")
     p.add_argument("overrides", nargs="*", help="Dotted overrides: rewards.0.batch_size=32")
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port (default {DEFAULT_PORT}; 0: any free one).")
-    add_token_options(p, TOKEN_ENV, "score")
-    p.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="Also answer requests whose Host (or a web page's Origin) is NAME, NAME:PORT or an origin "
-        f"https://NAME; repeatable. Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV}).",
-    )
+    add_server_options(p, DEFAULT_PORT, TOKEN_ENV, "score")
     p.set_defaults(func=cmd_serve_reward)
 
 

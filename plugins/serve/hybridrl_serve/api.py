@@ -154,5 +154,5 @@ def make_server(server, host: str, port: int, token: str | None, options, allow:
         max_body=options.max_request_bytes,
         max_body_name=f"online.max_request_bytes={options.max_request_bytes}",
         allow=allow,
-        hint=f"list it in ${ALLOWED_HOSTS_ENV} (comma-separated) to allow it",
+        hint=f"list it with --allow-host or in ${ALLOWED_HOSTS_ENV} to allow it",
     )

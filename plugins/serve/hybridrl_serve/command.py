@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl_http.server import add_token_options, choose_token
+from hybridrl_http.server import add_server_options, choose_token
 
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config
@@ -22,18 +22,9 @@ def add_command(subparsers) -> None:
     )
     p.add_argument("config", help="YAML run config with rewards: [{function: user_rating}].")
     p.add_argument("overrides", nargs="*", help="Dotted overrides: online.update_every=32")
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    p.add_argument("--port", type=int, default=8000, help="Port (default 8000; 0: any free one).")
     from hybridrl_serve.api import TOKEN_ENV
 
-    add_token_options(p, TOKEN_ENV, "chat and rate")
-    p.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="Also accept this Host/Origin (name, name:port, an origin, or *); loopback names always are.",
-    )
+    add_server_options(p, 8000, TOKEN_ENV, "chat and rate")
     p.set_defaults(func=cmd_serve)
 
 
