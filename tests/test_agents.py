@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridrl import plugins
-from hybridrl.agents import AgentLoop, observation_ids
+from hybridrl.agents import AgentLoop, Trajectory, observation_ids
 from hybridrl.batch import Batch
 from hybridrl.builtin.environments import HermesParser
 from hybridrl.builtin.tools import Calculator
@@ -212,6 +212,28 @@ class Plugins:
     def register_environments(self, register):
         register("go_on", GoOn)
         register("broken", Broken)
+        register("holding", Holding)
+
+
+class Holding(Environment):
+    """Drives its own agent (one fixed token per episode); a training call is answered with one
+    group, the previous training call's first row (held, as for a late reward), or its own first
+    row at the first call; evaluation with its own rows."""
+
+    drives = True
+    held = None
+
+    def rollout(self, rows, messages, sampling, loop, train=False):
+        def group(row, chat):
+            text = loop.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            prompt = loop.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return [Trajectory(0, prompt, chat, {}, [28], [-0.5], [1], row=row if train else None)] * sampling.n
+
+        if not train:
+            return [t for row, chat in zip(rows, messages) for t in group(row, chat)]
+        answer = group(*(self.held or (rows[0], messages[0])))
+        self.held = rows[0], messages[0]
+        return answer
 
 
 class Broken(Environment):
@@ -253,6 +275,27 @@ def test_an_environment_that_raises_is_named(tiny_model, tmp_path, register_plug
     cfg = run_config(tiny_model, tmp_path / "run", {"environment": "broken"})
     with pytest.raises(StageError, match="environment 'broken' failed in step: KeyError: 'no such state'"):
         Trainer(build_run(load_config(data=cfg))).train()
+
+
+def test_a_driving_environment_may_answer_a_training_call_with_held_groups(tiny_model, tmp_path, register_plugin):
+    from hybridrl.run import build_run
+
+    register_plugin(Plugins(), name="agent-plugins")
+    register_plugin(SevensPlugin(), name="sevens")
+    run = build_run(load_config(data=run_config(tiny_model, tmp_path / "run", {"environment": "holding"})))
+    start = run.rollout.order.state_dict()
+    rows = [[run.data[i] for i in run.rollout.order.take(2)] for _ in range(2)]
+    run.rollout.order.load_state_dict(start)
+    first, second = run.rollout.generate(1), run.rollout.generate(2)
+    # the first call: one group (its first row), not two; the second: the first call's first row
+    assert len(first) == len(second) == 4 and first["group_ids"].tolist() == [0] * 4
+    for batch, row in ((first, rows[0][0]), (second, rows[0][0])):
+        assert batch["row"] == [row] * 4 and batch["answer"] == [row["answer"]] * 4
+        assert batch["messages"][0][-1]["content"] == row["question"] and row["question"] in batch["prompt_text"][0]
+    assert rows[1][0]["question"] not in second["prompt_text"][0]
+    evaluated = run.rollout.respond(rows[1], run.session.sampling(3))  # evaluation: its own rows, all of them
+    assert evaluated["row"] == [rows[1][0]] * 4 + [rows[1][1]] * 4
+    run.close()
 
 
 def test_agent_config_errors_name_the_choices(tiny_model, tmp_path, register_plugin):

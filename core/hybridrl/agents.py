@@ -16,6 +16,7 @@ at once, without waiting for a slow tool of another.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class Trajectory:
     finish: str = "stop"
     reward: float = 0.0
     info: Counter = field(default_factory=Counter)
+    row: dict | None = None  # a driven episode's task, when its group answers another call (late rewards)
 
 
 def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None, after: int | None) -> list[int]:
@@ -71,11 +73,13 @@ class AgentLoop:
         self.budget = agent.max_total_tokens or agent.max_turns * rollout.max_tokens
         self.env_name = f"environment '{agent.environment}'"
 
-    def run(self, prompts: list[list[int]], rows: list[dict], messages: list[list[dict]], sampling: SamplingParams):
+    def run(self, prompts, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams, train=False):
         """``RolloutOutput`` (with ``sampled_masks``) for ``sampling.n`` trajectories per prompt, and
-        per trajectory: its final assistant text, its messages, its environment reward, its counts."""
+        per trajectory: its final assistant text, its messages, its environment reward, its counts.
+        An environment that drives its agent may answer a training call (``train``) with fewer groups,
+        or groups of earlier rows (held for late rewards; each trajectory's ``row`` says which)."""
         if self.drives:
-            trajectories = self._driven(rows, messages, sampling)
+            trajectories = self._driven(rows, messages, sampling, train)
         else:
             trajectories = self._stepped(prompts, rows, messages, sampling)
         out = RolloutOutput([], [], [], [])
@@ -96,14 +100,15 @@ class AgentLoop:
         if close is not None:
             close()
 
-    def _driven(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams) -> list[Trajectory]:
-        """The episodes of an environment that runs its agent itself, checked."""
+    def _driven(self, rows, messages, sampling: SamplingParams, train: bool) -> list[Trajectory]:
+        """The episodes of an environment that runs its agent itself, checked: one group of n per row,
+        or for a training call whole groups, at least one and at most one per row."""
         with stage_errors(self.env_name, "rollout"):
-            trajectories = self.env.rollout(rows, messages, sampling, self)
-        if len(trajectories) != len(rows) * sampling.n:
-            raise StageError(
-                f"{self.env_name} returned {len(trajectories)} episodes for {len(rows)} rows x n={sampling.n}"
-            )
+            late = train and "train" in inspect.signature(self.env.rollout).parameters  # it may hold groups
+            trajectories = self.env.rollout(rows, messages, sampling, self, **({"train": True} if late else {}))
+        count, n = len(trajectories), sampling.n
+        if count != len(rows) * n and not (late and count % n == 0 and 0 < count < len(rows) * n):
+            raise StageError(f"{self.env_name} returned {count} episodes for {len(rows)} rows x n={n}")
         return trajectories
 
     def _stepped(self, prompts, rows, messages, sampling: SamplingParams) -> list[Trajectory]:

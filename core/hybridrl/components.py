@@ -412,9 +412,9 @@ class Environment(Component):
         """Answer the sampled assistant ``turn`` (its text, special tokens removed)."""
         raise NotImplementedError
 
-    def rollout(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams, loop) -> list:
-        """With ``drives``: ``sampling.n`` episodes per row of its own agent, generated through
-        ``loop.session``, as ``hybridrl.agents.Trajectory`` objects, row by row (docs/plugins.md)."""
+    def rollout(self, rows: list[dict], messages: list[list[dict]], sampling: SamplingParams, loop, train=False):
+        """With ``drives``: ``sampling.n`` episodes (``hybridrl.agents.Trajectory``) per row, through
+        ``loop.session``; a training call (``train``) may get fewer, or earlier rows' (docs/plugins.md)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -32,19 +32,24 @@ class RolloutStage:
         responses to each: the rollout batch, text columns included."""
         # every rank draws the same prompts and keeps its slice: a prompt's n samples stay together
         rows = distributed.my_share([self.data[i] for i in self.order.take(self.config.trainer.prompts_per_step)])
-        rollout = self.respond(rows, self.session.sampling(step, round_))
+        rollout = self.respond(rows, self.session.sampling(step, round_), train=True)
         first = (round_ * distributed.world_size() + distributed.rank()) * len(rows)  # unique over ranks and rounds
         rollout["group_ids"] = rollout["group_ids"] + first
         return rollout
 
-    def respond(self, rows: list[dict], sampling: SamplingParams) -> Batch:
+    def respond(self, rows: list[dict], sampling: SamplingParams, train: bool = False) -> Batch:
         """``sampling.n`` responses to each of ``rows`` (prompts built by the config's data section):
-        the batch, text columns included, groups numbered from 0. Evaluation answers its sets so too."""
+        the batch, text columns included, groups numbered from 0. Evaluation answers its sets so too;
+        a training call (``train``) may be answered with groups of earlier rows (late rewards)."""
         cfg, n = self.config, sampling.n
         prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer, self.tools) for row in rows))
         chats = [prompt_messages(row, cfg.data) for row in rows]
         if self.agent is not None:  # each trajectory has its prompt (an agent harness writes its own)
-            out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling)
+            out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling, train)
+            if any(t.row is not None for t in trajectories):  # groups an environment held for their rewards
+                rows = [t.row if t.row is not None else rows[t.index // n] for t in trajectories[::n]]
+                prompt_texts = [encode_prompt(row, cfg.data, self.tokenizer, self.tools)[1] for row in rows]
+                chats = [prompt_messages(row, cfg.data) for row in rows]
             rollout = Batch.from_rollout([t.prompt for t in trajectories], out, 1, self.tokenizer.pad_token_id)
             rollout["group_ids"] = torch.arange(len(rollout)) // n
         else:

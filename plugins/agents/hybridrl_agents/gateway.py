@@ -53,14 +53,15 @@ class Gateway:
     generates, its tokenizer renders, its budget bounds an episode), ``parser`` reads tool calls,
     ``options`` the harness environment's."""
 
-    def __init__(self, loop, parser, options, model_id: str):
+    def __init__(self, loop, parser, options, model_id: str, token: str | None = None, late=None):
         self.loop, self.parser, self.options, self.model_id = loop, parser, options, model_id
+        self.late = late  # late(episode_id, reward): a reward for an episode that has ended, as the store took it
         self.tokenizer, self.rollout = loop.tokenizer, loop.rollout
         self.tokens = TokenText(self.tokenizer)
         self.episodes: dict[str, Episode] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the harness commits an episode and forgets it under it
         self.sampling: SamplingParams | None = None  # the rollout call's: set by open_call
-        self.token = secrets.token_urlsafe(32)  # the harnesses' OPENAI_API_KEY; new every run
+        self.token = token or secrets.token_urlsafe(32)  # the harnesses' OPENAI_API_KEY
         self.started = time.time()
         self.batcher = Batcher(self._generate, options.batch_requests)
         self.http = make_server(self)
@@ -88,6 +89,9 @@ class Gateway:
         """No more calls: a late one of a harness that outlived its episode gets 409."""
         with episode.lock:
             episode.closed = True
+
+    def forget(self, episode: Episode) -> None:
+        """The episode is in the store: a reward posted from now on goes there (or is refused)."""
         with self.lock:
             self.episodes.pop(episode.id, None)
 
@@ -157,12 +161,29 @@ class Gateway:
             value = math.nan
         if not math.isfinite(value):
             raise BadRequest(400, "'reward' must be a finite number", "reward")
-        episode = self.episode(episode_id)
-        with episode.lock:
-            if episode.reward is not None:
-                raise BadRequest(409, f"episode '{episode.id}' already has its reward ({episode.reward:g})", "reward")
-            episode.reward = float(value)
-        return {"id": episode.id, "reward": float(value), "stored": True}
+        with self.lock:  # one lock with forget: a reward lands in the episode or in the store, never between
+            episode = self.episodes.get(episode_id)
+            if episode is None:
+                return self._post_late(episode_id, value)
+            with episode.lock:
+                if episode.reward is not None:
+                    why = f"episode '{episode.id}' already has its reward ({episode.reward:g})"
+                    raise BadRequest(409, why, "reward")
+                episode.reward = value
+        return {"id": episode.id, "reward": value, "stored": True}
+
+    def _post_late(self, episode_id: str, value: float) -> dict:
+        """A reward for an episode that has ended: stored if its group is held (late rewards)."""
+        status = self.late(episode_id, value) if self.late is not None else "unknown"
+        if status == "stored":
+            return {"id": episode_id, "reward": value, "stored": True}
+        why = {
+            "unknown": f"unknown episode '{episode_id[:128]}': it never was, or it has ended",
+            "twice": f"episode '{episode_id}' already has its reward",
+            "trained": f"episode '{episode_id}' has been trained, or ended before reward_deadline_s held it: "
+            "rewards after the rollout need reward_deadline_s",
+        }[status]
+        raise BadRequest(404 if status == "unknown" else 409, why, "reward")
 
     def _admit(self, episode: Episode) -> None:
         if episode.closed:
@@ -279,7 +300,7 @@ def chat_stream(reply: dict, usage: bool) -> EventStream:
 
 
 def make_server(gateway: Gateway):
-    """The gateway's HTTP server on 127.0.0.1, any free port, with the run's token."""
+    """The gateway's HTTP server on 127.0.0.1 (``port``; 0: any free one), with the run's token."""
 
     class Handler(OpenAIHandler):
         def routes(self):
@@ -297,8 +318,8 @@ def make_server(gateway: Gateway):
             return {(m, prefix + p): self.noting_param(route) for (m, p), route in api.items()}
 
     size = gateway.options.max_request_bytes
-    return listen("agent gateway", "127.0.0.1", 0, Handler, token=gateway.token, max_body=size,
-                  max_body_name=f"max_request_bytes={size}")  # fmt: skip
+    return listen("agent gateway", "127.0.0.1", gateway.options.port, Handler, token=gateway.token, max_body=size,
+                  max_body_name=f"max_request_bytes={size}", port_name="rollout.agent.port")  # fmt: skip
 
 
 def model(gateway: Gateway) -> dict:

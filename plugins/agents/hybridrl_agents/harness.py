@@ -52,6 +52,15 @@ class HarnessOptions(Options):
     reward_wait_s: float = Field(
         0.0, ge=0, description="Seconds to wait, after the harness ends, for a reward posted to the episode."
     )
+    reward_deadline_s: float = Field(
+        0.0,
+        ge=0,
+        description="Late rewards: seconds a finished group may wait, across steps, for rewards posted to its "
+        "episodes; it trains at the first step after they are in (0: rewards come within reward_wait_s).",
+    )
+    port: int = Field(
+        0, ge=0, le=65535, description="The gateway's port on 127.0.0.1 (0: any free one); fix it for late rewards."
+    )
     answer: Literal["reply", "returned", "stdout"] = Field(
         "reply",
         description="The episode's final answer for rewards: the last reply's text, what the callable returned, "
@@ -156,28 +165,35 @@ class HarnessEnvironment(Environment):
         self.folders: list[str] = []  # the previous call's working folders: kept for its rewards
         self.name = options.command or options.callable
 
-    def rollout(self, rows, messages, sampling, loop) -> list[Trajectory]:
+    def rollout(self, rows, messages, sampling, loop, train=False) -> list[Trajectory]:
+        """``sampling.n`` episodes per row; with late rewards, a training call's groups are held
+        until their rewards are in, and the call is answered with the oldest groups that are."""
         if self.gateway is None:
-            self.gateway = Gateway(loop, self.parser, self.options, Path(self.ctx.model_path).name)
+            name, token = Path(self.ctx.model_path).name, self.store.token()
+            self.gateway = Gateway(loop, self.parser, self.options, name, token, self.store.post_reward)
         self._remove_folders()
-        n, out = sampling.n, {}
-        work = []
+        n, out, work = sampling.n, {}, []
+        late = train and self.options.reward_deadline_s > 0
+        groups = [episode_key(self.name, sampling.seed, -1 - i, row) if late else None for i, row in enumerate(rows)]
         for index in range(len(rows) * n):
             key = episode_key(self.name, sampling.seed, index, rows[index // n])
             stored = self.store.get(key)
             if stored is not None:
-                out[index] = Trajectory(**stored | {"info": Counter(stored["info"])})
+                out[index] = stored_trajectory(stored)
             else:
                 work.append((index, key))
         with cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="hybridrl-harness") as pool:
-            futures = {
-                pool.submit(self._episode, index, rows[index // n], messages[index // n], sampling, loop): (index, key)
-                for index, key in work
-            }
+            futures = {pool.submit(self._episode, i, rows[i // n], messages[i // n], sampling, loop): (i, key)
+                       for i, key in work}  # fmt: skip
             for future in cf.as_completed(futures):
                 index, key = futures[future]
-                t = out[index] = future.result()
-                self.store.put(key, record(t))  # acknowledged: a resume trains it, never runs it again
+                t, episode = future.result()
+                with self.gateway.lock:  # acknowledged: a resume trains it, never runs it again
+                    t.state["reward"] = episode.reward  # one posted after the harness ended, too
+                    t.info["reward_posted"] = int(episode.reward is not None)
+                    self.store.put(key, record(t) | {"row": rows[index // n]}, episode.id, groups[index // n])
+                    self.gateway.forget(episode)
+                out[index] = t
         episodes = [out[i] for i in range(len(rows) * n)]
         self.succeeded = self.succeeded or any(t.state["lost"] is None for t in episodes)
         if not self.succeeded:  # nothing has worked yet: the harness, not the policy, is at fault
@@ -185,7 +201,37 @@ class HarnessEnvironment(Environment):
                 f"every episode of the run's first rollout was lost; the first: {episodes[0].state['lost']}. "
                 f"Check that {self.name!r} runs on its own, with OPENAI_BASE_URL and OPENAI_API_KEY set"
             )
-        return episodes
+        if not late:
+            return episodes
+        for group in groups:
+            self.store.hold(group, time.time())  # a resumed call keeps the time its group first ended
+        return self._hand(str(sampling.seed), len(rows))
+
+    def _hand(self, call: str, most: int) -> list[Trajectory]:
+        """The oldest held groups whose rewards are in (or whose deadline passed), at most ``most``:
+        those handed to this call before a resume, else the first ready, waiting for one if none is."""
+        deadline, said = self.options.reward_deadline_s, False
+        while not (handed := self.store.handed(call)):
+            held, now = self.store.held(), time.time()
+            ready = [g for g, ended, missing in held if not missing or now > ended + deadline][:most]
+            if ready:
+                self.store.hand(call, ready)
+            elif not said:
+                wait = min(ended + deadline for _, ended, _ in held) - now
+                print(f"agent harness: waiting for posted rewards: none of {len(held)} held groups has all of "
+                      f"its rewards (the oldest's deadline is in {wait:.0f} s)", file=sys.stderr)  # fmt: skip
+                said = True
+            if not ready:
+                time.sleep(0.1)
+        left, out = len(self.store.held()), []
+        for group in handed:
+            for key in self.store.members(group):
+                stored = self.store.get(key)
+                t = stored_trajectory(stored)
+                t.row = stored["row"]
+                t.info |= {"held_groups": left, "reward_posted": int(t.state["reward"] is not None)}
+                out.append(t)
+        return out
 
     def _episode(self, index: int, row: dict, chat: list[dict], sampling, loop) -> Trajectory:
         gateway = self.gateway
@@ -210,7 +256,7 @@ class HarnessEnvironment(Environment):
         if lost:
             print(f"agent harness: episode {episode.id} lost: {lost} ({self.name})", file=sys.stderr)
         state |= {"reward": episode.reward, "lost": lost, "calls": episode.calls}
-        return trajectory(index, episode, state, lost, loop, chat, self.options.answer)
+        return trajectory(index, episode, state, lost, loop, chat, self.options.answer), episode
 
     def _run(self, task: Task, state: dict) -> str | None:
         """Run the harness for ``task``; why the episode is lost, or None."""
@@ -294,6 +340,11 @@ def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: l
         list(final.sampled), turns=episode.calls, last_text=last_text or "", done=True,
         finish="length" if final.finish == "length" else "stop", info=info,
     )  # fmt: skip
+
+
+def stored_trajectory(stored: dict) -> Trajectory:
+    fields = {k: v for k, v in stored.items() if k != "row"}
+    return Trajectory(**fields | {"info": Counter(stored["info"])})
 
 
 def record(t: Trajectory) -> dict:

@@ -235,7 +235,10 @@ def test_what_the_gateway_cannot_honour_is_refused_by_name(live, parts):
         by_header.completions.create(model="any", prompt=[5, 10**6], max_tokens=4)
     assert episode.calls == 2
     gateway.finish(episode)
-    with pytest.raises(openai.NotFoundError):  # an ended episode takes no more calls
+    with pytest.raises(openai.ConflictError, match="has ended"):  # an ended episode takes no more calls
+        client.chat.completions.create(model="any", messages=chat)
+    gateway.forget(episode)  # in the store: the gateway knows it no more
+    with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="any", messages=chat)
 
 

@@ -1,7 +1,9 @@
 """The harness environment: unmodified agents as commands and callables, a whole GRPO run through
 them, posted rewards, lost episodes that never stop the run, and finished episodes a resume reuses."""
 
+import json
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -97,9 +99,26 @@ def harness(ctx, loop, agent=None, **options):
     return env
 
 
-def run(loop, rows=1, n=2, seed=1):
-    chats = [[{"role": "user", "content": f"task {i}"}] for i in range(rows)]
-    return loop.run([[0]] * rows, [{"i": i} for i in range(rows)], chats, SamplingParams(n=n, max_tokens=6, seed=seed))
+def run(loop, rows=1, n=2, seed=1, first=0, train=False):
+    chats = [[{"role": "user", "content": f"task {i}"}] for i in range(first, first + rows)]
+    rows_ = [{"i": i} for i in range(first, first + rows)]
+    return loop.run([[0]] * rows, rows_, chats, SamplingParams(n=n, max_tokens=6, seed=seed), train)
+
+
+def post(url, token, reward):
+    """POST a reward as a grader would: the status and the reply's text."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, data=json.dumps({"reward": reward}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def one_call(task):
@@ -128,6 +147,57 @@ def test_a_resumed_rollout_reuses_the_episodes_that_finished(loop, capsys):
     ]
     run(loop_, rows=2, seed=2)  # another step: new episodes
     assert len(calls) == 8
+
+
+def test_late_rewards_hold_a_group_until_they_are_in_and_a_resume_hands_out_the_same(loop, capsys):
+    ctx, loop_ = loop
+    places = {}  # task -> {its episodes' places: their reward URLs}
+    urls = {}  # task -> its episodes' reward URLs, in their places' order
+
+    def grader_later(task):  # rewards task 0 at once; the others' rewards are posted later, by the test
+        places.setdefault(task.row["i"], {})[int(task.episode_id.split("-")[1])] = task.reward_url
+        urls[task.row["i"]] = [u for _, u in sorted(places[task.row["i"]].items())]
+        one_call(task)
+        if task.row["i"] == 0:
+            assert post(task.reward_url, task.api_key, 0.5)[0] == 200
+
+    with socket.socket() as s:  # a fixed port: the reward URLs outlive the process
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = harness(ctx, loop_, grader_later, reward_deadline_s=600, port=port)
+    _, first = run(loop_, rows=2, train=True)
+    # only task 0's group has its rewards: the call gets it alone; task 1's waits in the store
+    assert [t.row for t in first] == [{"i": 0}] * 2 and [t.state["reward"] for t in first] == [0.5, 0.5]
+    assert first[0].info["held_groups"] == 1 and first[0].info["reward_posted"] == 1
+    token = env.gateway.token
+    assert [post(u, token, 1.0 + k)[0] for k, u in enumerate(urls[1])] == [200, 200]  # late: stored, committed
+    status, why = post(urls[1][0], token, 3.0)
+    assert status == 409 and "already has its reward" in why
+    status, why = post(urls[0][0], token, 3.0)
+    assert status == 409 and "already has its reward" in why
+    _, second = run(loop_, rows=2, seed=2, first=2, train=True)  # tasks 2 and 3 get no reward yet
+    assert [t.row for t in second] == [{"i": 1}] * 2 and [t.state["reward"] for t in second] == [1.0, 2.0]
+    assert second[0].info["held_groups"] == 2
+    status, why = post(urls[1][1], token, 3.0)
+    assert status == 409
+    episodes = [t.state["id"] for t in second]
+    loop_.env.close()
+    # a new process on the same run folder: the same call is answered with the same group, nothing runs again
+    env = harness(ctx, loop_, grader_later, reward_deadline_s=600, port=port)
+    calls = sum(len(u) for u in urls.values())
+    _, again = run(loop_, rows=2, seed=2, first=2, train=True)
+    assert [t.state["id"] for t in again] == episodes and sum(len(u) for u in urls.values()) == calls
+    assert env.gateway.token == token  # the token is the run's: a grader posting hours later still gets in
+    assert post(urls[2][0], token, 4.0)[0] == 200  # to the new gateway, for an episode of the old process
+    loop_.env.close()
+    # past the deadline a group trains without the rewards that did not come (the posted reward gives 0)
+    harness(ctx, loop_, grader_later, reward_deadline_s=0.01)
+    _, third = run(loop_, rows=1, seed=3, first=4, train=True)
+    assert [t.row for t in third] == [{"i": 2}] * 2 and [t.state["reward"] for t in third] == [4.0, None]
+    assert [t.info["reward_posted"] for t in third] == [1, 0]
+    # evaluation is never answered with held groups, and holds none
+    _, evaluated = run(loop_, rows=1, seed=4, first=9)
+    assert [t.row for t in evaluated] == [None, None] and evaluated[0].messages[0]["content"] == "task 9"
 
 
 def test_a_failing_hanging_or_silent_harness_loses_its_episode_not_the_run(loop, tmp_path, capsys):

@@ -436,13 +436,15 @@ def listen(command: str, host: str, port: int, handler: type[JsonHandler], **opt
     ``options``: ``token`` required of every request (None: none); ``max_body``, the largest body in
     bytes (65536), which a 413 reply calls ``max_body_name``; ``allow``, more names for
     :class:`HostCheck` beside those of ``$HYBRIDRL_ALLOWED_HOSTS``; ``hint``, where a user allows
-    another name; ``timeout``, seconds a connection has for one request (:data:`REQUEST_TIMEOUT`)."""
+    another name; ``timeout``, seconds a connection has for one request (:data:`REQUEST_TIMEOUT`);
+    ``port_name``, the option that sets the port (``--port``)."""
     from hybridrl.errors import ConfigError
 
+    port_name = options.pop("port_name", "--port")
     defaults = {"token": None, "max_body": 65536, "max_body_name": "", "allow": (), "hint": ""}
     try:
         return JsonServer((host, port), handler, command=command, **defaults | {"timeout": REQUEST_TIMEOUT} | options)
     except OSError as e:
         raise ConfigError(
-            f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another --port (0: any free one)."
+            f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another {port_name} (0: any free one)."
         ) from None
