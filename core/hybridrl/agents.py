@@ -193,5 +193,5 @@ def build_agent(build, config, session, tokenizer, end_ids: set[int]) -> AgentLo
     env = build("environment", a.environment, a.options)
     env.tools, env.parser = tools, build("tool parser", a.parser, a._parser_options)
     eager = a.schedule == "eager" or (a.schedule == "auto" and session.seeds_each_request())
-    schemas = [tool.schema() for tool in tools.values()]
+    schemas = [tool.schema() for tool in tools.values()] + list(getattr(env, "schemas", []))  # its own too
     return AgentLoop(session, env, a, config.rollout, tokenizer, end_ids, tools=schemas or None, eager=eager)

@@ -396,12 +396,12 @@ class Environment(Component):
     """Multi-turn rollouts: a state per trajectory, and an :class:`Observation` per sampled turn.
 
     ``step`` runs in worker threads, several trajectories at once: keep what a trajectory needs in
-    its state, not on ``self``. Before the first trajectory the core sets ``tools`` (name -> the
-    :class:`Tool` of ``rollout.agent.tools``) and ``parser`` (the :class:`ToolParser`).
+    its state. The core sets ``tools`` (the :class:`Tool` of ``rollout.agent.tools``) and ``parser``.
     """
 
     tools: dict[str, Tool] = {}
     parser: ToolParser | None = None
+    schemas: list[dict] = []  # the schemas of tools it brings itself, shown to the model beside ``tools``'
     drives: bool = False  # True: it runs its agent itself (rollout), not turn by turn (step)
 
     def reset(self, row: dict, messages: list[dict]) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
@@ -67,7 +68,7 @@ KINDS = {
 REGISTERS = {"register_commands": "command", "register_config_sections": "config section"}
 
 
-#: names the first-party plugins register, and their distributions (make demo and make test install them all)
+#: names the first-party plugins register, and their distributions (make test installs them all)
 FIRST_PARTY = {
     "vllm": "hybridrl-rollout-vllm",
     "sglang": "hybridrl-rollout-sglang",
@@ -80,6 +81,7 @@ FIRST_PARTY = {
     "user_rating": "hybridrl-serve",
     "harness": "hybridrl-agents",
     "posted": "hybridrl-agents",
+    "openenv": "hybridrl-env-openenv",
     "wandb": "hybridrl-trackers",
     "tensorboard": "hybridrl-trackers",
 }
@@ -252,3 +254,24 @@ def invalidate_registry() -> None:
     """Rebuild the registry on next use, keeping the plugin manager (after pm.register)."""
     global _registry
     _registry = None
+
+
+def load_object(spec: str):
+    """The object ``spec`` names: ``module:name`` (an importable module) or ``file.py:name`` (a file,
+    relative to the working folder): how configs name a user's callable or class."""
+    import importlib.util
+    from pathlib import Path
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"'{spec}' must be 'module:name' or 'file.py:name'")
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        module_spec = importlib.util.spec_from_file_location(f"hybridrl_user_{path.stem}", path)
+        module = sys.modules[module_spec.name] = importlib.util.module_from_spec(module_spec)  # as imports do
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ValueError(f"'{where}' has no '{name}'")
+    return getattr(module, name)

@@ -413,7 +413,7 @@ class HFEngine(RolloutEngine):
             params[name].copy_(tensor)
 
     def close(self):
-        del self.model
+        self.__dict__.pop("model", None)  # a second close is a no-op
 
 
 @hookimpl

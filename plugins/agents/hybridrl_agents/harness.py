@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import importlib
-import importlib.util
 import json
 import os
 import shlex
@@ -33,6 +31,7 @@ from pydantic import Field, model_validator
 
 from hybridrl.agents import Trajectory
 from hybridrl.components import INPUT_PATH, Environment, Options
+from hybridrl.plugins import load_object
 from hybridrl_agents.gateway import Gateway
 from hybridrl_agents.store import STORE, EpisodeStore, episode_key
 
@@ -134,20 +133,6 @@ def death_signal():
     return lambda: prctl(*args)
 
 
-def load_callable(spec: str):
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"callable '{spec}' must be 'module:function' or 'file.py:function'")
-    if where.endswith(".py"):
-        path = Path(where).expanduser().resolve()
-        module_spec = importlib.util.spec_from_file_location(f"hybridrl_harness_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
-
-
 class HarnessEnvironment(Environment):
     """An unmodified agent per episode, its calls answered and recorded by the gateway."""
 
@@ -157,7 +142,7 @@ class HarnessEnvironment(Environment):
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         self.gateway: Gateway | None = None
-        self.agent = load_callable(options.callable) if options.callable else None
+        self.agent = load_object(options.callable) if options.callable else None
         self.argv = command_line(options.command) if options.command else None
         self.succeeded = False  # an episode of this run has ended well: a failing one is the harness's
         self.death_signal = death_signal()
