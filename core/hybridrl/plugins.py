@@ -82,6 +82,7 @@ FIRST_PARTY = {
     "harness": "hybridrl-agents",
     "posted": "hybridrl-agents",
     "openenv": "hybridrl-env-openenv",
+    "verifiers": "hybridrl-env-verifiers",
     "wandb": "hybridrl-trackers",
     "tensorboard": "hybridrl-trackers",
 }

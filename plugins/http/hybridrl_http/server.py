@@ -446,5 +446,5 @@ def listen(command: str, host: str, port: int, handler: type[JsonHandler], **opt
         return JsonServer((host, port), handler, command=command, **defaults | {"timeout": REQUEST_TIMEOUT} | options)
     except OSError as e:
         raise ConfigError(
-            f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another {port_name} (0: any free one)."
+            f"{command}: cannot listen on {host}:{port} ({e.strerror or e}). Pick another {port_name} (0: any free one)"
         ) from None
