@@ -17,7 +17,9 @@ evaluated greedily before the first step and after the last.
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
 GPU the static cache, and compiled decoding when the run plans two million response tokens),
 ``hf-compiled`` (``rollout.compile: on``), ``hf-compiled-update`` (``sharding.compile: on``) and
-``hf-eager`` (``rollout.compile: off``: it never compiles); a side named twice runs twice, the
+``hf-eager`` (``rollout.compile: off``: it never compiles), ``hf-agent`` (the task through an unmodified
+agent with a tool, a loop around OpenAI's client, against the agent gateway: a multi-turn tool-using
+task, its held-out score measured through the same agent); a side named twice runs twice, the
 second finding torch.compile's caches on disk warm, as a second run on the same machine does;
 ``vllm`` when the vllm plugin and vLLM are importable; ``sglang`` (its defaults: SGLang runs the
 float32 checkpoint in float16), ``sglang-triton`` (the same with SGLang's triton attention),
@@ -61,8 +63,18 @@ UNFROZEN = (
     "Engine.freeze_gc = lambda self: None; "
 )
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff")
+STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff", "agent/")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
+# the hf-agent side: the same task through an unmodified agent (a loop around OpenAI's client with an
+# `add` tool it runs itself, examples/agents/sum_agent.py) against the agent gateway, up to 3 calls
+AGENT = {
+    "environment": "harness",
+    "callable": str(ROOT / "examples" / "agents" / "sum_agent.py") + ":solve",
+    "concurrency": 256,
+    "batch_requests": 256,
+    "timeout_s": 300,
+    "max_total_tokens": 512,
+}
 
 
 def prepare(folder: Path, rows: int = 4000, eval_rows: int = 128) -> None:
@@ -83,6 +95,7 @@ def config(args, side: str, run_dir: Path) -> dict:
         "hf": {"engine": "hf"},
         "hf-compiled": {"engine": "hf", "compile": "on"},
         "hf-eager": {"engine": "hf", "compile": "off"},
+        "hf-agent": {"engine": "hf", "agent": AGENT},
         "hf-compiled-update": {"engine": "hf"},
         "vllm": {"engine": "vllm"},
         "sglang": {"engine": "sglang"},
@@ -182,7 +195,7 @@ def run_side(args, side: str, workdir: Path, index: int = 0, logs: Path | None =
         path = workdir / f"{index}-{side}.json"
         path.write_text(json.dumps(config(args, side, run_dir)))
         engine = {"vllm": "rollout_vllm", "sglang": "rollout_sglang"}.get(side.split("-")[0])
-        plugins = ["algo_grpo"] + ([engine] if engine else [])
+        plugins = ["algo_grpo"] + ([engine] if engine else []) + (["http", "agents"] if side == "hf-agent" else [])
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
         code = UNFROZEN + code if side.endswith("-unfrozen") else code
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
