@@ -66,10 +66,11 @@ TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff", "agent/")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 # the hf-agent side: the same task through an unmodified agent (a loop around OpenAI's client with an
-# `add` tool it runs itself, examples/agents/sum_agent.py) against the agent gateway, up to 3 calls
+# `add` tool it runs itself, examples/agents/sum_agent.py) against the agent gateway, asked once to
+# check its answer: two calls or more per episode, the second continuing the first
 AGENT = {
     "environment": "harness",
-    "callable": str(ROOT / "examples" / "agents" / "sum_agent.py") + ":solve",
+    "callable": str(ROOT / "examples" / "agents" / "sum_agent.py") + ":solve_and_check",
     "concurrency": 256,
     "batch_requests": 256,
     "timeout_s": 300,

@@ -26,16 +26,22 @@ ADD = {
 }
 
 
-def answer(client: openai.OpenAI, prompt: str) -> str:
+def answer(client: openai.OpenAI, prompt: str, checks: int = 0) -> str:
+    """The model's answer to ``prompt``, running the tool calls it makes; ``checks`` times more it
+    is asked to check that answer (each a call continuing the conversation)."""
     messages = [
         {"role": "system", "content": "Solve the problem. Reply with the final answer only, as a number."},
         {"role": "user", "content": prompt},
     ]
-    for _ in range(3):  # at most three turns: tool calls are run, then the model answers
+    for turn in range(3 + checks):  # tool calls are run, then the model answers; then the checks
         message = client.chat.completions.create(model="policy", messages=messages, tools=[ADD]).choices[0].message
         messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
         if not message.tool_calls:
-            break
+            if checks == 0 or turn == 2 + checks:
+                break
+            checks -= 1
+            messages.append({"role": "user", "content": "Check your answer. Reply with the final answer only."})
+            continue
         for call in message.tool_calls:
             try:
                 arguments = json.loads(call.function.arguments)
@@ -48,6 +54,12 @@ def answer(client: openai.OpenAI, prompt: str) -> str:
 
 def solve(task) -> str:
     return answer(openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0), task.prompt)
+
+
+def solve_and_check(task) -> str:
+    """The same agent, asked once to check its answer: every episode makes two calls or more."""
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    return answer(client, task.prompt, checks=1)
 
 
 if __name__ == "__main__":
