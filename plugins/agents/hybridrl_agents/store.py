@@ -27,6 +27,8 @@ CREATE TABLE IF NOT EXISTS episodes (seq INTEGER PRIMARY KEY, key TEXT UNIQUE, e
                                      data TEXT, reward REAL, waiting INTEGER);
 CREATE TABLE IF NOT EXISTS groups (seq INTEGER PRIMARY KEY, key TEXT UNIQUE, ended REAL, handed TEXT);
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT);
+CREATE INDEX IF NOT EXISTS episodes_by_group ON episodes (grp);
+CREATE INDEX IF NOT EXISTS episodes_by_id ON episodes (episode);
 """
 
 
