@@ -72,6 +72,7 @@ class Episode:
         self.seed = index  # its calls' seeds start here
         self.turns: list[Turn] = []
         self.calls = self.forks = self.tool_calls = self.malformed = self.unforced = 0
+        self.sampled_tokens = 0  # of every answer, every branch: those off the trained branch are not trained
         self.closed = False
         self.reward: float | None = None
         self.final: Turn | None = None  # the last call's (first) answer: the trajectory trained on

@@ -20,32 +20,18 @@ import time
 import uuid
 from urllib.parse import unquote, urlsplit
 
+from hybridrl_http import chat as openai_chat
 from hybridrl_http.batcher import Batcher
+from hybridrl_http.chat import cut_at_stop
 from hybridrl_http.openai import BadRequest, OpenAIHandler, TokenText
 from hybridrl_http.server import EventStream, listen
 
 from hybridrl.components import SamplingParams
-from hybridrl_agents import requests
 from hybridrl_agents.episodes import Context, Episode, Turn
 
 EPISODE_PATH = re.compile(r"/episodes/([A-Za-z0-9_.:-]{1,128})(/.*)")
 EPISODE_HEADER = "X-Episode-Id"
 CALL_SEED_STRIDE = 1_000_003
-
-
-def cut_at_stop(answer: dict, stop: list[str], decode) -> tuple[dict, str]:
-    """The answer up to the first token whose text completes a stop string, and its text before
-    that string (OpenAI's ``stop``: the stop string is not returned)."""
-    text = decode(answer["ids"])
-    if not stop or not any(s in text for s in stop):
-        return answer, text
-    for k in range(1, len(answer["ids"]) + 1):
-        text = decode(answer["ids"][:k])
-        hits = [text.index(s) for s in stop if s in text]
-        if hits:
-            cut = answer | {"ids": answer["ids"][:k], "logprobs": answer["logprobs"][:k], "finish_reason": "stop"}
-            return cut, text[: min(hits)]
-    return answer, text
 
 
 class Gateway:
@@ -107,7 +93,7 @@ class Gateway:
     # -- answering ---------------------------------------------------------------------------
 
     def chat(self, episode: Episode, body) -> dict | EventStream:
-        request = requests.chat(body, self.rollout)
+        request = openai_chat.chat(body, self.rollout)
         with episode.lock:
             self._admit(episode)
             ctx = episode.context(request["messages"], request["tools"], self.tokenizer, self.loop.end_ids)
@@ -126,10 +112,10 @@ class Gateway:
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             self._record(episode, ctx, turns)
         reply = self._reply("chat.completion", episode, choices, ctx, answers)
-        return chat_stream(reply, request["usage_in_stream"]) if request["stream"] else reply
+        return openai_chat.stream(reply, request["usage_in_stream"]) if request["stream"] else reply
 
     def completion(self, episode: Episode, body) -> dict | EventStream:
-        request = requests.completions(body, self.rollout)
+        request = openai_chat.completions(body, self.rollout)
         prompt = request["prompt"]
         ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not all(0 <= i < len(self.tokenizer) for i in ids):
@@ -150,7 +136,7 @@ class Gateway:
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": a["finish_reason"]})
             self._record(episode, ctx, turns)
         reply = self._reply("text_completion", episode, choices, ctx, answers)
-        return chat_stream(reply, request["usage_in_stream"]) if request["stream"] else reply
+        return openai_chat.stream(reply, request["usage_in_stream"]) if request["stream"] else reply
 
     def post_reward(self, episode_id: str, body) -> dict:
         """``{"reward": number}`` for an episode: once, while the episode is open or waits for it."""
@@ -200,32 +186,23 @@ class Gateway:
             raise BadRequest(
                 400, f"episode '{episode.id}' used its {self.loop.budget} tokens (rollout.agent.max_total_tokens)"
             )
-        first = episode.seed + CALL_SEED_STRIDE * episode.calls * requests.MAX_N
+        first = episode.seed + CALL_SEED_STRIDE * episode.calls * openai_chat.MAX_N
         seeds = [first + CALL_SEED_STRIDE * i for i in range(request["n"])]
         episode.calls += 1
         return self.batcher.submit([ctx.engine_prompt] * request["n"], seeds, min(request["max_tokens"], room))
 
     def _message(self, text: str, tools, finish: str, episode: Episode) -> tuple[dict, str]:
         """The reply's assistant message (tool calls read by the run's parser) and finish reason."""
-        calls = self.parser.parse(text) if tools else []
-        good = [c for c in calls if c.error is None]
-        episode.malformed += len(calls) - len(good)
-        if not good:
-            return {"role": "assistant", "content": text, "refusal": None}, finish
-        episode.tool_calls += len(good)
-        tool_calls = [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c.name, "arguments": requests.dumps(c.arguments)}}
-            for c in good
-        ]  # fmt: skip
-        content = self.parser.content(text) or None
-        message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": tool_calls}
-        return message, "tool_calls" if finish == "stop" else finish
+        message, finish, malformed = openai_chat.assistant_message(text, tools, finish, self.parser)
+        episode.malformed += malformed
+        episode.tool_calls += len(message.get("tool_calls", []))
+        return message, finish
 
     def _record(self, episode: Episode, ctx: Context, turns: list[Turn]) -> None:
         for turn in turns:  # what the next call's messages are compared with: as the harness sends it
-            turn.reply = requests.messages([{k: v for k, v in turn.reply.items() if k != "refusal"}])[0]
+            turn.reply = openai_chat.messages([{k: v for k, v in turn.reply.items() if k != "refusal"}])[0]
         episode.turns += turns
+        episode.sampled_tokens += sum(len(turn.ids) - len(ctx.ids) for turn in turns)
         episode.final = turns[0]
         episode.forks += ctx.forked
 
@@ -242,17 +219,8 @@ class Gateway:
 
     def _reply(self, kind: str, episode: Episode, choices: list[dict], ctx: Context, answers: list[dict]) -> dict:
         generated = sum(len(a["ids"]) for a in answers)
-        prompt = len(ctx.engine_prompt)
-        return {
-            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_id,
-            "episode_id": episode.id,
-            "policy_version": answers[0]["version"],
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
-        }
+        return openai_chat.reply(kind, self.model_id, choices, len(ctx.engine_prompt), generated,
+                                 episode_id=episode.id, policy_version=answers[0]["version"])  # fmt: skip
 
     def _legacy_logprobs(self, answer: dict) -> dict:
         content = self.tokens.logprobs(answer["ids"], answer["logprobs"])["content"]
@@ -273,30 +241,6 @@ class Gateway:
         self.http.shutdown()
         self.http.server_close()
         self.batcher.close()
-
-
-def chat_stream(reply: dict, usage: bool) -> EventStream:
-    """A reply as OpenAI's stream of chunks: per choice, the role, the content, the tool calls,
-    then the finish reason; the usage last when ``stream_options.include_usage``."""
-    chat = reply["object"] == "chat.completion"
-    head = {k: reply[k] for k in ("id", "created", "model", "episode_id", "policy_version")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    events = []
-    for c in reply["choices"]:
-        if chat:
-            m = c["message"]
-            delta = {"role": "assistant", "content": m["content"] or ""}
-            if m.get("tool_calls"):
-                delta["tool_calls"] = [{"index": k} | call for k, call in enumerate(m["tool_calls"])]
-            part = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
-            end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
-        else:
-            part = c | {"finish_reason": None}
-            end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
-        events += [head | {"choices": [part]}, head | {"choices": [end]}]
-    if usage:
-        events.append(head | {"choices": [], "usage": reply["usage"]})
-    return EventStream(events)
 
 
 def make_server(gateway: Gateway):

@@ -314,6 +314,7 @@ def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: l
         tool_choice_unmet=episode.unforced,
     )  # fmt: skip
     final = None if lost else episode.final
+    info["untrained_tokens"] = episode.sampled_tokens - (final.sampled.count(1) if final is not None else 0)
     if final is None:
         text = loop.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         prompt = loop.tokenizer(text, add_special_tokens=False)["input_ids"]

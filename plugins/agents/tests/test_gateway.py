@@ -7,8 +7,9 @@ import openai
 import pytest
 import torch
 from hybridrl_agents.episodes import Episode, Turn
-from hybridrl_agents.gateway import Gateway, cut_at_stop
+from hybridrl_agents.gateway import Gateway
 from hybridrl_agents.harness import HarnessEnvironment
+from hybridrl_http.chat import cut_at_stop
 
 from hybridrl.agents import observation_ids
 from hybridrl.batch import Batch
@@ -92,7 +93,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(parts):
     out, trajectories = loop.run([[0], [0]], rows, chats, sampling())
     assert len(trajectories) == 4
     for t, ids, mask in zip(trajectories, out.token_ids, out.sampled_masks):
-        assert t.info["calls"] == 3 and t.info["forks"] == 0 and not t.state["lost"]
+        assert t.info["calls"] == 3 and t.info["forks"] == 0 and not t.state["lost"] and t.info["untrained_tokens"] == 0
         assert (ids, mask) == rebuild(tok, engine, t)  # token for token, and which are sampled
         system = {"role": "system", "content": "You add numbers."}
         assert t.prompt == render(tok, [system, {"role": "user", "content": t.messages[1]["content"]}], [ADD])
@@ -128,6 +129,8 @@ def test_a_rewritten_history_forks_a_new_branch(parts):
     # the trained branch is the second call alone: its own rendered prompt, all sampled
     prompts, answer = engine.calls[-1][0], engine.calls[-1][1]
     assert t.prompt in prompts and t.ids == answer.token_ids[prompts.index(t.prompt)] and set(t.sampled) == {1}
+    first = engine.calls[-2][1].token_ids[0]  # the first branch's reply: sampled, not trained, counted
+    assert t.info["untrained_tokens"] == len(first) > 0
 
 
 def test_tool_calls_come_back_in_openais_shape_and_continue_the_episode(parts):
@@ -147,9 +150,9 @@ def test_tool_calls_come_back_in_openais_shape_and_continue_the_episode(parts):
         turn = Turn(chat, [ADD], message, prompt, ids, [-0.5] * len(ids), [1] * len(ids), 0, text, finish)
         gateway._record(episode, gateway_context(prompt), [turn])
         sent = [*chat, {**message, "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
-        from hybridrl_agents import requests
+        from hybridrl_http.chat import messages
 
-        ctx_ = episode.context(requests.messages(sent), [ADD], tok, loop.end_ids)
+        ctx_ = episode.context(messages(sent), [ADD], tok, loop.end_ids)
         obs = observation_ids(tok, [{"role": "tool", "tool_call_id": call["id"], "content": "5"}], [ADD], ids[-1])
         assert not ctx_.forked and ctx_.ids == ids + obs and ctx_.sampled == [1] * len(ids) + [0] * len(obs)
         # a malformed call is left as text, counted
@@ -208,8 +211,10 @@ def test_a_stop_string_ends_the_text_before_it_and_the_tokens_at_the_one_that_co
 def test_what_the_gateway_cannot_honour_is_refused_by_name(live, parts):
     gateway, episode, client = live
     chat = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.BadRequestError, match="'seed'.*not a key the gateway answers"):
+    with pytest.raises(openai.BadRequestError, match="'seed': each answer is seeded by the server"):
         client.chat.completions.create(model="any", messages=chat, seed=3)
+    with pytest.raises(openai.BadRequestError, match="'bar', 'baz': not a key hybridrl answers"):
+        client.chat.completions.create(model="any", messages=chat, extra_body={"bar": 1, "baz": 2})
     with pytest.raises(openai.BadRequestError, match="rollout.temperature=0.7"):
         client.chat.completions.create(model="any", messages=chat, temperature=0.2)
     with pytest.raises(openai.BadRequestError, match="'tool_choice' must be auto, none, required"):

@@ -12,10 +12,11 @@ registers the ``serve`` command, the ``user_rating`` reward and the run config's
   committed before the HTTP reply.
 - :mod:`~hybridrl_serve.learner`: :class:`Learner`, the thread that trains on the ratings, and the
   advantages it hands the trainer (rating - baseline).
-- :mod:`~hybridrl_serve.chat`: OpenAI's chat completions: the request keys it takes (and why it
-  refuses the others) and its reply, logprobs included. What every OpenAI-compatible server of
-  hybridrl shares (sampling keys, errors, logprobs, the batcher that answers requests that wait in
-  one engine call) is hybridrl-http's (:mod:`hybridrl_http.openai`, :mod:`hybridrl_http.batcher`).
+- OpenAI's chat completions, the request keys it answers (tools, ``n``, ``stream``, ``stop``,
+  ``logprobs``) and why it refuses the others, and its replies, are hybridrl-http's
+  (:mod:`hybridrl_http.chat`), which the agent gateway answers through too, with the sampling keys,
+  errors, logprobs and the batcher that answers requests that wait in one engine call
+  (:mod:`hybridrl_http.openai`, :mod:`hybridrl_http.batcher`).
 - :mod:`~hybridrl_serve.api`: the HTTP endpoints (``/v1/models`` among them), errors in OpenAI's
   shape, and :func:`make_server`.
 - :mod:`~hybridrl_serve.server`: :class:`Server`, which holds them all, and :func:`check_config`.

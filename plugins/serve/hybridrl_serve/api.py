@@ -1,7 +1,7 @@
 """The HTTP API of ``hybridrl serve``: OpenAI's ``POST /v1/chat/completions`` (its request keys
-and reply: :mod:`hybridrl_serve.chat`) and ``GET /v1/models``, with ``POST /v1/feedback``,
-``GET /v1/status`` and ``GET /health``. Errors are OpenAI's shape, ``{"error": {"message", "type",
-"param", "code"}}``, so that OpenAI's clients show the message.
+and reply, as every hybridrl server answers them: :mod:`hybridrl_http.chat`) and ``GET /v1/models``,
+with ``POST /v1/feedback``, ``GET /v1/status`` and ``GET /health``. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, so that OpenAI's clients show the message.
 
 On 127.0.0.1 unless told otherwise, with a token (the command makes one unless ``--no-token``, never
 off loopback), request size and rate limits, and the checks every server of hybridrl makes
@@ -17,30 +17,17 @@ import time
 from collections import defaultdict, deque
 from urllib.parse import quote
 
+from hybridrl_http import chat
 from hybridrl_http.openai import BadRequest, OpenAIHandler
-from hybridrl_http.server import ALLOWED_HOSTS_ENV, HttpError, JsonServer, listen, require_token
-
-from hybridrl_serve.chat import chat_request, completion
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, EventStream, HttpError, JsonServer, listen, require_token
 
 TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
-ROLES = {"system", "user", "assistant", "tool"}
 
 
 def json_object(body) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(400, "the body must be a JSON object")
     return body
-
-
-def check_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise BadRequest(
-                400, f"each message needs a role ({', '.join(sorted(ROLES))}) and a string content", "messages"
-            )
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def parse_rating(value, o) -> float:
@@ -113,22 +100,24 @@ class Api:
         """OpenAI's model list: the policy, under the name ``model_id``."""
         return {"object": "list", "data": [self.model()]}
 
-    def chat(self, body) -> dict:
-        request = chat_request(json_object(body), self.server.rollout)
-        answer = self.server.answer(check_messages(request["messages"]), request["max_tokens"])
-        return completion(answer, self.server.model_id, self.server.tokens if request["logprobs"] else None)
+    def chat(self, body) -> dict | EventStream:
+        request = chat.chat(body, self.server.rollout)
+        reply = self.server.answer(request)
+        return chat.stream(reply, request["usage_in_stream"]) if request["stream"] else reply
 
     def feedback(self, body) -> dict:
         body = json_object(body)
-        answer_id = body.get("id")
+        answer_id, choice = body.get("id"), body.get("choice", 0)
         if not isinstance(answer_id, str):
             raise BadRequest(400, "'id' must be the id of a chat completion", "id")
+        if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < chat.MAX_N:
+            raise BadRequest(400, f"'choice' must be the index of one of the reply's choices (0 to {chat.MAX_N - 1})")
         rating = parse_rating(body.get("rating"), self.options)
         preferred = body.get("preferred")
         if preferred is not None and not isinstance(preferred, str):
             raise BadRequest(400, "'preferred' must be a string: the answer the user would have wanted", "preferred")
-        seq = self.server.rate(answer_id, rating, preferred)
-        return {"id": answer_id, "rating": rating, "stored": True, "seq": seq}
+        seq = self.server.rate(answer_id, choice, rating, preferred)
+        return {"id": answer_id, "choice": choice, "rating": rating, "stored": True, "seq": seq}
 
 
 def make_server(server, host: str, port: int, token: str | None, options, allow: tuple[str, ...] = ()) -> JsonServer:

@@ -28,6 +28,11 @@ class OnlineOptions(Options):
     batch_requests: int = Field(
         16, gt=0, description="Requests that wait while the engine is busy are answered together, up to this many."
     )
+    tool_parser: str = Field(
+        "hermes",
+        description="Tool-call parser plugin that reads the calls in answers to requests with 'tools' (the format "
+        "the chat template teaches, as rollout.agent.parser).",
+    )
     max_request_bytes: int = Field(65536, gt=0, description="Larger request bodies get 413.")
     requests_per_minute: int = Field(120, gt=0, description="Per client address; more get 429.")
     save_every: int = Field(1, gt=0, description="Checkpoint every this many updates (the last one always).")

@@ -9,14 +9,16 @@ import uuid
 from pathlib import Path
 
 from hybridrl_http.batcher import Batcher
+from hybridrl_http.chat import assistant_message, cut_at_stop, reply
+from hybridrl_http.openai import TokenText
 from hybridrl_http.server import require_token
 
+from hybridrl import plugins
 from hybridrl.checkpoint import make_private, private_files
 from hybridrl.components import Sampling, SamplingParams
 from hybridrl.config import ConfigError
 from hybridrl.prompts import encode_prompt
 from hybridrl_serve.api import TOKEN_ENV, BadRequest, make_server
-from hybridrl_serve.chat import TokenText
 from hybridrl_serve.learner import Learner
 from hybridrl_serve.store import STORE, FeedbackStore
 
@@ -43,6 +45,20 @@ def check_config(cfg) -> None:
         )
     if cfg.rollout.agent is not None:
         raise ConfigError("hybridrl serve answers single turns with an engine in this process: unset rollout.agent.")
+    try:
+        plugins.lookup("tool parser", cfg.section("online").tool_parser)
+    except plugins.PluginError as e:
+        raise ConfigError(f"online.tool_parser: {e}") from None
+
+
+def tool_parser(run, name: str):
+    """The tool-call parser ``name`` with its default options (the format the chat template teaches)."""
+    return run.build("tool parser", name, plugins.lookup("tool parser", name).Options())
+
+
+def answer_id(reply_id: str, choice: int) -> str:
+    """The stored answer of a reply's choice: the reply's id for the first, ``ID:CHOICE`` after."""
+    return reply_id if choice == 0 else f"{reply_id}:{choice}"
 
 
 def model_name(path: str) -> str:
@@ -92,6 +108,7 @@ class Server:
                 self.store = FeedbackStore(run.run_dir / STORE)
                 self.learner = Learner(t, self.store)
                 self.tokens = TokenText(run.tokenizer)  # the text and bytes of tokens, for logprobs
+                self.parser = tool_parser(run, self.options.tool_parser)  # tool calls in answers to 'tools'
                 t.extra_state["online"] = self.learner
                 t.resume()  # the newest checkpoint of run_dir, when there is one: version and learner state
             except BaseException:
@@ -114,33 +131,38 @@ class Server:
 
     # -- what the API asks ------------------------------------------------------------------
 
-    def answer(self, messages: list[dict], max_tokens: int | None) -> dict:
-        """Generate one answer to ``messages`` with the current weights and store it; ``max_tokens``:
-        at most that many tokens (checked by the API), None: ``rollout.max_tokens``."""
+    def answer(self, request: dict) -> dict:
+        """Sample the ``n`` answers of a checked chat request (:func:`hybridrl_http.chat.chat`) with
+        the current weights, store each (rated by the reply's id and its choice), and reply."""
         cfg, tokenizer = self.trainer.config, self.trainer.run.tokenizer
+        messages, tools, n = request["messages"], request["tools"], request["n"]
         try:
-            prompt_ids, _ = encode_prompt({cfg.data.prompt_column: messages}, cfg.data, tokenizer)
+            prompt_ids, _ = encode_prompt({cfg.data.prompt_column: messages}, cfg.data, tokenizer, tools)
         except ConfigError as e:
             raise BadRequest(400, str(e)) from None
-        seed = uuid.uuid4().int % 2**31  # each answer its own sample
-        (a,) = self.batcher.submit([prompt_ids], [seed], max_tokens or cfg.rollout.max_tokens)
-        answer = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "created": time.time(),
-            "version": a["version"],
-            "messages": json.dumps(messages),
-            "prompt_ids": prompt_ids,
-            "response_ids": a["ids"],
-            "logprobs": a["logprobs"],
-            "text": tokenizer.decode(a["ids"], skip_special_tokens=True),
-            "finish_reason": a["finish_reason"],
-        }
-        self.store.add_answer(answer)
-        return answer
+        seeds = [uuid.uuid4().int % 2**31 for _ in range(n)]  # each answer its own sample
+        samples = self.batcher.submit([prompt_ids] * n, seeds, request["max_tokens"])
+        reply_id, created, answers, choices = f"chatcmpl-{uuid.uuid4().hex}", time.time(), [], []
+        for i, sample in enumerate(samples):
+            a, text = cut_at_stop(sample, request["stop"], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            message, finish, _ = assistant_message(text, tools, a["finish_reason"], self.parser)
+            answers.append(
+                {"id": answer_id(reply_id, i), "created": created, "version": a["version"],
+                 "messages": json.dumps(messages), "prompt_ids": prompt_ids, "response_ids": a["ids"],
+                 "logprobs": a["logprobs"], "text": text, "finish_reason": a["finish_reason"]}
+            )  # fmt: skip
+            logprobs = self.tokens.logprobs(a["ids"], a["logprobs"]) if request["logprobs"] else None
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        self.store.add_answers(answers)
+        generated = sum(len(a["response_ids"]) for a in answers)
+        return reply(
+            "chat.completion", self.model_id, choices, len(prompt_ids), generated,
+            id=reply_id, created=int(created), policy_version=answers[0]["version"],
+        )  # fmt: skip
 
-    def rate(self, answer_id: str, rating: float, preferred: str | None) -> int:
-        """Store a rating (its sequence number) and tell the learner."""
-        seq = self.store.add_rating(answer_id, rating, preferred)
+    def rate(self, reply_id: str, choice: int, rating: float, preferred: str | None) -> int:
+        """Store a rating of a reply's choice (its sequence number) and tell the learner."""
+        seq = self.store.add_rating(answer_id(reply_id, choice), rating, preferred)
         self.learner.wake.set()
         return seq
 

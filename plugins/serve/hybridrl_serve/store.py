@@ -50,20 +50,28 @@ class FeedbackStore:
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.executescript(SCHEMA)
 
-    def add_answer(self, answer: dict) -> None:
-        row = {k: json.dumps(v) if isinstance(v, list) else v for k, v in answer.items()}
+    def add_answers(self, answers: list[dict]) -> None:
+        """The answers of one reply (its choices), in one commit."""
+        rows = [{k: json.dumps(v) if isinstance(v, list) else v for k, v in a.items()} for a in answers]
         with self.lock:
-            self.db.execute(
-                "INSERT INTO answers VALUES (:id, :created, :version, :messages, :prompt_ids, :response_ids, "
-                ":logprobs, :text, :finish_reason)",
-                row,
-            )
+            self.db.execute("BEGIN")
+            try:
+                self.db.executemany(
+                    "INSERT INTO answers VALUES (:id, :created, :version, :messages, :prompt_ids, :response_ids, "
+                    ":logprobs, :text, :finish_reason)",
+                    rows,
+                )
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
 
     def add_rating(self, answer_id: str, rating: float, preferred: str | None) -> int:
         """Store a rating; its sequence number. Unknown answer: 404; rated already: 409."""
         with self.lock:
             if self.db.execute("SELECT 1 FROM answers WHERE id = ?", (answer_id,)).fetchone() is None:
-                raise BadRequest(404, f"no answer with id {answer_id!r}: use the id of a chat completion")
+                why = f"no answer {answer_id!r}: send the id of a chat completion (and 'choice', one of its choices)"
+                raise BadRequest(404, why)
             try:
                 cur = self.db.execute(
                     "INSERT INTO ratings (answer_id, rating, preferred, created) VALUES (?, ?, ?, ?)",

@@ -161,12 +161,14 @@ def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
     run = tmp_path / "run"
     before = rows(run, "answers"), rows(run, "ratings")
     cases = [
-        ("/v1/feedback", {"id": "chatcmpl-nope", "rating": 1}, 404, "no answer with id 'chatcmpl-nope'"),
+        ("/v1/feedback", {"id": "chatcmpl-nope", "rating": 1}, 404, "no answer 'chatcmpl-nope'"),
+        ("/v1/feedback", {"id": answer["id"], "choice": 1, "rating": 1}, 404, f"no answer '{answer['id']}:1'"),
+        ("/v1/feedback", {"id": answer["id"], "choice": "1", "rating": 1}, 400, "'choice' must be the index"),
         ("/v1/feedback", {"id": answer["id"], "rating": 1.5}, 400, "'rating' must be a number from 0 to 1"),
         ("/v1/feedback", {"id": answer["id"], "rating": "meh"}, 400, "or 'up' / 'down'"),
         ("/v1/feedback", {"rating": 1}, 400, "'id' must be the id of a chat completion"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
-        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "each message needs a role"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0] needs a role"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_tokens": 99},
@@ -175,9 +177,9 @@ def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+            {"messages": [{"role": "user", "content": "x"}], "n": 17},
             400,
-            "not supported",
+            "'n' must be an integer from 1 to 16",
         ),
         (
             "/v1/chat/completions",
@@ -196,8 +198,8 @@ def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
             {"messages": [{"role": "user", "content": "x"}], "top_k": 5, "foo": None, "bar": 1},
             400,
             "'top_k' is 5, but this run samples with rollout.top_k=0: the trainer scores what the engine sampled, "
-            "so the config sets the sampling; remove 'top_k' (or send the run's value); 'bar': not a key of serve's "
-            "chat completions (it takes model, messages, max_completion_tokens (or max_tokens), n=1",
+            "so the config sets the sampling; remove 'top_k' (or send the run's value); 'bar': not a key hybridrl "
+            "answers (it takes model, messages, max_completion_tokens, max_tokens, n, stream",
         ),
         ("/v1/nothing", {}, 404, "no such endpoint"),
         # a lone half of a UTF-16 pair ("\\ud800" in the JSON text) is no text: the tokenizer would fail
@@ -209,7 +211,7 @@ def test_bad_input_gets_a_clear_4xx_and_stores_nothing(serving, tmp_path):
         assert got == code and message in reply["error"]["message"], (path, body, got, reply)
     got, reply = post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 1})
     assert got == 400 and reply["error"] == {  # OpenAI's shape: its clients show error.message
-        "message": "'seed': each answer is seeded by the server (requests that wait are sampled in one call)",
+        "message": "'seed': each answer is seeded by the server (requests that wait are sampled in one engine call)",
         "type": "invalid_request_error",
         "param": "seed",
         "code": None,
@@ -349,6 +351,50 @@ def test_the_openai_client_gets_its_token_cap_and_the_logprobs_of_the_answer(ser
     assert code == 200 and reply["usage"]["completion_tokens"] == 3 and reply["choices"][0]["logprobs"] is None
 
 
+def test_serve_answers_tools_n_and_streams_as_the_gateway_does(serving, tiny_model, tmp_path):
+    """One OpenAI surface (hybridrl_http.chat): serve shows the request's tools to the model through
+    the chat template (calls read by online.tool_parser, as the gateway reads them), samples ``n``
+    answers each stored and rated on its own (the learner's leave-one-out group), and streams."""
+    from transformers import AutoTokenizer
+
+    s = serving(rollout={"ignore_eos": True})
+    client, chat = openai_client(s.url), [{"role": "user", "content": "2 + 3?"}]
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    reply = client.chat.completions.create(model="policy", messages=chat, tools=[add], n=3, logprobs=True)
+    ids = [reply.id, f"{reply.id}:1", f"{reply.id}:2"]
+    with sqlite3.connect(tmp_path / "run" / "online.sqlite") as db:
+        found = db.execute("SELECT id, prompt_ids, response_ids, logprobs FROM answers").fetchall()
+    stored = {r[0]: [json.loads(x) for x in r[1:]] for r in found}
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rendered = tok.apply_chat_template(chat, tools=[add], tokenize=False, add_generation_prompt=True)
+    assert '"add"' in rendered and sorted(stored) == sorted(ids) and [c.index for c in reply.choices] == [0, 1, 2]
+    want = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert all(prompt == want for prompt, _, _ in stored.values()) and reply.usage.prompt_tokens == len(want)
+    for choice, answer_id in zip(reply.choices, ids):
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(stored[answer_id][2])
+        assert choice.finish_reason == "length" and "tool_calls" not in choice.message.model_dump(exclude_none=True)
+    assert len({tuple(response) for _, response, _ in stored.values()}) == 3  # each its own sample
+    assert reply.usage.completion_tokens == 3 * 12
+    for choice, rating in ((0, 1.0), (2, 0.0)):
+        code, ack = post(s.url, "/v1/feedback", {"id": reply.id, "choice": choice, "rating": rating})
+        assert code == 200 and ack["choice"] == choice
+    assert get(s.url, "/v1/status")["ratings"] == 2
+    # streamed: the same kind of reply as chunks, each choice whole, the usage last
+    chunks = list(
+        client.chat.completions.create(
+            model="policy", messages=chat, n=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 24
+    with sqlite3.connect(tmp_path / "run" / "online.sqlite") as db:
+        streamed = dict(db.execute("SELECT id, text FROM answers WHERE id LIKE ?", (chunks[0].id + "%",)).fetchall())
+    assert streamed == {chunks[0].id: texts[0], f"{chunks[0].id}:1": texts[1]}
+
+
 def test_the_openai_client_is_told_which_keys_serve_does_not_honour(serving, tmp_path):
     """A key serve would not honour is refused with 400 naming it, and nothing is stored; the run's
     own sampling values and the keys that change nothing pass."""
@@ -363,14 +409,13 @@ def test_the_openai_client_is_told_which_keys_serve_does_not_honour(serving, tmp
             "temperature",
             "'temperature' is 0.1, but this run samples with rollout.temperature=1.0",
         ),
-        ({"tools": [weather]}, "tools", "'tools': serve answers with text only"),
-        ({"tools": [weather], "tool_choice": "auto"}, "tool_choice", "'tool_choice', 'tools': serve answers with text"),
+        ({"tools": [weather], "tool_choice": "any"}, "tool_choice", "'tool_choice' must be auto, none, required"),
+        ({"functions": [weather["function"]]}, "functions", "'functions': the deprecated form of 'tools'"),
         ({"max_completion_tokens": 8, "max_tokens": 9}, "max_tokens", "'max_completion_tokens' (8) and 'max_tokens'"),
         ({"max_completion_tokens": 13}, "max_completion_tokens", "from 1 to 12 (rollout.max_tokens)"),
         ({"logprobs": True, "top_logprobs": 2}, "top_logprobs", "leave out 'top_logprobs'"),
-        ({"store": False}, "store", "serve stores every answer"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "'response_format': serve answers with text"),
-        ({"n": 2}, "n", "'n' must be 1"),
+        ({"store": False}, "store", "every answer is stored"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "the policy answers with text, never"),
         ({"extra_body": {"min_p": 0.1}}, "min_p", "'min_p' is 0.1, but this run samples with min_p=0.0"),
     ]
     for kwargs, param, message in cases:
@@ -386,7 +431,7 @@ def test_the_openai_client_is_told_which_keys_serve_does_not_honour(serving, tmp
 def test_logprob_tokens_carry_their_exact_bytes():
     """A byte-level BPE tokenizer (as SmolLM2's, Llama 3's, Qwen's): each token's bytes are its own,
     a character split over tokens gives OpenAI's ``bytes:`` text, -inf is OpenAI's -9999."""
-    from hybridrl_serve.chat import TokenText
+    from hybridrl_http.openai import TokenText
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

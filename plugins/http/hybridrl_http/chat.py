@@ -1,16 +1,31 @@
-"""The gateway's OpenAI request keys: which it answers, which it ignores, which it refuses and why.
+"""OpenAI's chat completions and (legacy) completions as every hybridrl server answers them
+(``hybridrl serve``, the agent gateway of hybridrl-agents): one implementation of the requests'
+keys and of the replies, so that the two answer alike and nothing is silently ignored.
 
-Like ``hybridrl serve`` (:mod:`hybridrl_http.openai`), nothing is silently ignored: a key either
-changes the answer as OpenAI documents, changes nothing that is trained on (who asks, caching
-hints), is a sampling key at the run's value (the trainer scores what the engine sampled, so the
-config sets the sampling), or is refused with 400 naming it.
+Each key of a request is one of:
+
+- **answered** as OpenAI documents it (:data:`CHAT`, :data:`COMPLETIONS`): messages with tool
+  calls, ``tools`` and ``tool_choice`` (the calls read from the policy's text by the run's tool
+  parser), ``n``, ``stream``, ``stop`` (cut after sampling), ``logprobs``, ``max_completion_tokens``;
+- **ignored**: who asks, tags, caching hints (:data:`hybridrl_http.openai.IGNORED`): they change
+  nothing that is answered, stored or trained on;
+- **the run's sampling** (temperature, top_p, top_k, penalties, logit_bias): the trainer scores what
+  the engine sampled, so the config sets the sampling and a key passes only at the run's value;
+- **refused** with 400 naming the key and why (:data:`REFUSED`), or as not a key either server
+  answers: an agent that sends ``response_format: json_schema`` and gets prose would fail far from
+  the cause.
+
+``null`` is OpenAI's "left out" for every key but ``messages``.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 
 from hybridrl_http.openai import IGNORED, OTHER_SAMPLING, BadRequest, sampling_refusal, token_limit
+from hybridrl_http.server import EventStream
 
 CHAT = ("model", "messages", "max_completion_tokens", "max_tokens", "n", "stream", "stream_options", "logprobs")
 CHAT += ("top_logprobs", "stop", "tools", "tool_choice", "parallel_tool_calls", "store")
@@ -19,26 +34,49 @@ RUN_SAMPLING = ("temperature", "top_p", "top_k")  # the rollout section's keys, 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_STOPS = 4  # OpenAI's limit
+TEXT = "the policy answers with text"
+REFUSED = {
+    "seed": "each answer is seeded by the server (requests that wait are sampled in one engine call)",
+    "functions": "the deprecated form of 'tools': send 'tools' and 'tool_choice'",
+    "function_call": "the deprecated form of 'tool_choice': send 'tools' and 'tool_choice'",
+    "response_format": f"{TEXT}, never constrained (only {{'type': 'text'}})",
+    "modalities": f"{TEXT} (only ['text'])",
+    "audio": TEXT,
+    "prediction": "there are no predicted outputs",
+    "web_search_options": "the server does not search the web",
+    "reasoning_effort": "the policy has no reasoning effort setting",
+    "verbosity": "the policy has no verbosity setting",
+}
+ALSO_ACCEPTED = {"response_format": {"type": "text"}, "modalities": ["text"]}  # the values that are what it does
 
 
 def unknown(keys: tuple[str, ...]) -> str:
     return (
-        f"not a key the gateway answers (it takes {', '.join(keys)}, the sampling keys "
+        f"not a key hybridrl answers (it takes {', '.join(keys)}, the sampling keys "
         f"({', '.join(RUN_SAMPLING)}, {', '.join(OTHER_SAMPLING)}) at the run's values, and ignores "
         f"{', '.join(IGNORED)})"
     )
 
 
 def refuse_unknown(body: dict, keys: tuple[str, ...], rollout) -> None:
+    """400 naming every key of ``body`` that is neither answered nor ignorable, each with why once."""
+    refused: dict[str, list[str]] = {}
     for key, value in body.items():
         if key in keys or key in IGNORED or value is None:
             continue
         if key in RUN_SAMPLING or key in OTHER_SAMPLING:
             why = sampling_refusal(key, value, rollout)
+        elif key in REFUSED:
+            why = None if ALSO_ACCEPTED.get(key, ...) == value else REFUSED[key]
         else:
-            why = f"'{key[:60]}': {unknown(keys)}"
+            why = unknown(keys)
         if why:
-            raise BadRequest(400, why, key)
+            refused.setdefault(why, []).append(key)
+    if refused:
+        shared = {*REFUSED.values(), unknown(keys)}  # said once for all its keys ('functions', 'bar')
+        said = [f"{', '.join(repr(k[:60]) for k in ks)}: {w}" if w in shared else w for w, ks in refused.items()]
+        message = "; ".join(said)
+        raise BadRequest(400, message, next(iter(refused.values()))[0])
 
 
 def stops(value) -> list[str]:
@@ -124,9 +162,9 @@ def tools(body: dict) -> list[dict] | None:
 
 
 def forced(body: dict) -> bool:
-    """``tool_choice`` asks for a call (required, or a named function). The gateway never constrains
-    sampling, which would train on tokens the policy did not choose: the request is answered as the
-    policy samples it, and a reply without a call is counted."""
+    """``tool_choice`` asks for a call (required, or a named function). Sampling is never
+    constrained, which would train on tokens the policy did not choose: the request is answered as
+    the policy samples it, and a reply without a call is counted."""
     choice = body.get("tool_choice")
     return bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))
 
@@ -137,11 +175,15 @@ def chat(body, rollout) -> dict:
         raise BadRequest(400, "the body must be a JSON object")
     refuse_unknown(body, CHAT, rollout)
     if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest(
-            400, "the gateway gives each sampled token's logprob only: send top_logprobs 0", "top_logprobs"
-        )
+        why = "each sampled token's logprob is kept, no others: leave out 'top_logprobs' or send 0"
+        raise BadRequest(400, why, "top_logprobs")
     if body.get("logprobs") not in (None, True, False):
         raise BadRequest(400, "'logprobs' must be true or false", "logprobs")
+    if body.get("store") is False:
+        why = "every answer is stored (it is what the policy trains on): leave out 'store' or send true"
+        raise BadRequest(400, why, "store")
+    if body.get("model") is not None and not isinstance(body.get("model"), str):
+        raise BadRequest(400, "'model' must be a string", "model")
     chat = {"messages": messages(body.get("messages")), "tools": tools(body), "forced": forced(body)}
     return chat | answering(body, rollout)
 
@@ -158,7 +200,7 @@ def completions(body, rollout) -> dict:
     if body.get("echo"):
         raise BadRequest(400, "'echo' is not supported: the reply holds the completion alone", "echo")
     if body.get("logprobs") not in (None, 0, 1):
-        raise BadRequest(400, "'logprobs' must be 0 or 1: the gateway gives the sampled tokens' logprobs", "logprobs")
+        raise BadRequest(400, "'logprobs' must be 0 or 1: the sampled tokens' logprobs are given", "logprobs")
     return {"prompt": prompt} | answering(body, rollout)
 
 
@@ -176,3 +218,75 @@ def answering(body: dict, rollout) -> dict:
 
 def dumps(value) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+# -- replies ---------------------------------------------------------------------------------
+
+
+def cut_at_stop(answer: dict, stop: list[str], decode) -> tuple[dict, str]:
+    """The answer up to the first token whose text completes a stop string, and its text before
+    that string (OpenAI's ``stop``: the stop string is not returned)."""
+    text = decode(answer["ids"])
+    if not stop or not any(s in text for s in stop):
+        return answer, text
+    for k in range(1, len(answer["ids"]) + 1):
+        text = decode(answer["ids"][:k])
+        hits = [text.index(s) for s in stop if s in text]
+        if hits:
+            cut = answer | {"ids": answer["ids"][:k], "logprobs": answer["logprobs"][:k], "finish_reason": "stop"}
+            return cut, text[: min(hits)]
+    return answer, text
+
+
+def assistant_message(text: str, tools, finish: str, parser) -> tuple[dict, str, int]:
+    """The reply's assistant message for the policy's ``text``, its finish reason, and how many
+    calls were malformed: with ``tools``, the calls ``parser`` reads are OpenAI's ``tool_calls``
+    (their text out of ``content``); a malformed call stays text."""
+    calls = parser.parse(text) if tools else []
+    good = [c for c in calls if c.error is None]
+    if not good:
+        return {"role": "assistant", "content": text, "refusal": None}, finish, len(calls)
+    tool_calls = [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.name, "arguments": dumps(c.arguments)}}
+        for c in good
+    ]  # fmt: skip
+    message = {"role": "assistant", "content": parser.content(text) or None, "refusal": None, "tool_calls": tool_calls}
+    return message, "tool_calls" if finish == "stop" else finish, len(calls) - len(good)
+
+
+def reply(kind: str, model: str, choices: list[dict], prompt_tokens: int, generated: int, **extra) -> dict:
+    """A chat completion (``kind`` chat.completion) or completion (text_completion) reply; ``extra``:
+    what hybridrl adds (``policy_version``, ``episode_id``) and ``id``, ``created`` when given."""
+    head = {
+        "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+    }
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+    return head | extra | {"choices": choices, "usage": usage}
+
+
+def stream(reply: dict, usage: bool) -> EventStream:
+    """A reply as OpenAI's stream of chunks: per choice, the role, the content, the tool calls,
+    then the finish reason; the usage last when ``stream_options.include_usage``."""
+    chat = reply["object"] == "chat.completion"
+    head = {k: v for k, v in reply.items() if k not in ("object", "choices", "usage")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events = []
+    for c in reply["choices"]:
+        if chat:
+            m = c["message"]
+            delta = {"role": "assistant", "content": m["content"] or ""}
+            if m.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k} | call for k, call in enumerate(m["tool_calls"])]
+            part = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+            end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+        else:
+            part = c | {"finish_reason": None}
+            end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        events += [head | {"choices": [part]}, head | {"choices": [end]}]
+    if usage:
+        events.append(head | {"choices": [], "usage": reply["usage"]})
+    return EventStream(events)
