@@ -1,6 +1,6 @@
 """LoRA (model.lora, through peft): adapters only in the optimizer, the reference is the base with the
-adapters off, engines follow the merged weights (peft's own merge, on every layer type it adapts),
-checkpoints resume exactly, export (merged too)."""
+adapters off, engines follow the adapter alone or the merged weights (peft's own merge, on every layer
+type it adapts), checkpoints resume exactly, export (merged too)."""
 
 import json
 import warnings
@@ -166,11 +166,19 @@ class EngineFollows:
         self.got = hf_greedy(engine, prompts, 8)
 
 
-def test_the_engine_follows_the_adapters_and_a_resume_is_exact(tiny_model, tmp_path, register_plugin):
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_the_engine_follows_the_adapters_and_a_resume_is_exact(sync, tiny_model, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     check = register_plugin(EngineFollows(), name="follows")
     straight = tmp_path / "straight"
+
+    def config(*args, **kwargs):
+        data = globals()["config"](*args, **kwargs)
+        data["model"]["lora"] = LORA | {"sync": sync}
+        return data
+
     check.trainer = Trainer(build_run(load_config(data=config(tiny_model, straight, steps=3))))
+    assert check.trainer.run.session.adapters == (sync == "adapter")
     check.trainer.train()
     assert check.got == check.want
     rows = metrics(straight)
@@ -185,6 +193,52 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(tiny_model, tmp_p
         for key in want:
             if not key.startswith(("timing/", "throughput/", "time")):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (got["step"], key)
+
+
+def test_an_adapter_sync_sends_the_adapter_alone_over_the_engines_own_base(tiny_model, tmp_path, register_plugin):
+    """model.lora.sync auto with the hf engine: each sync sends the adapter's factors alone; the engine's
+    base weights stay the checkpoint's (nothing merged); the adapter saved is peft's own folder."""
+    from peft import PeftModel
+
+    register_plugin(SevensPlugin(), name="sevens")
+    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
+    assert t.run.session.adapters
+    engine_model = t.run.engine.model  # the engine lets it go at the end of the run
+    t.train()
+    adapter = lora.adapter(t.run.strategy, t.run.policy, 2)
+    layers = t.run.model_config.num_hidden_layers
+    assert len(adapter.tensors) == 2 * 3 * layers and adapter.config["r"] == 4
+    assert all(
+        n.startswith("base_model.model.") and n.endswith((".lora_A.weight", ".lora_B.weight"))
+        for n, _ in adapter.tensors
+    )
+    base = load_causal_lm(tiny_model, torch.float32, torch.device("cpu")).state_dict()
+    engine = {n.replace(".base_layer", ""): w for n, w in engine_model.state_dict().items() if ".lora_" not in n}
+    assert engine.keys() == base.keys() and all(torch.equal(engine[n], base[n]) for n in base)
+    folder = adapter.save(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), folder)
+    batch = fixed_batch(t.run.tokenizer, [[3, 5], [4, 2]])
+    with torch.no_grad():
+        want, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 5)
+        got, _ = response_logprobs(loaded, batch.input_ids, batch.attention_mask, 5)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-6, rtol=1e-6)
+
+
+def test_an_engine_that_cannot_take_adapters_gets_merged_weights_and_says_why(
+    tiny_model, tmp_path, capsys, register_plugin
+):
+    register_plugin(SevensPlugin(), name="sevens")
+    data = config(tiny_model, tmp_path / "run")
+    data["rollout"] |= {"fuse_projections": "on"}  # the hf engine's fast path: fused projections
+    run = build_run(load_config(data=data))
+    run.close()
+    assert not run.session.adapters
+    why = "its fast path fused the projections that share an input (rollout.options.fuse_projections: off)"
+    assert f"LoRA sync: merged weights to rollout engine 'hf' ({why})" in capsys.readouterr().out
+    data["model"]["lora"] = LORA | {"sync": "adapter"}
+    with pytest.raises(ConfigError, match=r"model.lora.sync is 'adapter', but rollout engine 'hf' cannot take"):
+        build_run(load_config(data=data))
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +256,12 @@ def tiny_gpt2(tmp_path_factory):
     return path
 
 
-def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(tiny_gpt2, tmp_path, register_plugin):
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(sync, tiny_gpt2, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     check = register_plugin(EngineFollows(), name="follows")
     data = config(tiny_gpt2, tmp_path / "run")
-    data["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    data["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": "all-linear", "sync": sync}
     trainer = check.trainer = Trainer(build_run(load_config(data=data)))
     trainer.train()
     moved = [p.abs().max().item() for n, p in trainer.run.policy.named_parameters() if ".lora_B." in n]

@@ -66,6 +66,15 @@ class RolloutEngine(Component):
         decoder layers may arrive over several calls of one sync); awake or asleep, in that state."""
         raise NotImplementedError
 
+    def takes_adapter(self, config: dict) -> str | None:
+        """None where :meth:`update_adapter` serves LoRA adapters of peft's ``config`` (LoraConfig.to_dict())
+        over the engine's own frozen base (kept through sleep), else why not: the run syncs merged weights."""
+        return "it loads full weights only"
+
+    def update_adapter(self, adapter) -> None:
+        """Generate with the policy's adapter (:class:`hybridrl.lora.Adapter`) from now on; awake or asleep."""
+        raise NotImplementedError
+
     def memory_options(self, half_prompts: int) -> str:
         """The options that bound the engine's memory, for an out-of-memory error's fix ("Lower ...");
         ``half_prompts``: half the prompts of the call that ran out, a value to suggest."""
@@ -94,7 +103,7 @@ class RolloutEngine(Component):
         return True
 
     def sleep(self) -> None:
-        """Free accelerator memory before training (awake; may drop the weights); a no-op where it cannot."""
+        """Free accelerator memory before training (awake; may drop the weights, unless it takes adapters)."""
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed (and ``update_weights`` did not), before generation; asleep."""
@@ -176,11 +185,8 @@ class Algorithm(Component):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Whether ``batch["old_logprobs"]`` must exist before :meth:`compute_advantages`.
-
-        Otherwise the trainer computes them only when a step makes several updates (and
-        takes them from the first forward pass when it makes one).
-        """
+        """Whether ``batch["old_logprobs"]`` must exist before :meth:`compute_advantages`; otherwise the trainer
+        computes them only when a step makes several updates (taking them from the first pass when it makes one)."""
         return False
 
     @property
@@ -189,25 +195,18 @@ class Algorithm(Component):
         return False
 
     def filter_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal): the rows
-        kept and the filter's metrics (``dynamic_sampling/kept_groups``).
-
-        The metrics travel with the batch: with ``rollout.async`` the filter runs on the prefetch
-        thread, steps ahead of the update, and they are logged with the step that trains on these
-        rows, so keep no state between calls. With ``rollout.refill_rounds`` the trainer calls it
-        again on every round of the step together, so decide each group from its own rows; the
-        last call's metrics are the step's. A bare ``Batch`` returned (plugins written before the
-        metrics) is read as ``(batch, {})``.
-        """
+        """Drop responses after scoring (e.g. DAPO's groups whose rewards are all equal): the rows kept and
+        the filter's metrics (``dynamic_sampling/kept_groups``). The metrics travel with the batch: with
+        ``rollout.async`` the filter runs on the prefetch thread, steps ahead of the update, and they are logged
+        with the step that trains on these rows, so keep no state between calls. With ``rollout.refill_rounds``
+        the trainer calls it again on every round of the step together, so decide each group from its own rows;
+        the last call's metrics are the step's. A bare ``Batch`` returned is read as ``(batch, {})``."""
         return batch, {}
 
     def trained_models(self) -> list[Trainable]:
-        """Models the algorithm trains besides the policy (PPO's critic), each with its loss.
-
-        The trainer trains them after the policy, on the same batch, with the same update loop
-        (:func:`hybridrl.update.run_update`): mini- and micro-batches, loss weighting across
-        micro-batches and ranks, clipping, ``trainer.on_nonfinite``.
-        """
+        """Models the algorithm trains besides the policy (PPO's critic), each with its loss: the trainer
+        trains them after the policy, on the same batch, with the same update loop (:func:`hybridrl.update.run_update`:
+        mini- and micro-batches, loss weighting across micro-batches and ranks, clipping, ``trainer.on_nonfinite``)."""
         return []
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
@@ -290,11 +289,9 @@ class ShardingStrategy(Component):
             return p.device
         return self.ctx.device
 
-    def full_tensors(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time.
-
-        Names are those of the HF state dict (tied weights under each of their names).
-        """
+    def full_tensors(self, model: torch.nn.Module, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield full (unsharded) named tensors, a bounded amount of extra memory at a time; ``keep(name)``:
+        those alone (the others are never gathered). Names: the HF state dict's, tied weights under each."""
         raise NotImplementedError
 
     def save_model(self, model: torch.nn.Module, path: Path) -> None:

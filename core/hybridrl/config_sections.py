@@ -42,6 +42,11 @@ class LoraOptions(Strict):
         description="Layers that get adapters: names (q_proj, v_proj, ...) or 'all-linear' (every linear layer "
         "but the output layer).",
     )
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="What a weight sync sends the engine: the adapter alone, over the engine's frozen base, or the "
+        "merged weights; auto: the adapter where the engine takes adapters (said at setup), else merged.",
+    )
 
 
 class EvalSet(Section):

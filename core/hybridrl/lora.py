@@ -1,5 +1,6 @@
 """LoRA through peft: only the adapters train, the reference is the base model with the adapter
-off (no second copy), and engines receive merged weights under the base model's names.
+off (no second copy), and engines receive the adapter alone (:class:`Adapter`, where the engine
+takes adapters: :func:`choose_sync`) or merged weights under the base model's names.
 
 ``model.lora: {r, alpha, dropout, target_modules}`` in the run config. The policy is wrapped by
 ``peft.get_peft_model`` before the sharding strategy places it; its optimizer holds the adapters
@@ -12,8 +13,11 @@ server) loads them as it loads a full model.
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -250,3 +254,106 @@ def describe(model: torch.nn.Module, options, others=()) -> str:
             "with its own options (ppo: critic: false, or a small critic_path)."
         )
     return "\n".join(lines)
+
+
+# -- adapter-only sync -------------------------------------------------------------------------
+
+SYNC_CHOICES = ("auto", "adapter", "merged")
+
+
+@dataclass
+class Adapter:
+    """The policy's adapter as an engine loads it: peft's ``config`` (``LoraConfig.to_dict()`` as JSON
+    reads it, target modules resolved to names), ``tensors`` under the names peft saves
+    (``base_model.model.<module>.lora_A.weight``), and the policy ``version`` they hold."""
+
+    config: dict
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    version: int = 0
+    name: str = "policy"
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def save(self, folder: Path) -> Path:
+        """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), for engines that load one."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.detach().contiguous().cpu() for n, t in self.tensors}, folder / "adapter_model.safetensors")
+        (folder / "adapter_config.json").write_text(json.dumps(self.config, indent=1))
+        return folder
+
+
+def adapter_config(model: torch.nn.Module) -> dict:
+    """The policy's peft config as JSON reads it: sets as sorted lists, enums as their values."""
+    config = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+
+
+ADAPTER_NAME = re.compile(r"\.default(?=\.|$)")
+
+
+def saved_name(name: str) -> str:
+    """The name peft saves an adapter tensor under: without the adapter's own (``lora_A.default.weight``)."""
+    return ADAPTER_NAME.sub("", name)
+
+
+def adapter(strategy, model: torch.nn.Module, version: int) -> Adapter:
+    """The adapter of the policy ``model`` (its full tensors, the base's never gathered)."""
+    keep = lambda name: adapted_layer_of(name) is not None  # noqa: E731
+    tensors = [(saved_name(n), t) for n, t in strategy.full_tensors(model, keep=keep)]
+    return Adapter(adapter_config(model), tensors, version)
+
+
+def choose_sync(options, engine, model: torch.nn.Module, engine_name: str) -> tuple[bool, str]:
+    """Whether the run syncs the adapter alone (``model.lora.sync`` and what the engine takes), and
+    the line that says so at setup."""
+    config = adapter_config(model)
+    why = engine.takes_adapter(config)
+    where = f"rollout engine '{engine_name}'"
+    if options.sync == "adapter" and why:
+        raise ConfigError(
+            f"model.lora.sync is 'adapter', but {where} cannot take adapters: {why}. Set model.lora.sync: merged "
+            "(or auto, which syncs merged weights where the engine cannot take adapters)."
+        )
+    if options.sync != "merged" and why is None:
+        size = sum(p.numel() for n, p in model.named_parameters() if adapted_layer_of(n)) * 4  # float32
+        said = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+        return True, f"LoRA sync: the adapter alone ({said} a sync) to {where}, over its frozen base"
+    said = "model.lora.sync: merged" if options.sync == "merged" else why
+    return False, f"LoRA sync: merged weights to {where} ({said})"
+
+
+def has_adapter(model: torch.nn.Module) -> bool:
+    return any(adapted_layer_of(n) for n, _ in model.named_parameters())
+
+
+def engine_name(saved: str) -> str:
+    """A saved adapter tensor's name (:func:`saved_name`) in a model whose adapter peft injected."""
+    name = base_name(saved)
+    for role in (".lora_A.weight", ".lora_B.weight"):
+        name = name.replace(role, role.replace(".weight", ".default.weight"))
+    return f"{name}.default" if name.endswith((".lora_embedding_A", ".lora_embedding_B")) else name
+
+
+def load_adapter(model: torch.nn.Module, adapter: Adapter) -> None:
+    """``adapter`` over ``model`` (an engine's transformers copy of the base), unmerged: its layers are
+    injected at the first call (peft's ``inject_adapter_in_model``; the factors in float32, as the
+    policy trains them), then the factors are copied in place."""
+    if not has_adapter(model):
+        peft = import_peft()
+        peft.inject_adapter_in_model(peft.LoraConfig(**adapter.config), model)
+        for name, p in model.named_parameters():
+            if adapted_layer_of(name):
+                p.data, p.requires_grad = p.data.float(), False
+    params = dict(model.named_parameters())
+    for name, tensor in adapter.tensors:
+        target = params.get(engine_name(name))
+        if target is None or target.shape != tensor.shape:
+            raise ValueError(
+                f"the adapter's tensor {name} {tuple(tensor.shape)} fits no LoRA factor of the engine's model: "
+                "it was injected with another adapter config."
+            )
+        target.copy_(tensor)

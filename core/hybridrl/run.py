@@ -137,6 +137,10 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
     built.append(session)
     if train:
         follow_engine_positions(engine, parts, checked.model_config, config, ctx.is_main)
+    if train and config.model.lora:
+        session.adapters, said = lora.choose_sync(config.model.lora, engine, parts["policy"], config.rollout.engine)
+        if ctx.is_main:
+            print(said, flush=True)
     agent = build_agent(build, config, session, tokenizer, end_token_ids(checked.model_path, tokenizer))
     if train:
         parts["rollout"] = RolloutStage(session, parts["data"], parts["prompts"], tokenizer, config, agent)

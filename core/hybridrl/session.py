@@ -67,6 +67,7 @@ class EngineSession:
         self.version = 0  # the updates the engine's weights hold
         self.asleep = False  # engines are built awake
         self.holds_weights = True  # False from a sleep (which may drop them) to the next weight sync
+        self.adapters = False  # syncs send the LoRA adapter alone (hybridrl.lora.choose_sync)
         self.check = SyncCheck(self)
 
     # -- sampling ---------------------------------------------------------------------------
@@ -123,11 +124,12 @@ class EngineSession:
 
     def sync(self, tensors, update: bool = True) -> None:
         """Send the policy's weights (``tensors``: named tensors, or a callable that yields them once
-        the engine is free), in the state the engine is in (asleep after training: it loads the
-        weights alone). ``update``: they hold one more policy update (a resume's or a check's resync
-        sends the same weights again)."""
-        with self.lock, stage_errors(self.component, "update_weights"):
-            self.engine.update_weights(tensors() if callable(tensors) else tensors)
+        the engine is free; with :attr:`adapters`, the callable gives a :class:`hybridrl.lora.Adapter`),
+        in the state the engine is in (asleep after training: it loads the weights alone). ``update``:
+        they hold one more policy update (a resume's or a check's resync sends the same weights again)."""
+        call = "update_adapter" if self.adapters else "update_weights"
+        with self.lock, stage_errors(self.component, call):
+            getattr(self.engine, call)(tensors() if callable(tensors) else tensors)
             self.holds_weights = True
             if update:
                 self.updates += 1

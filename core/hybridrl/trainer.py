@@ -228,7 +228,11 @@ class Trainer:
     def sync(self, update: bool = True) -> None:
         """Send the policy's weights to the engine; ``update``: they hold a new policy update (else
         the same weights again: a resume, a resync before the first update)."""
-        self.run.session.sync(self.policy_tensors, update)
+        if self.run.session.adapters:  # the adapter alone (model.lora.sync)
+            version = self.run.session.updates + update
+            self.run.session.sync(lambda: lora.adapter(self.run.strategy, self.run.policy, version), update)
+        else:
+            self.run.session.sync(self.policy_tensors, update)
 
     @property
     def probe_prompt(self) -> list[int]:

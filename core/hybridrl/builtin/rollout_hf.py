@@ -41,6 +41,7 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
+from hybridrl import lora
 from hybridrl.builtin.hf_fast_path import (
     DecodeState,
     GraphStats,
@@ -411,6 +412,20 @@ class HFEngine(RolloutEngine):
             if name not in params:
                 raise KeyError(f"hf rollout engine: the policy sent weight '{name}', which its model does not have.")
             params[name].copy_(tensor)
+
+    def takes_adapter(self, config):
+        if self.fused_groups:
+            return "its fast path fused the projections that share an input (rollout.options.fuse_projections: off)"
+        return None
+
+    @torch.no_grad()
+    def update_adapter(self, adapter):
+        """The policy's adapter over the engine's base, unmerged: its layers injected at the first sync
+        (the decoding loops built before then are dropped: they ran the model without them)."""
+        if not lora.has_adapter(self.model):
+            self._loops.clear()
+            self._compiled_step = None
+        lora.load_adapter(self.model, adapter)
 
     def close(self):
         self.__dict__.pop("model", None)  # a second close is a no-op

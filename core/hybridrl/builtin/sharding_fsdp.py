@@ -146,10 +146,11 @@ class FSDPStrategy(ShardingStrategy):
     def input_device(self, model):
         return self.ctx.device  # parameters may sit in CPU memory (offload); compute is here
 
-    def full_tensors(self, model):
+    def full_tensors(self, model, keep=None):
         # one parameter gathered at a time: the extra memory is that of the largest tensor
         for name, t in model.state_dict().items():
-            yield name, full_tensor(t, self.ctx.device)
+            if keep is None or keep(name):  # the same names on every rank: the gathers stay in step
+                yield name, full_tensor(t, self.ctx.device)
 
     def save_model(self, model, path):
         """Gather the full weights on rank 0 (CPU) and write them as a plain HF folder there."""
