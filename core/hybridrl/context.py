@@ -75,6 +75,7 @@ class RunContext:
     responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
     passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
     training_memory: TrainingMemory | None = None  # what training keeps on a GPU beside an engine; None: CPU, eval
+    lora: Any = None  # a training run's model.lora (r, target_modules, sync): engines that take adapters prepare
 
     @property
     def is_main(self) -> bool:

@@ -101,6 +101,8 @@ def check(
             "A model folder needs its tokenizer files (tokenizer.json or the model family's, tokenizer_config.json)."
         ) from None
     ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"))
+    if train and cfg.model.lora:
+        ctx.join(lora=cfg.model.lora)
     data = None
     if train:
         data = plugins.build("dataset", cfg.data.source, cfg.data.options, ctx)

