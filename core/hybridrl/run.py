@@ -141,6 +141,9 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
         session.adapters, said = lora.choose_sync(config.model.lora, engine, parts["policy"], config.rollout.engine)
         if ctx.is_main:
             print(said, flush=True)
+        if session.adapters:  # the adapter as it starts (lora_B zero: the base), so that one the engine cannot serve
+            adapter = lora.adapter(parts["strategy"], parts["policy"], 0)  # stops the run here, not at a sync
+            session.sync(lambda: adapter, update=False)
     agent = build_agent(build, config, session, tokenizer, end_token_ids(checked.model_path, tokenizer))
     if train:
         parts["rollout"] = RolloutStage(session, parts["data"], parts["prompts"], tokenizer, config, agent)

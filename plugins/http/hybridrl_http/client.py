@@ -41,8 +41,10 @@ def post_json(
     method: str = "POST",
     max_bytes: int = MAX_REPLY_BYTES,
     limit_key: str | None = None,
+    text: bool = False,
 ):
-    """POST ``payload`` as JSON and return the decoded JSON answer.
+    """POST ``payload`` as JSON and return the decoded JSON answer (``text``: the answer's text, for
+    endpoints that answer plain text).
 
     Retries connection errors, timeouts and 5xx/429 answers ``retries`` times with
     exponential backoff; a 4xx answer fails at once with the server's message. A redirect
@@ -67,6 +69,8 @@ def post_json(
                 body = b"" if over else response.read(max_bytes + 1)
                 if over or len(body) > max_bytes:
                     raise ServiceError(too_big)
+                if text:
+                    return body.decode(errors="replace")
                 try:
                     return json.loads(body) if body else None
                 except (ValueError, RecursionError) as e:  # not JSON or UTF-8, nested too deep, an int past 4300 digits

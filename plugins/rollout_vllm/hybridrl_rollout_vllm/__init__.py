@@ -48,8 +48,7 @@ class VLLMEngine(RolloutEngine):
         self.backend.update_weights(named_tensors)
 
     def takes_adapter(self, config: dict) -> str | None:
-        takes = getattr(self.backend, "takes_adapter", None)
-        return takes(config) if takes else "a vLLM server's adapters (its /v1/load_lora_adapter) are not used yet"
+        return self.backend.takes_adapter(config)
 
     def update_adapter(self, adapter) -> None:
         self.backend.update_adapter(adapter)

@@ -4,7 +4,9 @@ Requests go to ``/v1/completions`` with token-id prompts, one request per prompt
 its own seed) sent concurrently so the server batches them. Weights reach the server through
 the file system: the engine writes the policy as safetensors into a directory the server can
 read and asks it to reload them in place (vLLM's ``/collective_rpc`` dev endpoint, method
-``reload_weights``), or, with ``server_weights: frozen``, never (the run is then off-policy).
+``reload_weights``), or, with ``server_weights: frozen``, never (the run is then off-policy). With
+``model.lora``, a server that loads adapters at runtime gets the adapter alone instead, as a new
+adapter each sync (``/v1/load_lora_adapter``), which requests name as their ``model``.
 
 The client follows no redirect (the api_key would go along), and checks every answer: n choices
 per prompt, token ids inside the policy's vocabulary, finite logprobs of at most 0 (a positive one
@@ -15,6 +17,7 @@ server, the field and the value.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
 NAME = "rollout engine 'vllm' (server mode)"
+KEPT_ADAPTERS = 2  # the latest, and the one before for what a rank may still ask of it
 LOGPROB_SLACK = 1e-4  # a log-probability is at most 0; float rounding may put one a hair above
 
 
@@ -58,11 +62,12 @@ class ServerEngine:
         # lm_head a module of its own, whose CPU GEMM copy a reload refreshes only when lm_head.weight
         # comes along, while Gemma-2 has none and refuses it (then it is left out from there on)
         self.tied_head = tied_embeddings(ctx.model_path)
+        self.adapters: list[str] = []  # the adapter versions loaded, oldest first; requests ask for the last
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         s = sampling
         base = {
-            "model": self.model,
+            "model": self.adapters[-1] if self.adapters else self.model,
             "n": s.n,
             "max_tokens": s.max_tokens,
             # explicit values everywhere: vLLM fills unset ones from the model's generation_config
@@ -132,6 +137,42 @@ class ServerEngine:
         post_json(f"{self.base}/reset_prefix_cache", None, **self.http)
         self.stats["vllm/server_reload_s"] = time.perf_counter() - start
 
+    def takes_adapter(self, config: dict) -> str | None:
+        """Where the server loads adapters at runtime (started with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): asked with a load of a folder that is not there."""
+        if self.options.server_weights == "frozen":
+            return "rollout.server_weights: frozen"
+        probe = {"lora_name": "hybridrl-probe", "lora_path": str(Path(self.weights_dir) / "no-such-adapter")}
+        try:
+            post_json(f"{self.base}/v1/load_lora_adapter", probe, **self.http | {"retries": 0, "text": True})
+        except ServiceError as e:
+            said = str(e)
+            if "HTTP 404" in said and "Not Found" in said and "lora" not in said.lower().split("load_lora_adapter")[-1]:
+                return f"{self.base} loads no adapters at runtime (start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+            if "enable" in said.lower() and "lora" in said.lower():
+                return f"{self.base} runs without LoRA (start it with --enable-lora and --max-lora-rank)"
+            return None  # the folder is not there: the server would load one that is
+        post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": "hybridrl-probe"}, **self.http, text=True)
+        return None
+
+    def update_adapter(self, adapter) -> None:
+        """The adapter, written where the server reads it, loaded under a new name (rank 0; every rank
+        asks for it by that name); the version before the one before is unloaded, its folder removed.
+        Every sync loads one: ``sync_every`` spaces out full reloads, not these."""
+        self.updates += 1
+        name = f"{Path(self.ctx.run_dir).name}-v{adapter.version}-{self.updates}"[-120:]
+        if self.ctx.rank == 0:
+            folder = adapter.save(self.weights_dir / "adapters" / name)
+            body = {"lora_name": name, "lora_path": str(folder.resolve())}
+            post_json(f"{self.base}/v1/load_lora_adapter", body, **self.http, text=True)
+        self.adapters.append(name)
+        while len(self.adapters) > KEPT_ADAPTERS:
+            old = self.adapters.pop(0)
+            if self.ctx.rank == 0:
+                post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": old}, **self.http, text=True)
+                shutil.rmtree(self.weights_dir / "adapters" / old, ignore_errors=True)
+        self.stats["vllm/adapter_mib"] = adapter.nbytes() / 2**20
+
     def _reload(self, path: Path) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}}
         post_json(f"{self.base}/collective_rpc", body, **self.http)
@@ -139,7 +180,7 @@ class ServerEngine:
     def holds_latest_weights(self) -> bool:
         """Frozen weights, or an update that sync_every skipped, leave the server on older ones."""
         o = self.options
-        return o.server_weights != "frozen" and self.updates % o.sync_every == 0
+        return bool(self.adapters) or (o.server_weights != "frozen" and self.updates % o.sync_every == 0)
 
     def sleep(self) -> None:
         """The server's memory is not this process's to hand over."""

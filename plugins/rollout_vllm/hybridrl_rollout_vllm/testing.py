@@ -38,15 +38,20 @@ def cpu_server(
     kv_cache_gib: int = 1,
     extra_args: tuple[str, ...] = (),
     timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """The server's URL once ``/health`` answers; RuntimeError with the log's tail if it does not."""
     port = free_port()
-    env = os.environ | {
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(threads),
-    }
+    env = (
+        os.environ
+        | {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(threads),
+        }
+        | (env or {})
+    )
     cmd = [
         sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_model),

@@ -462,7 +462,7 @@ def test_lora_policy_syncs_its_adapter_or_merged_weights_into_vllm(sync, model_d
     assert check.got == check.want
     if sync == "adapter":  # a new adapter each sync, the one before removed; no merged weights sent
         assert rows[-1]["vllm/adapter_mib"] > 0 and "vllm/sync_mib" not in rows[-1]
-        assert check.adapters == 3
+        assert check.adapters == 4  # the adapter as it starts, at setup, and one each step
 
 
 def test_eval_through_vllm_answers_as_the_hf_engine_does_greedily(model_dir, tmp_path, register_plugin):
