@@ -36,11 +36,6 @@ pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl
 LOGPROB_TOL = 1e-4  # float32 on both sides; measured differences are below 4e-5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
-
-
 def make_engine(model_dir, run_dir, **options):
     tok = load_tokenizer(model_dir)
     ctx = RunContext(model_dir, tok, torch.device("cpu"), torch.float32, 0, run_dir)

