@@ -24,7 +24,7 @@ def checkpoints(tmp_path_factory):
     return {arch: build_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in ARCHITECTURES}
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, "adapter", "merged"], ids=["full", "lora-adapter", "lora-merged"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_two_grpo_steps_keep_engine_and_trainer_equal(arch, lora, checkpoints, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
@@ -292,10 +292,12 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
 
 # every family, and LoRA where its merge differs (Conv1D, fused experts); a launch each: torch
 # cannot set up a second process group in a process that tore one down
-FSDP_CASES = [(arch, False) for arch in ARCHITECTURES] + [("gpt2", True), ("qwen3_moe", True)]
+FSDP_CASES = [(arch, False) for arch in ARCHITECTURES] + [("gpt2", "adapter"), ("qwen3_moe", "merged")]
 
 
-@pytest.mark.parametrize(("arch", "lora"), FSDP_CASES, ids=[f"{a}-{'lora' if lo else 'full'}" for a, lo in FSDP_CASES])
+@pytest.mark.parametrize(
+    ("arch", "lora"), FSDP_CASES, ids=[f"{a}-{lo and 'lora-' + lo or 'full'}" for a, lo in FSDP_CASES]
+)
 def test_two_grpo_steps_under_fsdp_on_two_ranks_keep_engine_and_trainer_equal(arch, lora, checkpoints, tmp_path):
     """The FSDP column: sharded over two torchrun ranks (gloo), each rank's engine taking the
     gathered weights."""
@@ -316,7 +318,7 @@ def fsdp_worker(model: str, run_dir: str, lora: str) -> None:
 
     plugins.get_plugin_manager().register(SevensPlugin(), name="sevens")
     plugins.invalidate_registry()
-    two_grpo_steps(model, Path(run_dir), lora=lora == "True", strategy="fsdp")
+    two_grpo_steps(model, Path(run_dir), lora=lora if lora != "False" else False, strategy="fsdp")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:

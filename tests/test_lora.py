@@ -196,12 +196,14 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(sync, tiny_model,
 
 
 def test_an_adapter_sync_sends_the_adapter_alone_over_the_engines_own_base(tiny_model, tmp_path, register_plugin):
-    """model.lora.sync auto with the hf engine: each sync sends the adapter's factors alone; the engine's
+    """model.lora.sync adapter with the hf engine: each sync sends the adapter's factors alone; the engine's
     base weights stay the checkpoint's (nothing merged); the adapter saved is peft's own folder."""
     from peft import PeftModel
 
     register_plugin(SevensPlugin(), name="sevens")
-    t = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
+    data = config(tiny_model, tmp_path / "run")
+    data["model"]["lora"] = LORA | {"sync": "adapter"}
+    t = Trainer(build_run(load_config(data=data)))
     assert t.run.session.adapters
     engine_model = t.run.engine.model  # the engine lets it go at the end of the run
     t.train()
@@ -239,6 +241,11 @@ def test_an_engine_that_cannot_take_adapters_gets_merged_weights_and_says_why(
     data["model"]["lora"] = LORA | {"sync": "adapter"}
     with pytest.raises(ConfigError, match=r"model.lora.sync is 'adapter', but rollout engine 'hf' cannot take"):
         build_run(load_config(data=data))
+    del data["rollout"]["fuse_projections"]
+    data["model"]["lora"] = LORA  # auto on the CPU: merged, the faster there (BENCHMARKS.md)
+    run = build_run(load_config(data=data))
+    run.close()
+    assert not run.session.adapters and "(on the CPU the unmerged adapter costs more" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

