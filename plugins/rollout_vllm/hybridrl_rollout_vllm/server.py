@@ -147,9 +147,9 @@ class ServerEngine:
             post_json(f"{self.base}/v1/load_lora_adapter", probe, **self.http | {"retries": 0, "text": True})
         except ServiceError as e:
             said = str(e)
-            if "HTTP 404" in said and "Not Found" in said and "lora" not in said.lower().split("load_lora_adapter")[-1]:
+            if '"detail":"NotFound"' in said.replace(" ", ""):  # the web framework's answer: no such route
                 return f"{self.base} loads no adapters at runtime (start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
-            if "enable" in said.lower() and "lora" in said.lower():
+            if "--enable-lora" in said:  # vLLM's 'LoRA is not enabled. Use --enable-lora to enable LoRA.'
                 return f"{self.base} runs without LoRA (start it with --enable-lora and --max-lora-rank)"
             return None  # the folder is not there: the server would load one that is
         post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": "hybridrl-probe"}, **self.http, text=True)
