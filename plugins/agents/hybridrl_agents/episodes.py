@@ -20,8 +20,11 @@ from hybridrl.agents import observation_ids
 
 def comparable(m: dict) -> dict:
     """What of a message must be the same for a call to continue an earlier one: not the ids of
-    tool calls (the harness's bookkeeping), the rest as sent."""
+    tool calls (the harness's bookkeeping), nor the whitespace around an answer's text (smolagents
+    and others trim it; the trajectory keeps the sampled ids), the rest as sent."""
     out = {k: v for k, v in m.items() if k not in ("tool_call_id", "tool_calls")}
+    if m.get("role") == "assistant" and isinstance(m.get("content"), str):
+        out["content"] = m["content"].strip()
     if m.get("tool_calls"):
         out["tool_calls"] = [c["function"] for c in m["tool_calls"]]
     return out

@@ -133,6 +133,25 @@ def test_a_rewritten_history_forks_a_new_branch(parts):
     assert t.info["untrained_tokens"] == len(first) > 0
 
 
+def test_a_reply_sent_back_trimmed_or_padded_continues_the_episode(parts):
+    tok, ctx, engine, loop = parts
+
+    def trimming(task):  # smolagents and others keep the model's text stripped in their memory
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        messages = [{"role": "user", "content": task.prompt}]
+        reply = client.chat.completions.create(model="any", messages=messages)
+        said = " " + reply.choices[0].message.content.strip() + "\n\n"  # never what was sampled
+        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "and?"}]
+        client.chat.completions.create(model="any", messages=messages)
+
+    make_env(ctx, loop, trimming)
+    engine.calls.clear()
+    out, (t,) = loop.run([[0]], [{"q": "trimmed"}], [[{"role": "user", "content": "Hi"}]], sampling(n=1))
+    assert t.info["calls"] == 2 and t.info["forks"] == 0 and t.info["untrained_tokens"] == 0
+    first = engine.calls[0][1].token_ids[0]  # the trajectory keeps the ids sampled, not the harness's text
+    assert t.ids[: len(first)] == first and t.sampled[: len(first)] == [1] * len(first)
+
+
 def test_tool_calls_come_back_in_openais_shape_and_continue_the_episode(parts):
     tok, ctx, engine, loop = parts
     gateway = Gateway(loop, HermesParser(None, None), HarnessEnvironment.Options(callable="os:getcwd"), "tiny")
