@@ -301,3 +301,91 @@ def test_target_modules_that_match_nothing_list_the_layers(tiny_model, tmp_path,
     data["model"]["lora"] = {"target_modules": ["query", "value"]}
     with pytest.raises(ConfigError, match=r"match no layer of LlamaForCausalLM. Its linear layers are named: .*q_proj"):
         build_run(load_config(data=data))
+
+
+def saved_adapter(model_path, folder, r=4, targets=("q_proj", "v_proj", "up_proj"), seed=0):
+    """A peft adapter folder as users bring one (peft's own save_pretrained), its factors random."""
+    import peft
+
+    torch.manual_seed(seed)
+    base = load_causal_lm(model_path, torch.float32, torch.device("cpu"))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_a_run_starts_from_a_peft_adapter_folder_as_peft_loads_it(sync, tiny_model, tmp_path, register_plugin):
+    import peft
+
+    register_plugin(SevensPlugin(), name="sevens")
+    folder = saved_adapter(tiny_model, tmp_path / "adapter", r=8)
+    data = config(tiny_model, tmp_path / "run")
+    data["model"]["lora"] = {"path": str(folder), "sync": sync}  # rank, alpha and targets come from the folder
+    t = Trainer(build_run(load_config(data=data)))
+    loaded = peft.PeftModel.from_pretrained(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), folder)
+    batch = fixed_batch(t.run.tokenizer, [[3, 5], [4, 2]])
+    with torch.no_grad():
+        want, _ = response_logprobs(loaded, batch.input_ids, batch.attention_mask, 5)
+        got, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 5)
+        base, _ = response_logprobs(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")),
+                                    batch.input_ids, batch.attention_mask, 5)  # fmt: skip
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-6, rtol=1e-6)
+    assert (got[mask] - base[mask]).abs().max() > 1e-3  # the folder's adapter is in, not a fresh one
+    assert lora.adapter_config(t.run.policy)["r"] == 8
+    t.train()  # and it trains on from there, the engine sampling with the folder's adapter from the first step
+    first, last = metrics(tmp_path / "run")[0], metrics(tmp_path / "run")[-1]
+    assert last["step"] == 2 and first["rollout/logprob_diff_max"] < 1e-4
+
+
+def other_base(tmp_path):
+    from hybridrl.testing import build_tiny_model
+
+    return str(build_tiny_model(tmp_path / "wider", hidden=96))
+
+
+def edit_config(folder, **changes):
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    return folder
+
+
+BAD_FOLDERS = {  # each case and the line that says what is wrong
+    "another base": r"q_proj.lora_A.weight has 96 inputs where this model's layer has 64: it was trained on another",
+    "wrong rank": r"lora_A.weight has rank 4 where its adapter_config.json says 8",
+    "targets the base lacks": r"target_modules of the adapter in .* \['query'\] match no layer of LlamaForCausalLM",
+    "fewer targets than tensors": r"adapts 4 layers that this model does not have \(first: model.layers.0.mlp.up_proj",
+    "pickled weights": r"no adapter_model.safetensors \(adapter_model.bin is pickled: loading it could run code",
+    "not a folder": r"has no adapter_config.json: it must be a peft adapter folder",
+    "DoRA": r"uses DoRA",
+    "a rank of its own": r"model.lora.r is 16 but the adapter in .* has 4: leave model.lora.r out",
+}
+
+
+def bad_folder(case, tiny_model, tmp_path):
+    if case == "another base":
+        return saved_adapter(other_base(tmp_path), tmp_path / "a")
+    if case == "not a folder":
+        return tmp_path / "nothing"
+    folder = saved_adapter(tiny_model, tmp_path / "a")
+    if case == "pickled weights":
+        (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+    changes = {"wrong rank": {"r": 8}, "targets the base lacks": {"target_modules": ["query"]},
+               "fewer targets than tensors": {"target_modules": ["q_proj"]}, "DoRA": {"use_dora": True}}  # fmt: skip
+    return edit_config(folder, **changes.get(case, {}))
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_an_adapter_folder_that_does_not_fit_is_one_line_before_any_step(case, tiny_model, tmp_path, register_plugin):
+    register_plugin(SevensPlugin(), name="sevens")
+    folder = bad_folder(case, tiny_model, tmp_path)
+    data = config(tiny_model, tmp_path / "run")
+    data["model"]["lora"] = {"path": str(folder)} | ({"r": 16} if case == "a rank of its own" else {})
+    with pytest.raises(ConfigError, match=BAD_FOLDERS[case]) as e:
+        build_run(load_config(data=data))
+    assert "\n" not in str(e.value) and not (tmp_path / "run" / "metrics.jsonl").exists()

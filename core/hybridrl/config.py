@@ -63,9 +63,9 @@ class ModelConfig(Strict):
     )
     lora: LoraOptions | None = Field(
         None,
-        description="Train LoRA adapters instead of every weight (peft): {r, alpha, dropout, target_modules}. The "
-        "reference policy is the base model with the adapters off; engines receive the adapter alone or merged "
-        "weights (model.lora.sync).",
+        description="Train LoRA adapters instead of every weight (peft): {r, alpha, dropout, target_modules, path, "
+        "sync}. The reference policy is the base model with the adapters off; engines receive the adapter alone or "
+        "merged weights (model.lora.sync).",
     )
     dropout: bool = Field(
         False,

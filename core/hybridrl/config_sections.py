@@ -42,6 +42,11 @@ class LoraOptions(Strict):
         description="Layers that get adapters: names (q_proj, v_proj, ...) or 'all-linear' (every linear layer "
         "but the output layer).",
     )
+    path: str | None = Field(
+        None,
+        description="A peft adapter folder (adapter_config.json, adapter_model.safetensors) to start from: its rank, "
+        "alpha and target modules are the folder's, and its tensors must fit the base model.",
+    )
     sync: Literal["auto", "adapter", "merged"] = Field(
         "auto",
         description="What a weight sync sends the engine: the adapter alone, over the engine's frozen base, or the "

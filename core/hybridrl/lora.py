@@ -42,11 +42,11 @@ def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
     from transformers.pytorch_utils import Conv1D
 
     peft = import_peft()
+    saved = read_folder(options) if options.path else {}
     config = peft.LoraConfig(
-        r=options.r,
-        lora_alpha=options.alpha,
+        **{"r": options.r, "lora_alpha": options.alpha, "target_modules": options.target_modules}
+        | {k: v for k, v in saved.get("config", {}).items() if k in FROM_FOLDER},
         lora_dropout=options.dropout,
-        target_modules=options.target_modules,
         # GPT-2's Conv1D stores its weight (in, out): peft sets this per layer anyway, with a warning
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
@@ -59,12 +59,87 @@ def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
             raise
         kinds = (torch.nn.Linear, Conv1D)
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)})
+        named = f"the target_modules of the adapter in {saved['where']}" if saved else "model.lora.target_modules"
+        targets = saved["config"]["target_modules"] if saved else options.target_modules
         raise ConfigError(
-            f"model.lora.target_modules {options.target_modules!r} match no layer of {type(model).__name__}. Its "
+            f"{named} {targets!r} match no layer of {type(model).__name__}. Its "
             f"linear layers are named: {', '.join(linear)} (or use 'all-linear')."
         ) from None
     adapted_layers(wrapped)
+    if saved:
+        load_folder(wrapped, options.path, saved)
     return wrapped
+
+
+# what of a peft adapter folder's config the policy's adapter takes; the rest must keep its default
+FROM_FOLDER = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules", "rank_pattern": None,
+               "alpha_pattern": None, "use_rslora": None, "layers_to_transform": None,
+               "layers_pattern": None}  # fmt: skip
+UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "bias": "trained biases"}
+
+
+def read_folder(options) -> dict:
+    """The config and tensor shapes of the adapter folder ``model.lora.path``, read without loading a
+    tensor; one clear line for what is not a LoRA folder hybridrl can start from."""
+    from safetensors import safe_open
+
+    where = f"model.lora.path '{options.path}'"
+    folder = Path(options.path).expanduser()
+    weights = folder / "adapter_model.safetensors"
+    if not (folder / "adapter_config.json").is_file():
+        raise ConfigError(f"{where} has no adapter_config.json: it must be a peft adapter folder (save_pretrained, "
+                          "or hybridrl export of a LoRA run's checkpoint)")  # fmt: skip
+    if not weights.is_file():
+        pickled = " (adapter_model.bin is pickled: loading it could run code, so it is never read)"
+        pickled = pickled if weights.with_suffix(".bin").is_file() else ""
+        raise ConfigError(f"{where} has no adapter_model.safetensors{pickled}; save it with safetensors "
+                          "(peft's save_pretrained does by default)")  # fmt: skip
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        with safe_open(str(weights), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{where} cannot be read: {e}") from None
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{where} holds a {config.get('peft_type')} adapter; hybridrl trains LoRA adapters")
+    found = [say for key, say in UNSUPPORTED.items() if config.get(key) not in (None, False, [], "none")]
+    if found:
+        raise ConfigError(f"{where} uses {', '.join(found)}, which hybridrl's LoRA does not train or sync")
+    for key, option in FROM_FOLDER.items():
+        mine = getattr(options, option) if option else None
+        if option in options.model_fields_set and key in config and mine != config[key]:
+            raise ConfigError(f"model.lora.{option} is {mine!r} but the adapter in {where} has {config[key]!r}: "
+                              f"leave model.lora.{option} out (it comes from the folder)")  # fmt: skip
+    return {"config": config, "shapes": shapes, "where": where}
+
+
+def load_folder(model: torch.nn.Module, path: str, saved: dict) -> None:
+    """The folder's tensors into the policy's adapter, after checking each fits: the same layers,
+    their sizes (another base model otherwise) and the rank its config names."""
+    from safetensors.torch import load_file
+
+    where, base = saved["where"], saved["config"].get("base_model_name_or_path") or "unknown"
+    params = {saved_name(n): p for n, p in model.named_parameters() if adapted_layer_of(n)}
+    extra, missing = sorted(set(saved["shapes"]) - set(params)), sorted(set(params) - set(saved["shapes"]))
+    if extra or missing:
+        first = (extra or missing)[0].removeprefix(PEFT_PREFIX)
+        layers = {n.rsplit(".lora_", 1)[0] for n in extra or missing}
+        said = f"adapts {len(layers)} layers" if extra else f"lacks {len(layers)} of the layers its targets name"
+        raise ConfigError(f"{where} {said} that this model does not have (first: {first}): it was trained "
+                          f"on another base model ({base}) or other target modules")  # fmt: skip
+    for name, p in params.items():
+        shape, role = saved["shapes"][name], "B" if "lora_B" in name or "embedding_B" in name else "A"
+        if shape == tuple(p.shape):
+            continue
+        rank, size = (shape[1], shape[0]) if role == "B" else (shape[0], shape[1])
+        want_rank, want_size = (p.shape[1], p.shape[0]) if role == "B" else (p.shape[0], p.shape[1])
+        why = (f"rank {rank} where its adapter_config.json says {want_rank}" if size == want_size
+               else f"{size} {'outputs' if role == 'B' else 'inputs'} where this model's layer has {want_size}: it was "
+               f"trained on another base model ({base})")  # fmt: skip
+        raise ConfigError(f"{where}: {name.removeprefix(PEFT_PREFIX)} has {why}")
+    with torch.no_grad():
+        for name, tensor in load_file(str(Path(path).expanduser() / "adapter_model.safetensors")).items():
+            params[name].copy_(tensor)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -52,6 +52,9 @@ class Trainer:
         self.signals = StopSignals()
         self.pm = plugins.get_plugin_manager()
         self.probes = StepProbes()  # what a step measures beside its stages (garbage collection, compiling)
+        lora_options = run.config.model.lora
+        if lora_options and lora_options.path and not run.session.adapters:  # the engine holds the bare base
+            self.sync(update=False)
         self.prefetch = make_prefetcher(run.config, run.session, self.collect, run.ctx.is_main)
 
     @property
