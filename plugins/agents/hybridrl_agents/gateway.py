@@ -49,7 +49,9 @@ class Gateway:
         self.sampling: SamplingParams | None = None  # the rollout call's: set by open_call
         self.token = token or secrets.token_urlsafe(32)  # the harnesses' OPENAI_API_KEY
         self.started = time.time()
-        self.batcher = Batcher(self._generate, options.batch_requests)
+        self.pending = 0  # the rollout's episodes not finished: each may send a call, concurrency of them at once
+        callers = lambda: min(self.pending, options.concurrency)  # noqa: E731
+        self.batcher = Batcher(self._generate, options.batch_requests, options.batch_wait_s, callers)
         self.http = make_server(self)
         self.thread = threading.Thread(target=self.http.serve_forever, name="hybridrl-gateway", daemon=True)
         self.thread.start()
@@ -74,6 +76,9 @@ class Gateway:
     def finish(self, episode: Episode) -> None:
         """No more calls: a late one of a harness that outlived its episode gets 409."""
         with episode.lock:
+            if not episode.closed:
+                with self.lock:
+                    self.pending = max(self.pending - 1, 0)
             episode.closed = True
 
     def forget(self, episode: Episode) -> None:

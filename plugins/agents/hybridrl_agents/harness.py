@@ -71,6 +71,12 @@ class HarnessOptions(Options):
     env: dict[str, str] = Field(default_factory=dict, description="More environment variables for the command.")
     max_calls: int = Field(64, gt=0, description="Most calls of one episode; more get 429.")
     batch_requests: int = Field(64, gt=0, description="Most requests answered by one engine call.")
+    batch_wait_s: float = Field(
+        0.05,
+        ge=0,
+        description="Seconds an engine call may wait after its first request for the running episodes' next ones; it "
+        "goes at once when each running episode has a request in, or batch_requests are in.",
+    )
     max_request_bytes: int = Field(4 << 20, gt=0, description="Largest request body the gateway reads.")
     keep_episodes: int = Field(10_000, gt=0, description="Finished episodes kept for an exact resume.")
 
@@ -167,6 +173,10 @@ class HarnessEnvironment(Environment):
                 out[index] = stored_trajectory(stored)
             else:
                 work.append((index, key))
+        batcher = self.gateway.batcher
+        before = batcher.calls, batcher.rows
+        with self.gateway.lock:
+            self.gateway.pending = len(work)  # an engine call waits for their calls (batch_wait_s)
         with cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="hybridrl-harness") as pool:
             futures = {pool.submit(self._episode, i, rows[i // n], messages[i // n], sampling, loop): (i, key)
                        for i, key in work}  # fmt: skip
@@ -180,6 +190,9 @@ class HarnessEnvironment(Environment):
                     self.gateway.forget(episode)
                 out[index] = t
         episodes = [out[i] for i in range(len(rows) * n)]
+        calls, prompts = batcher.calls - before[0], batcher.rows - before[1]
+        for t in episodes:  # the rollout's engine calls: fewer and fuller is faster (batch_wait_s)
+            t.info["engine_calls"], t.info["engine_call_rows"] = calls, prompts / max(calls, 1)
         self.succeeded = self.succeeded or any(t.state["lost"] is None for t in episodes)
         if not self.succeeded:  # nothing has worked yet: the harness, not the policy, is at fault
             raise RuntimeError(

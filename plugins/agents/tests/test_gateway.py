@@ -86,12 +86,13 @@ def rebuild(tok, engine, t):
 
 def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(parts):
     tok, ctx, engine, loop = parts
-    env = make_env(ctx, loop, three_calls)
+    env = make_env(ctx, loop, three_calls, batch_wait_s=60)  # each engine call waits for every episode's call
     engine.calls.clear()
     rows = [{"question": "2 + 3"}, {"question": "4 + 4"}]
     chats = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "What is 4 + 4?"}]]
     out, trajectories = loop.run([[0], [0]], rows, chats, sampling())
     assert len(trajectories) == 4
+    assert {(t.info["engine_calls"], t.info["engine_call_rows"]) for t in trajectories} == {(3, 4)}  # a call a turn
     for t, ids, mask in zip(trajectories, out.token_ids, out.sampled_masks):
         assert t.info["calls"] == 3 and t.info["forks"] == 0 and not t.state["lost"] and t.info["untrained_tokens"] == 0
         assert (ids, mask) == rebuild(tok, engine, t)  # token for token, and which are sampled

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 
 class Batcher:
@@ -13,8 +14,13 @@ class Batcher:
     together (up to ``size`` prompts), each prompt with its own seed, each request cut to its own
     ``max_tokens`` (the first k tokens of a sample, with their logprobs, are a sample of k tokens)."""
 
-    def __init__(self, generate, size: int):
+    def __init__(self, generate, size: int, wait_s: float = 0.0, callers=None):
+        """``callers()``: how many callers may send a request, each one at a time (the agent gateway's
+        running episodes): an engine call waits up to ``wait_s`` after its first request for theirs,
+        and goes as soon as each has one in; without it, the requests waiting at that moment go."""
         self.generate, self.size, self.queue = generate, size, queue.Queue()
+        self.wait_s, self.callers = wait_s, callers
+        self.calls = self.rows = 0  # engine calls made, prompts they answered
         self.thread = threading.Thread(target=self._loop, name="hybridrl-engine-calls", daemon=True)
         self.thread.start()
 
@@ -29,15 +35,22 @@ class Batcher:
 
     def _loop(self) -> None:
         while (first := self.queue.get()) is not None:
-            items = [first]
-            while sum(len(i["prompts"]) for i in items) < self.size and not self.queue.empty():
-                item = self.queue.get()
+            items, deadline = [first], time.monotonic() + self.wait_s
+            while sum(len(i["prompts"]) for i in items) < self.size:
+                if self.callers is not None and len(items) >= self.callers():
+                    break  # every caller is waiting: nobody else will send
+                left = deadline - time.monotonic()
+                try:
+                    item = self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait()
+                except queue.Empty:
+                    break
                 if item is None:
                     self.queue.put(None)
                     break
                 items.append(item)
             try:
                 prompts = [p for i in items for p in i["prompts"]]
+                self.calls, self.rows = self.calls + 1, self.rows + len(prompts)
                 seeds = [s for i in items for s in i["seeds"]]
                 answers = self.generate(prompts, seeds, max(i["max_tokens"] for i in items))
                 for item in items:
