@@ -184,14 +184,17 @@ def summarize(side: str, rows: list[dict], wall: float, started: float | None = 
 
 
 def run_side(args, side: str, workdir: Path, index: int = 0, logs: Path | None = None) -> dict:
-    """One side in a process of its own; its whole output goes to ``logs``/INDEX-SIDE.log when given."""
+    """One side in a process of its own; its whole output goes to ``logs``/INDEX-SIDE.log when given,
+    written as it runs (a side cut short by a time limit leaves what it printed)."""
     run_dir = workdir / f"{index}-{side}"  # a side named twice runs twice (the second with warm caches)
+    (logs or workdir).mkdir(parents=True, exist_ok=True)
+    log = (logs or workdir) / f"{index}-{side}.log"
     start, started = time.perf_counter(), time.time()
     if side.startswith("trl"):
         cmd = [sys.executable, __file__, "--trl-side", side, "--data", args.data, "--model", args.model,
                "--gguf", args.gguf or "", "--steps", str(args.steps), "--prompts", str(args.prompts),
                "--n", str(args.n), "--max-tokens", str(args.max_tokens), "--run-dir", str(run_dir)]  # fmt: skip
-        proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
+        cmd += ["--smoke"] if args.smoke else []
     else:
         path = workdir / f"{index}-{side}.json"
         path.write_text(json.dumps(config(args, side, run_dir)))
@@ -199,15 +202,14 @@ def run_side(args, side: str, workdir: Path, index: int = 0, logs: Path | None =
         plugins = ["algo_grpo"] + ([engine] if engine else []) + (["http", "agents"] if side == "hf-agent" else [])
         code = RUNNER.format(bench=str(ROOT / "benchmarks"), config=str(path), plugins=plugins)
         code = UNFROZEN + code if side.endswith("-unfrozen") else code
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if logs is not None:
-        logs.mkdir(parents=True, exist_ok=True)
-        (logs / f"{index}-{side}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"side": side, "error": proc.stderr[-3000:]}
+        cmd = [sys.executable, "-c", code]
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall, output = time.perf_counter() - start, log.read_text()
+    if rc != 0:
+        return {"side": side, "error": output[-3000:]}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summarize(side, rows, wall, started) | {"setup_log": setup_lines(proc.stdout + proc.stderr)}
+    return summarize(side, rows, wall, started) | {"setup_log": setup_lines(output)}
 
 
 def setup_lines(log: str, keep: int = 80) -> list[str]:

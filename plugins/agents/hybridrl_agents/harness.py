@@ -74,8 +74,8 @@ class HarnessOptions(Options):
     batch_wait_s: float = Field(
         0.05,
         ge=0,
-        description="Seconds an engine call may wait after its first request for the running episodes' next ones; it "
-        "goes at once when each running episode has a request in, or batch_requests are in.",
+        description="Seconds an engine call waits for the running episodes' next request while they keep coming (20x "
+        "in all); it goes at once when each running episode has a request in, or batch_requests are in.",
     )
     max_request_bytes: int = Field(4 << 20, gt=0, description="Largest request body the gateway reads.")
     keep_episodes: int = Field(10_000, gt=0, description="Finished episodes kept for an exact resume.")

@@ -8,6 +8,9 @@ import threading
 import time
 
 
+GAPS = 20  # an engine call waits at most this many wait_s for callers that keep sending
+
+
 class Batcher:
     """One thread calls the engine, ``generate(prompts, seeds, max_tokens)`` -> one answer dict
     (``ids``, ``logprobs``, ``finish_reason``, ...) per prompt: requests that wait are sampled
@@ -16,8 +19,9 @@ class Batcher:
 
     def __init__(self, generate, size: int, wait_s: float = 0.0, callers=None):
         """``callers()``: how many callers may send a request, each one at a time (the agent gateway's
-        running episodes): an engine call waits up to ``wait_s`` after its first request for theirs,
-        and goes as soon as each has one in; without it, the requests waiting at that moment go."""
+        running episodes): an engine call waits for theirs while they keep coming (``wait_s`` at most
+        between two, 20 x ``wait_s`` in all), and goes as soon as each has one in; without it, the
+        requests waiting at that moment go."""
         self.generate, self.size, self.queue = generate, size, queue.Queue()
         self.wait_s, self.callers = wait_s, callers
         self.calls = self.rows = 0  # engine calls made, prompts they answered
@@ -35,7 +39,8 @@ class Batcher:
 
     def _loop(self) -> None:
         while (first := self.queue.get()) is not None:
-            items, deadline = [first], time.monotonic() + self.wait_s
+            items, start = [first], time.monotonic()
+            deadline = start + self.wait_s
             while sum(len(i["prompts"]) for i in items) < self.size:
                 if self.callers is not None and len(items) >= self.callers():
                     break  # every caller is waiting: nobody else will send
@@ -48,6 +53,7 @@ class Batcher:
                     self.queue.put(None)
                     break
                 items.append(item)
+                deadline = min(time.monotonic() + self.wait_s, start + GAPS * self.wait_s)
             try:
                 prompts = [p for i in items for p in i["prompts"]]
                 self.calls, self.rows = self.calls + 1, self.rows + len(prompts)

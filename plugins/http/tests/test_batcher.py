@@ -45,7 +45,7 @@ def test_a_call_waits_for_every_running_caller_and_goes_when_each_has_one_in():
     assert calls == [[[1], [2], [3]]] and batcher.calls == 1 and sorted(answers) == [1, 2, 3]
 
 
-def test_a_caller_that_never_sends_holds_a_call_no_longer_than_wait_s():
+def test_a_caller_that_never_sends_holds_a_call_no_longer_than_wait_s_after_the_last():
     calls = []
     batcher = Batcher(engine(calls), size=8, wait_s=0.5, callers=lambda: 3)
     answers = staggered(batcher, [1, 2], gap_s=0.05)  # the third caller sends nothing
@@ -59,3 +59,11 @@ def test_a_full_call_goes_without_waiting_for_the_rest():
     staggered(batcher, [1, 2, 3, 4], gap_s=0.1)
     batcher.close()
     assert calls[0] == [[1], [2]] and sum(len(c) for c in calls) == 4
+
+
+def test_callers_that_keep_sending_are_waited_for_past_wait_s():
+    calls = []
+    batcher = Batcher(engine(calls), size=8, wait_s=1.0, callers=lambda: 4)
+    staggered(batcher, [1, 2, 3], gap_s=0.6)  # 1.2 s from the first to the third; the fourth never sends
+    batcher.close()
+    assert calls == [[[1], [2], [3]]]
