@@ -27,6 +27,8 @@ requires a temperature > 0.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 
 COMPONENT = "sglang rollout engine"
+LOGPROB_SLACK = 1e-4  # a log-probability is at most 0; float rounding may put one a hair above
 
 
 class SGLangOutputError(RuntimeError):
@@ -135,6 +138,15 @@ def parse_output(item: dict, row: int = 0) -> tuple[list[int], list[float], str]
         logprob, token = entry[0], entry[1]
         if logprob is None:
             raise SGLangOutputError(f"{where}: token {k} ({token}) has no logprob.")
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise SGLangOutputError(f"{where}: token {k} is {str(token)[:50]}, not a token id.")
+        if isinstance(logprob, bool) or not isinstance(logprob, numbers.Real) or not math.isfinite(logprob):
+            raise SGLangOutputError(f"{where}: token {k} ({token}) has logprob {str(logprob)[:50]}, not a number.")
+        if logprob > LOGPROB_SLACK:
+            raise SGLangOutputError(
+                f"{where}: token {k} ({token}) has logprob {logprob:g}, above 0: not a log-probability (a server "
+                "returning logits, or a proxy rewriting them). hybridrl needs SGLang's own return_logprob values."
+            )
         ids.append(int(token))
         logprobs.append(float(logprob))
     output_ids = [int(t) for t in item.get("output_ids", ids)]

@@ -6,6 +6,7 @@ token; over HTTP they are lists, with ``text``, and a trimmed stop token when ``
 is false.
 """
 
+import numpy as np
 import pytest
 import torch
 from hybridrl_rollout_sglang import protocol
@@ -128,6 +129,20 @@ def test_parse_errors_name_the_problem():
     no_lp["meta_info"]["output_token_logprobs"][1][0] = None
     with pytest.raises(SGLangOutputError, match="token 1 \\(12\\) has no logprob"):
         protocol.parse_output(no_lp)
+    bad_logprobs = {0.7: "logprob 0.7, above 0: not a log-probability", float("nan"): "logprob nan, not a number",
+                    "-1.0": "logprob -1.0, not a number"}  # fmt: skip
+    for bad, said in bad_logprobs.items():
+        item = length_output()
+        item["meta_info"]["output_token_logprobs"][2][0] = bad
+        with pytest.raises(SGLangOutputError, match=f"token 2 \\(13\\) has {said}"):
+            protocol.parse_output(item)
+    item = length_output()
+    item["meta_info"]["output_token_logprobs"][0][1] = -5
+    with pytest.raises(SGLangOutputError, match="token 0 is -5, not a token id"):
+        protocol.parse_output(item)
+    item = length_output()  # numpy's numbers, as an engine in the process may give them, are numbers
+    item["meta_info"]["output_token_logprobs"][0][:2] = [np.float32(-1.0), np.int64(11)]
+    assert protocol.parse_output(item)[:2] == ([11, 12, 13, 14], [-1.0, -1.5, -0.25, -3.0])
     with pytest.raises(SGLangOutputError, match="returned 1 outputs for 2 requests"):
         protocol.to_rollout_output([length_output()], expected=2)
 
