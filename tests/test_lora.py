@@ -318,21 +318,24 @@ def saved_adapter(model_path, folder, r=4, targets=("q_proj", "v_proj", "up_proj
     return folder
 
 
-@pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_a_run_starts_from_a_peft_adapter_folder_as_peft_loads_it(sync, tiny_model, tmp_path, register_plugin):
+@pytest.mark.parametrize(("arch", "sync"), [("llama", "adapter"), ("llama", "merged"), ("gpt2", "adapter")])
+def test_a_run_starts_from_a_peft_adapter_folder_as_peft_loads_it(arch, sync, tiny_model, tmp_path, register_plugin,
+                                                                     request):  # fmt: skip
     import peft
 
     register_plugin(SevensPlugin(), name="sevens")
-    folder = saved_adapter(tiny_model, tmp_path / "adapter", r=8)
-    data = config(tiny_model, tmp_path / "run")
+    model = tiny_model if arch == "llama" else request.getfixturevalue("tiny_gpt2")  # GPT-2: Conv1D layers
+    targets = ("q_proj", "v_proj", "up_proj") if arch == "llama" else ("c_attn", "c_fc")
+    folder = saved_adapter(model, tmp_path / "adapter", r=8, targets=targets)
+    data = config(model, tmp_path / "run")
     data["model"]["lora"] = {"path": str(folder), "sync": sync}  # rank, alpha and targets come from the folder
     t = Trainer(build_run(load_config(data=data)))
-    loaded = peft.PeftModel.from_pretrained(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), folder)
+    loaded = peft.PeftModel.from_pretrained(load_causal_lm(model, torch.float32, torch.device("cpu")), folder)
     batch = fixed_batch(t.run.tokenizer, [[3, 5], [4, 2]])
     with torch.no_grad():
         want, _ = response_logprobs(loaded, batch.input_ids, batch.attention_mask, 5)
         got, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 5)
-        base, _ = response_logprobs(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")),
+        base, _ = response_logprobs(load_causal_lm(model, torch.float32, torch.device("cpu")),
                                     batch.input_ids, batch.attention_mask, 5)  # fmt: skip
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-6, rtol=1e-6)
