@@ -100,3 +100,20 @@ def stays_awake(share: float, ctx) -> tuple[bool, str]:
         + ("a quarter of the GPU or more" if room >= AWAKE_ROOM * total else "less than a quarter of the GPU")
     )
     return room >= AWAKE_ROOM * total, why
+
+
+def lora_plan(ctx, engine: str) -> tuple[dict, str | None]:
+    """For an engine that serves LoRA adapters through its own LoRA support: the model's
+    config.json, and why the run will not sync adapters to it (None: it may; the engine checks
+    the rest)."""
+    import json
+    from pathlib import Path
+
+    if ctx.lora is None:
+        return {}, "the run trains no adapters"
+    if ctx.lora.sync == "merged":
+        return {}, "model.lora.sync: merged"
+    config = json.loads((Path(ctx.model_path) / "config.json").read_text())
+    if any(config.get(k) for k in ("num_local_experts", "num_experts")):
+        return config, f"adapters of mixture-of-experts models are not served through {engine}'s LoRA here yet"
+    return config, None

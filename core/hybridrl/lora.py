@@ -72,10 +72,18 @@ def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
 
 
 # what of a peft adapter folder's config the policy's adapter takes; the rest must keep its default
-FROM_FOLDER = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules", "rank_pattern": None,
-               "alpha_pattern": None, "use_rslora": None, "layers_to_transform": None,
-               "layers_pattern": None}  # fmt: skip
+FROM_FOLDER = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}  # and model.lora's options
+FROM_FOLDER |= dict.fromkeys(("rank_pattern", "alpha_pattern", "use_rslora", "layers_to_transform", "layers_pattern"))
 UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "bias": "trained biases"}
+
+
+def planned_adapter(options) -> tuple[int, list[str]]:
+    """The largest rank and the target modules (["all"] for all-linear) the run's adapter will have,
+    before the policy is built: the options', or ``model.lora.path``'s; for engines to start with."""
+    config = json.loads((Path(options.path).expanduser() / "adapter_config.json").read_text()) if options.path else {}
+    rank = max([config.get("r", options.r), *(config.get("rank_pattern") or {}).values()])
+    targets = config.get("target_modules", options.target_modules)
+    return rank, ["all"] if targets == "all-linear" else [targets] if isinstance(targets, str) else sorted(targets)
 
 
 def read_folder(options) -> dict:

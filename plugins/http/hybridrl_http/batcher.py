@@ -7,7 +7,6 @@ import queue
 import threading
 import time
 
-
 GAPS = 20  # an engine call waits at most this many wait_s for callers that keep sending
 
 

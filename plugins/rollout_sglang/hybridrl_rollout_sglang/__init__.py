@@ -170,6 +170,8 @@ class SGLangEngine(RolloutEngine):
             )
         self.backend = Server(options, ctx) if options.base_url else InProcess(options, ctx)
         self.version = 0
+        self.adapter: str | None = None  # the name the policy's adapter is served under (model.lora.sync)
+        self.adapter_loads = 0
 
     @classmethod
     def check_launch(cls, options, ctx) -> None:
@@ -215,7 +217,10 @@ class SGLangEngine(RolloutEngine):
         request = protocol.generate_request(
             prompts, sampling, self.stop_ids, stop_in_engine=o.stop_in_engine, per_request_seed=o.per_request_seed
         )
-        items = self.backend.generate_many(protocol.split_request(request, o.batch_size))
+        requests = protocol.split_request(request, o.batch_size)
+        for r in requests if self.adapter else ():  # every prompt asks for the policy's adapter
+            r["lora_path"] = [self.adapter] * len(r["input_ids"])
+        items = self.backend.generate_many(requests)
         decode = self.ctx.tokenizer.decode if sampling.stop else None
         return protocol.to_rollout_output(items, len(request["input_ids"]), sampling.stop, decode)
 
@@ -224,6 +229,15 @@ class SGLangEngine(RolloutEngine):
         bucket_bytes = int(self.options.update_bucket_mb * 2**20)
         buckets = weight_buckets(named_tensors, bucket_bytes, skip=self.skip, drop_aliases=True)
         self.backend.update_weights(buckets, self.version)
+
+    def takes_adapter(self, config: dict) -> str | None:
+        return self.backend.adapter_refusal(config)
+
+    def update_adapter(self, adapter) -> None:
+        self.adapter_loads += 1  # a new name each sync: SGLang caches an adapter by its name
+        name = f"{adapter.name}-v{adapter.version}-{self.adapter_loads}"
+        self.backend.update_adapter(adapter, name)
+        self.adapter = name
 
     def sleep(self) -> None:
         self.backend.sleep()

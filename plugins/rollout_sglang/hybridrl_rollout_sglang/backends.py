@@ -26,6 +26,7 @@ from hybridrl_http.client import ServiceError, get_json, post_json
 
 from hybridrl.engines import stays_awake
 from hybridrl.models import load_model_config
+from hybridrl_rollout_sglang.adapters import checked, load_in_process, lora_kwargs, refusal, server_refusal
 from hybridrl_rollout_sglang.protocol import COMPONENT
 
 ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
@@ -98,6 +99,19 @@ class Backend:
             self.released.discard("weights")
         self._load(buckets, version)
         self.weights_lost = False
+
+    def update_adapter(self, adapter, name: str) -> None:
+        """Serve ``adapter`` (:class:`hybridrl.lora.Adapter`) under ``name`` from now on, the one before unloaded."""
+        if "weights" in self.released:  # kept (weights_cpu_backup) or never released: adapters need the base
+            self._resume(["weights"])
+            self.released.discard("weights")
+        self._load_adapter(adapter, name)
+
+    def _load_adapter(self, adapter, name: str) -> None:
+        raise NotImplementedError
+
+    def adapter_refusal(self, config: dict) -> str | None:
+        return "it loads full weights only"
 
     def wake_up(self) -> None:
         if not self.released:
@@ -174,6 +188,7 @@ def engine_kwargs(options, ctx) -> dict:
         kwargs["port"] = 30000 + 100 * ctx.local_rank
         kwargs["nccl_port"] = 30050 + 100 * ctx.local_rank
     own = set(kwargs) - {"port", "nccl_port", "cuda_graph_max_bs_decode"}  # engine_kwargs may set these
+    kwargs |= lora_kwargs(ctx)[0]  # SGLang's LoRA, where the run syncs adapters (engine_kwargs may change it)
     clash = sorted(set(options.engine_kwargs) & (own | {"model_path", "random_seed"}))
     if clash:
         raise ValueError(
@@ -231,7 +246,10 @@ class InProcess(Backend):
                 flush=True,
             )
         sglang = import_sglang()
-        kwargs = engine_kwargs(options.model_copy(update={"enable_memory_saver": self.can_release}), ctx)
+        update = {"enable_memory_saver": self.can_release}
+        if lora_kwargs(ctx)[0] and self.can_release and self.release_weights and not self.cpu_backup:
+            update["weights_cpu_backup"] = self.cpu_backup = True  # adapter syncs never send the base again
+        kwargs = engine_kwargs(options.model_copy(update=update), ctx)
         try:
             self.engine = sglang.Engine(**kwargs)
         except Exception as e:
@@ -243,6 +261,21 @@ class InProcess(Backend):
             ) from e
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(options.dtype)
         self.gc_frozen = False
+        self.lora, self.lora_why = kwargs, lora_kwargs(ctx)[1]
+        self.adapter: str | None = None  # the name SGLang serves the policy's adapter under
+        self.folder: Path | None = None  # adapters as peft folders, where SGLang cannot take tensors
+
+    def adapter_refusal(self, config):
+        if not self.lora.get("enable_lora"):
+            return self.lora_why or "engine_kwargs turned LoRA off"
+        if self.can_release and self.release_weights and not self.cpu_backup:
+            return ("release_weights drops the base weights while the policy trains, and adapter syncs never send them "
+                    "again (set rollout.weights_cpu_backup: true or release_weights: false)")  # fmt: skip
+        return refusal(config, self.lora.get("max_lora_rank"), self.lora.get("lora_target_modules"))
+
+    def _load_adapter(self, adapter, name):
+        self.folder = load_in_process(self.engine, adapter, name, self.adapter, self.folder)
+        self.adapter = name
 
     def _generate(self, request):
         out = self.engine.generate(**request)
@@ -292,6 +325,8 @@ class InProcess(Backend):
 
     def shutdown(self):
         self.engine.shutdown()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # -- server ------------------------------------------------------------------------------------
@@ -309,6 +344,7 @@ class Server(Backend):
         self.model_path = ctx.model_path
         self.weights_dir = Path(options.weights_dir or ctx.run_dir / "sglang_weights").absolute()
         self.current: Path | None = None
+        self.adapter: str | None = None  # the name the server serves the policy's adapter under
         try:
             info = get_json(f"{self.url}/get_model_info", **self._http())
         except ServiceError as e:
@@ -373,6 +409,22 @@ class Server(Backend):
         if self.current is not None and self.current != folder:
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = folder
+
+    def adapter_refusal(self, config):
+        if self.can_release:
+            return "release_memory_on_sleep may drop the server's base weights, which adapter syncs never send again"
+        return server_refusal(get_json(f"{self.url}/get_server_info", **self._http()), config)
+
+    def _load_adapter(self, adapter, name):
+        """peft's folder under weights_dir/adapters, loaded by the server under ``name``; the one before unloaded."""
+        folder = adapter.save(self.weights_dir / "adapters" / name)
+        seen = Path(self.options.server_weights_dir) / "adapters" / name if self.options.server_weights_dir else folder
+        checked(self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(seen)}), self.component,
+                f"loading adapter {name} from {seen}")  # fmt: skip
+        if self.adapter is not None:
+            self._post("/unload_lora_adapter", {"lora_name": self.adapter})
+            shutil.rmtree(self.weights_dir / "adapters" / self.adapter, ignore_errors=True)
+        self.adapter = name
 
     def _release(self, tags):
         self._post("/release_memory_occupation", {} if tags is None else {"tags": tags})

@@ -7,12 +7,19 @@ temperature-scaled probability) and answers in SGLang's output format. Two faces
 
 - ``sglang_server``: an HTTP server on 127.0.0.1 with the subset of SGLang's native API the
   plugin uses (``/generate``, ``/get_model_info``, ``/health``, ``/update_weights_from_disk``,
-  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``), status codes
-  and bodies as in ``sglang/srt/entrypoints/http_server.py``;
+  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``, and LoRA's
+  ``/get_server_info``, ``/load_lora_adapter``, ``/unload_lora_adapter``), status codes and bodies
+  as in ``sglang/srt/entrypoints/http_server.py``;
 - ``sglang_module``: a stand-in ``sglang`` module whose ``Engine`` has the signatures of
   ``sglang.Engine`` (``generate``, ``update_weights_from_tensor``, ``update_weights_from_disk``,
-  ``release_memory_occupation``, ``resume_memory_occupation``, ``shutdown``), including the
-  calls that worked with SGLang 0.5.17 on a GPU.
+  ``release_memory_occupation``, ``resume_memory_occupation``, ``shutdown``, and LoRA's
+  ``load_lora_adapter``, ``load_lora_adapter_from_tensors``, ``unload_lora_adapter``), including
+  the calls that worked with SGLang 0.5.17 on a GPU.
+
+LoRA as SGLang serves it (``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``): adapters
+loaded under a name, from a peft folder or tensors, refused when LoRA is off, their rank above the
+maximum or a target outside the modules given; a request names its adapter in ``lora_path``, an
+unknown name is an error. The fake computes ``W + (alpha / r) B A`` for the call's adapter.
 
 Released weights are overwritten with noise, as SGLang's memory saver (without a CPU backup)
 gives back memory whose content is lost; loading weights or generating into released memory
@@ -21,7 +28,9 @@ is an error, where the real engine would crash.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -51,7 +60,8 @@ ENGINE_KEYS = {
     "enable_memory_saver", "log_level", "context_length", "attention_backend", "base_gpu_id",
     "cuda_graph_max_bs_decode", "cuda_graph_max_bs", "enable_deterministic_inference", "disable_cuda_graph",
     "enable_weights_cpu_backup", "trust_remote_code", "port", "nccl_port",
-}  # fmt: skip
+} | {"enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch"}  # fmt: skip
+LORA_KEYS = ("enable_lora", "max_lora_rank", "lora_target_modules")
 TAGS = {"weights", "kv_cache", "cuda_graph"}
 # what SGLang takes from generation_config.json for the fields a request leaves out, with its default
 # --sampling-defaults model (sglang/srt/configs/model_config.py, get_default_sampling_params)
@@ -83,9 +93,11 @@ class ContractSGLang:
         self.cpu_backup = cpu_backup  # enable_weights_cpu_backup: released weights come back on resume
         self.backup: dict[str, torch.Tensor] | None = None
         self.calls: list[tuple] = []  # (name, detail) of every call, in order
+        self.lora: dict = {}  # enable_lora, max_lora_rank, lora_target_modules as the engine started
+        self.adapters: dict[str, tuple[dict, dict]] = {}  # name -> (peft config, tensors)
 
     # -- generation ------------------------------------------------------------------------
-    def generate(self, input_ids, sampling_params=None, return_logprob=False, **extra) -> list[dict] | dict:
+    def generate(self, input_ids, sampling_params=None, return_logprob=False, lora_path=None) -> list[dict] | dict:
         if input_ids is None:
             raise ValueError("Either text, input_ids or input_embeds should be provided.")
         single = bool(input_ids) and isinstance(input_ids[0], int)
@@ -102,12 +114,75 @@ class ContractSGLang:
                 raise ValueError(f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True.")
             if p.get("n", 1) != 1 or p.get("min_p", 0) or p.get("repetition_penalty", 1) != 1:
                 raise NotImplementedError("the contract fake implements n=1, min_p=0 and no penalties")
+        names = set(lora_path if isinstance(lora_path, list) else [lora_path])
+        if len(names) > 1:
+            raise NotImplementedError("the contract fake serves one adapter (or none) a call")
+        name = names.pop()
+        if name is not None and name not in self.adapters:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
         with self.lock:
             if self.released & {"kv_cache", "weights"}:
                 raise RuntimeError(f"generate with released memory {sorted(self.released)}")
-            self.calls.append(("generate", len(rows)))
-            out = self._generate([list(r) for r in rows], params, return_logprob)
+            self.calls.append(("generate", len(rows)) + ((name,) if name else ()))
+            with self._adapted(name):
+                out = self._generate([list(r) for r in rows], params, return_logprob)
         return out[0] if single else out
+
+    # -- LoRA (sglang/srt/lora, 0.5.x) -------------------------------------------------------
+    def load_adapter(self, name: str, config: dict, tensors: dict) -> dict:
+        """load_lora_adapter(_from_tensors): LoRAUpdateOutput's fields."""
+        if not self.lora.get("enable_lora"):
+            return self._lora_result(False, "LoRA is not enabled. Launch the server with --enable-lora.")
+        if name in self.adapters:
+            return self._lora_result(False, f"LoRA adapter {name} is already loaded.")
+        rank = max(t.shape[0] for k, t in tensors.items() if ".lora_A." in k)
+        if rank > (self.lora.get("max_lora_rank") or 0):
+            return self._lora_result(False, f"LoRA rank {rank} exceeds max_lora_rank {self.lora.get('max_lora_rank')}.")
+        modules = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors}
+        allowed = self.lora.get("lora_target_modules") or []
+        if "all" not in allowed and not modules <= set(allowed):
+            return self._lora_result(False, f"LoRA target modules {sorted(modules - set(allowed))} are not enabled.")
+        with self.lock:
+            self.calls.append(("load_lora_adapter", name))
+            self.adapters[name] = (dict(config), {k: v.detach().float().clone() for k, v in tensors.items()})
+        return self._lora_result(True, "")
+
+    def unload_adapter(self, name: str) -> dict:
+        with self.lock:
+            if self.adapters.pop(name, None) is None:
+                return self._lora_result(False, f"LoRA adapter {name} is not loaded.")
+            self.calls.append(("unload_lora_adapter", name))
+        return self._lora_result(True, "")
+
+    def _lora_result(self, success: bool, message: str) -> dict:
+        return {"success": success, "error_message": message, "loaded_adapters": {n: n for n in self.adapters}}
+
+    @contextlib.contextmanager
+    def _adapted(self, name):
+        """The model with ``name``'s adapter added to its weights for one call."""
+        from transformers.pytorch_utils import Conv1D
+
+        if name is None:
+            yield
+            return
+        config, tensors = self.adapters[name]
+        modules, saved = dict(self.model.named_modules()), []
+        with torch.no_grad():
+            for key, a in tensors.items():
+                if ".lora_A." not in key:
+                    continue
+                module = modules[key.removeprefix("base_model.model.").split(".lora_A.")[0]]
+                b, r = tensors[key.replace(".lora_A.", ".lora_B.")], a.shape[0]
+                alpha = config.get("lora_alpha", r)
+                delta = (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r) * (b @ a)
+                saved.append((module.weight, module.weight.detach().clone()))
+                module.weight.add_(delta.T if isinstance(module, Conv1D) else delta)  # Conv1D stores (in, out)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for weight, before in saved:
+                    weight.copy_(before)
 
     @torch.no_grad()
     def _generate(self, rows, params, return_logprob):
@@ -289,15 +364,16 @@ class ContractEngine:
             with_tokenizer=not kwargs["skip_tokenizer_init"],
             cpu_backup=kwargs.get("enable_weights_cpu_backup", False),
         )
+        self.core.lora = {k: kwargs[k] for k in LORA_KEYS if k in kwargs}
         self.tensor_calls: list[tuple[list[str], bool]] = []
         self.is_shutdown = False
         self.gc_freezes = 0
         ContractEngine.last = self
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, **kwargs):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, lora_path=None, **kw):
         if prompt is not None:
             raise NotImplementedError("the contract engine takes input_ids")
-        out = self.core.generate(input_ids, sampling_params, return_logprob)
+        out = self.core.generate(input_ids, sampling_params, return_logprob, lora_path)
         # in-process outputs hold tuples, as SGLang's do
         return out
 
@@ -310,6 +386,15 @@ class ContractEngine:
     def update_weights_from_disk(self, model_path, load_format=None):
         ok, message = self.core.load_from_disk(model_path)
         return ok, message, 0
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        return types.SimpleNamespace(**self.core.load_adapter(lora_name, *read_adapter_folder(lora_path)))
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
+        return types.SimpleNamespace(**self.core.load_adapter(lora_name, config_dict, dict(tensors)))
+
+    def unload_lora_adapter(self, lora_name):
+        return types.SimpleNamespace(**self.core.unload_adapter(lora_name))
 
     def release_memory_occupation(self, tags=None):
         self.core.release(tags)
@@ -396,6 +481,9 @@ class ContractHandler(BaseHTTPRequestHandler):
         core = self.server.core
         if self.path == "/health":
             self._send(200, b"")
+        elif self.path == "/get_server_info":
+            self._send(200, {"model_path": core.model_path, "enable_lora": False, "max_lora_rank": None,
+                             "lora_target_modules": None, **core.lora, "version": "0.5.17-contract"})  # fmt: skip
         elif self.path == "/get_model_info":
             self._send(
                 200,
@@ -422,8 +510,15 @@ class ContractHandler(BaseHTTPRequestHandler):
             if self.path == "/generate":
                 if body.get("stream"):
                     raise NotImplementedError("the contract server does not stream")
-                out = core.generate(body.get("input_ids"), body.get("sampling_params"), body.get("return_logprob"))
+                keys = ("input_ids", "sampling_params", "return_logprob", "lora_path")
+                out = core.generate(*(body.get(k) for k in keys))
                 self._send(200, out)
+            elif self.path in ("/load_lora_adapter", "/unload_lora_adapter"):
+                if self.path == "/load_lora_adapter":
+                    result = core.load_adapter(body["lora_name"], *read_adapter_folder(body["lora_path"]))
+                else:
+                    result = core.unload_adapter(body["lora_name"])
+                self._send(200 if result["success"] else 400, result)
             elif self.path == "/update_weights_from_disk":
                 ok, message = core.load_from_disk(body["model_path"])
                 self._send(200 if ok else 400, {"success": ok, "message": message, "num_paused_requests": 0})
@@ -439,6 +534,17 @@ class ContractHandler(BaseHTTPRequestHandler):
                 self._send(404, {"detail": "Not Found"})
         except (ValueError, KeyError, TypeError, NotImplementedError) as e:
             self._send(400, {"error": {"message": str(e)}})
+
+
+def read_adapter_folder(path) -> tuple[dict, dict]:
+    """A peft adapter folder as SGLang's LoRA loader reads it: its config and safetensors."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"Failed to load LoRA adapter: no adapter_config.json in {path}")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return config, load_file(str(folder / "adapter_model.safetensors"))
 
 
 @pytest.fixture

@@ -14,11 +14,13 @@ policy while its ``lora_B`` factors are zero.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from hybridrl.engines import lora_plan
+from hybridrl.lora import planned_adapter
 
 NAME = "rollout engine 'vllm'"
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
@@ -26,26 +28,24 @@ RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank v
 
 def lora_kwargs(ctx, sleep_level) -> tuple[dict, str | None]:
     """vLLM's LoRA options for a run that syncs adapters (``ctx.lora``), and why not where it cannot."""
-    lora = ctx.lora
-    if lora is None:
-        return {}, "the run trains no adapters"
-    if lora.sync == "merged":
-        return {}, "model.lora.sync: merged"
+    config, why = lora_plan(ctx, "vLLM")
+    if not config:  # no adapters, or merged ones
+        return {}, why
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
-    config = json.loads((Path(ctx.model_path) / "config.json").read_text())
     arch = (config.get("architectures") or ["its architecture"])[0]
     cls = ModelRegistry._try_load_model_cls(arch) if arch in ModelRegistry.get_supported_archs() else None
     if cls is None or not supports_lora(cls):
         return {}, f"vLLM's {arch} has no LoRA support"
-    if any(config.get(k) for k in ("num_local_experts", "num_experts")):
-        return {}, "adapters of mixture-of-experts models are not served through vLLM's LoRA here yet"
+    if why is not None:
+        return {}, why
     if sleep_level == 2:
         return {}, "sleep_level 2 drops the base weights, which adapter syncs never send again (sleep_level: 1)"
-    rank = next((r for r in RANKS if r >= lora.r), None)
+    planned = planned_adapter(ctx.lora)[0]
+    rank = next((r for r in RANKS if r >= planned), None)
     if rank is None:
-        return {}, f"vLLM serves adapters up to rank {RANKS[-1]} (model.lora.r is {lora.r})"
+        return {}, f"vLLM serves adapters up to rank {RANKS[-1]} (the adapter's is {planned})"
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 2}, None
 
 
