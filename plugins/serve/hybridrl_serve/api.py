@@ -128,6 +128,8 @@ def make_server(server, host: str, port: int, token: str | None, options, allow:
     api = Api(server, options)
 
     class Handler(OpenAIHandler):
+        public = frozenset({("GET", "/health")})  # a load balancer's or supervisor's probe needs no token
+
         def routes(self):
             return {key: self.noting_param(route) for key, route in api.routes().items()}
 

@@ -237,6 +237,10 @@ def test_a_token_is_required_off_localhost_and_checked_when_set(serving, tiny_mo
     # ... while the others behind the same address (a proxy) are served
     assert ask(s.url, token="s3cret")["policy_version"] == 0
     assert post(s.url, "/v1/chat/completions", {"messages": []}, "guess")[0] == 429
+    with urllib.request.urlopen(s.url + "/health") as r:  # a probe needs no token, the status does
+        assert json.loads(r.read())["status"] == "ok"
+    with pytest.raises(urllib.error.HTTPError, match="HTTP Error 4(01|29)"):
+        urllib.request.urlopen(s.url + "/v1/status")
 
 
 def test_requests_over_the_rate_limit_get_429(serving):
