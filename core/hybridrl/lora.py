@@ -72,7 +72,7 @@ def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
 
 
 # what of a peft adapter folder's config the policy's adapter takes; the rest must keep its default
-FROM_FOLDER = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}  # and model.lora's options
+FROM_FOLDER = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}  # key: the option it sets
 FROM_FOLDER |= dict.fromkeys(("rank_pattern", "alpha_pattern", "use_rslora", "layers_to_transform", "layers_pattern"))
 UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "bias": "trained biases"}
 
@@ -122,8 +122,7 @@ def read_folder(options) -> dict:
 
 
 def load_folder(model: torch.nn.Module, path: str, saved: dict) -> None:
-    """The folder's tensors into the policy's adapter, after checking each fits: the same layers,
-    their sizes (another base model otherwise) and the rank its config names."""
+    """The folder's tensors into the policy's adapter, each checked: its layer, its size, its rank."""
     from safetensors.torch import load_file
 
     where, base = saved["where"], saved["config"].get("base_model_name_or_path") or "unknown"
@@ -132,9 +131,10 @@ def load_folder(model: torch.nn.Module, path: str, saved: dict) -> None:
     if extra or missing:
         first = (extra or missing)[0].removeprefix(PEFT_PREFIX)
         layers = {n.rsplit(".lora_", 1)[0] for n in extra or missing}
-        said = f"adapts {len(layers)} layers" if extra else f"lacks {len(layers)} of the layers its targets name"
-        raise ConfigError(f"{where} {said} that this model does not have (first: {first}): it was trained "
-                          f"on another base model ({base}) or other target modules")  # fmt: skip
+        said = (f"adapts {len(layers)} layers that this model does not have" if extra
+                else f"has no tensors for {len(layers)} layers its target modules name in this model")  # fmt: skip
+        raise ConfigError(f"{where} {said} (first: {first}): it was trained on another base model ({base}) or "
+                          "with other target modules")  # fmt: skip
     for name, p in params.items():
         shape, role = saved["shapes"][name], "B" if "lora_B" in name or "embedding_B" in name else "A"
         if shape == tuple(p.shape):
