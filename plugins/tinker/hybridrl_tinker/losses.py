@@ -1,0 +1,203 @@
+"""The built-in losses of Tinker's ``forward_backward``, as pure functions on the tensors of one datum.
+
+Each function takes ``target_logprobs``, the logprobs of the datum's ``target_tokens`` under the
+weights being trained (what the server computes in the forward pass), and the datum's
+``loss_fn_inputs`` aligned with it position by position, and returns the scalar loss as Tinker
+defines it: the token losses summed over the datum, never averaged. The gradient flows through
+``target_logprobs`` alone: the sampler's logprobs, the advantages and the weights are data.
+
+Source of every formula: https://tinker-docs.thinkingmachines.ai/losses (the page that the Tinker
+Cookbook's ``rl/train.py`` cites) and its per-loss pages under
+https://tinker-docs.thinkingmachines.ai/tinker/losses/. ``gspo`` and ``stable_reinforce`` are not
+here yet (docs/tinker.md says why).
+
+:func:`loss` is the entry a server calls: it looks the loss up by the name the client sent, checks
+the datum's inputs and the request's ``loss_fn_config``, and fills in the documented defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def _check_shapes(name: str, target_logprobs: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every input has the shape of ``target_logprobs``: no silent broadcasting across positions."""
+    if not isinstance(target_logprobs, torch.Tensor) or not target_logprobs.is_floating_point():
+        raise ValueError(f"loss {name!r}: target_logprobs must be a floating-point torch tensor")
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"loss {name!r}: {key} must be a torch tensor, got {type(value).__name__}")
+        if value.shape != target_logprobs.shape:
+            raise ValueError(
+                f"loss {name!r}: {key} has shape {tuple(value.shape)} but target_logprobs has "
+                f"{tuple(target_logprobs.shape)}; every loss_fn_input is aligned with the target positions"
+            )
+
+
+def _ratio(target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor) -> torch.Tensor:
+    """p_theta(x) / q(x) per token, with the sampler's logprobs as data."""
+    return torch.exp(target_logprobs - sampling_logprobs.detach())
+
+
+def _check_thresholds(name: str, clip_low_threshold: float, clip_high_threshold: float) -> None:
+    if clip_low_threshold > clip_high_threshold:
+        raise ValueError(
+            f"loss {name!r}: clip_low_threshold {clip_low_threshold} is above clip_high_threshold {clip_high_threshold}"
+        )
+
+
+def cross_entropy(target_logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted negative log-likelihood: ``-sum_t w_t * log p_theta(x_t)``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/losses and
+    https://tinker-docs.thinkingmachines.ai/tinker/losses/cross-entropy. ``weights`` may be any floats,
+    negative ones included (the SDK's ``forward_backward_custom`` sends ``weights = -dLoss/dlogprobs``).
+    Shapes ``(N,)`` and, for top-K distillation, ``(N, K)``: the sum runs over every element.
+    """
+    _check_shapes("cross_entropy", target_logprobs, weights=weights)
+    return -(target_logprobs * weights.detach()).sum()
+
+
+def importance_sampling(
+    target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE with an importance ratio: ``-sum_t (p_theta(x_t) / q(x_t)) * A_t``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/losses (section importance_sampling).
+    ``sampling_logprobs`` is the datum's ``logprobs`` input (log q, recorded by the sampler).
+    """
+    _check_shapes("importance_sampling", target_logprobs, logprobs=sampling_logprobs, advantages=advantages)
+    return -(_ratio(target_logprobs, sampling_logprobs) * advantages.detach()).sum()
+
+
+def ppo(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low_threshold: float = 0.8,
+    clip_high_threshold: float = 1.2,
+) -> torch.Tensor:
+    """Token-wise clipped PPO: ``-sum_t min(r_t * A_t, clip(r_t, low, high) * A_t)``, ``r_t = p_theta / q``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/tinker/losses/ppo (and /losses). The thresholds
+    bound the ratio itself, not epsilon; the docs fix epsilon_low = epsilon_high = 0.2, so the
+    defaults are 1 - 0.2 and 1 + 0.2. A token whose clipped term is the smaller one gets no gradient.
+    """
+    _check_shapes("ppo", target_logprobs, logprobs=sampling_logprobs, advantages=advantages)
+    _check_thresholds("ppo", clip_low_threshold, clip_high_threshold)
+    ratio, advantages = _ratio(target_logprobs, sampling_logprobs), advantages.detach()
+    clipped = torch.clamp(ratio, clip_low_threshold, clip_high_threshold)
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
+def cispo(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low_threshold: float = 0.0,
+    clip_high_threshold: float = 4.0,
+) -> torch.Tensor:
+    """Clipped-ratio policy gradient: ``-sum_t sg(clip(r_t, low, high)) * log p_theta(x_t) * A_t``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/tinker/losses/cispo. The clipped ratio is a
+    stop-gradient coefficient, so every token keeps a gradient (``-sg(clip(r_t)) * A_t``). Defaults:
+    the docs' one-sided clip, no lower bound (0.0) and an upper one of 4.0.
+    """
+    _check_shapes("cispo", target_logprobs, logprobs=sampling_logprobs, advantages=advantages)
+    _check_thresholds("cispo", clip_low_threshold, clip_high_threshold)
+    coefficient = torch.clamp(_ratio(target_logprobs, sampling_logprobs), clip_low_threshold, clip_high_threshold)
+    return -(coefficient.detach() * target_logprobs * advantages.detach()).sum()
+
+
+def dro(
+    target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """Direct reward optimization: ``-sum_t (log p_theta(x_t) * A_t - beta / 2 * (log p_theta(x_t) - log q(x_t))^2)``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/tinker/losses/dro (and /losses). The docs give no
+    default for ``beta``, so it has none here: :func:`loss` asks for it in ``loss_fn_config``.
+    """
+    _check_shapes("dro", target_logprobs, logprobs=sampling_logprobs, advantages=advantages)
+    log_ratio = target_logprobs - sampling_logprobs.detach()
+    return -(target_logprobs * advantages.detach() - 0.5 * beta * log_ratio**2).sum()
+
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}
+
+# The loss_fn_inputs each loss needs, as the docs list them; after target_tokens (which the server
+# turns into target_logprobs) the rest are the function's tensor arguments in order.
+INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+}
+
+# The loss_fn_config keys each loss accepts, with their defaults (None: required, no documented default).
+CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},
+}
+
+# the shapes the docs allow: (N,) everywhere, (N, K) for cross_entropy's top-K distillation
+NDIMS: dict[str, tuple[int, ...]] = {name: (1, 2) if name == "cross_entropy" else (1,) for name in LOSSES}
+
+
+def _options(name: str, config: Mapping[str, Any]) -> dict[str, float]:
+    """The loss's keyword arguments: the request's loss_fn_config over the documented defaults."""
+    accepted = CONFIG[name]
+    unknown = sorted(set(config) - set(accepted))
+    if unknown:
+        takes = ", ".join(accepted) if accepted else "none"
+        raise ValueError(f"loss {name!r} does not take loss_fn_config {', '.join(unknown)}; it accepts: {takes}")
+    options = {}
+    for key, default in accepted.items():
+        value = config.get(key, default)
+        if value is None:
+            raise ValueError(f"loss {name!r} needs loss_fn_config {key}: the Tinker docs give it no default")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"loss {name!r}: loss_fn_config {key} must be a number, got {value!r}")
+        options[key] = float(value)
+    return options
+
+
+def loss(
+    name: str, target_logprobs: torch.Tensor, inputs: Mapping[str, Any], config: Mapping[str, Any] | None = None
+) -> torch.Tensor:
+    """The loss ``name`` of one datum: ``inputs`` is its loss_fn_inputs, ``config`` the request's loss_fn_config.
+
+    Checks what the client sent before computing: the loss name, the inputs the loss needs (other
+    keys are left alone), the config keys it accepts, and that every input has the shape of
+    ``target_logprobs``; each failure is a ValueError that says what to send instead. Inputs may be
+    tensors, numpy arrays or lists; float inputs take ``target_logprobs``' dtype and device.
+    """
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; the built-in losses are: {', '.join(LOSSES)}")
+    needed = INPUTS[name]
+    missing = [key for key in needed if key not in inputs]
+    if missing:
+        raise ValueError(f"loss {name!r} is missing loss_fn_inputs {', '.join(missing)}; it needs: {', '.join(needed)}")
+    options = _options(name, config or {})
+    if not isinstance(target_logprobs, torch.Tensor) or target_logprobs.dim() not in NDIMS[name]:
+        shapes = " or ".join(f"{n}-D" for n in NDIMS[name])
+        got = tuple(target_logprobs.shape) if isinstance(target_logprobs, torch.Tensor) else type(target_logprobs)
+        raise ValueError(f"loss {name!r}: target_logprobs must be a {shapes} torch tensor, got {got}")
+    target_tokens = torch.as_tensor(inputs["target_tokens"])
+    _check_shapes(name, target_logprobs, target_tokens=target_tokens)
+    tensors = [
+        torch.as_tensor(inputs[key], dtype=target_logprobs.dtype, device=target_logprobs.device) for key in needed[1:]
+    ]
+    return LOSSES[name](target_logprobs, *tensors, **options)
