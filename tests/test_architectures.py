@@ -295,6 +295,7 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
 FSDP_CASES = [(arch, False) for arch in ARCHITECTURES] + [("gpt2", "adapter"), ("qwen3_moe", "merged")]
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     ("arch", "lora"), FSDP_CASES, ids=[f"{a}-{lo and 'lora-' + lo or 'full'}" for a, lo in FSDP_CASES]
 )

@@ -232,6 +232,7 @@ def test_no_checkpoint_that_loads_is_one_error_listing_each(tiny_model, run, tmp
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.torchrun
 def test_two_torchrun_ranks_skip_the_same_damaged_fsdp_checkpoints(tiny_model, tmp_path):
     """Step 4's .metadata carries a pickle payload, step 3's rank-1.pt another, each with meta.json
     rewritten to match (so the readers are what refuse them); step 2 lost the end of rank 1's shard.

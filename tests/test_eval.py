@@ -303,6 +303,7 @@ def test_the_eval_command_reports_a_checkpoint_the_base_model_and_a_folder(tiny_
     assert base_report["sets"]["held"]["metrics"]["score"] == before["eval/held/score"]
 
 
+@pytest.mark.torchrun
 def test_the_eval_command_splits_a_set_over_torchrun_ranks_and_gathers_it(tiny_model, tmp_path, capsys):
     cfg = config(tiny_model, tmp_path / "run", [HELD_OUT | {"size": 7}, SAMPLED | {"rewards": None}])
     cfg["rewards"] = [{"function": "format", "pattern": "7"}]

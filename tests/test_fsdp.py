@@ -20,6 +20,8 @@ from hybridrl import devices, distributed
 from hybridrl.batch import Batch, even_out
 from hybridrl.testing import fixed_batch, small_model, torchrun
 
+pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
+
 LR = 0.5  # SGD in the equality test: the update is linear in the gradient, so any scale error shows
 
 # One optimizer step on a fixed batch, three ways to aggregate and shard. Rank 0 takes groups 0-1

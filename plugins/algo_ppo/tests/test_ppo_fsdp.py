@@ -14,11 +14,14 @@ import io
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybridrl import distributed
 from hybridrl.batch import even_out
 from hybridrl.testing import fixed_batch, torchrun
+
+pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
 
 LR = 0.5  # SGD: the update is linear in the gradient, so any scale error shows
 LENGTHS = [[2, 3, 4, 2], [3, 2, 4, 3], [10, 12, 11, 9], [12, 10, 9, 11]]  # rank 0: groups 0-1, rank 1: 2-3

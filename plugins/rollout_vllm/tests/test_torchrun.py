@@ -25,6 +25,8 @@ pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl
 from hybridrl.hookspecs import hookimpl  # noqa: E402
 from hybridrl.testing import SevensPlugin, hf_greedy, torchrun  # noqa: E402
 
+pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
+
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 30, 40, 50, 60]]
 
 
