@@ -94,7 +94,8 @@ def config(args, model_dir: str, workdir: Path) -> dict:
         "model": model,
         "data": {"source": "bench_sums", "size": 4096},
         "rollout": {"engine": args.engine, "n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True}
-        | (VLLM if args.engine == "vllm" else {}),
+        | (VLLM if args.engine == "vllm" else {})
+        | json.loads(args.engine_options or "{}"),
         "rewards": [{"function": "even_tokens"}],
         "algorithm": {"name": "grpo", "kl_coef": args.kl},
         "sharding": json.loads(args.sharding),
@@ -211,6 +212,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="responses per forward/backward")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha is 2r)")
+    p.add_argument("--engine-options", default=None, help='JSON of engine options in the rollout section, e.g. {"fuse_projections": false}')
     p.add_argument("--sync", choices=("auto", "adapter", "merged"), default="auto", help="model.lora.sync")
     p.add_argument("--kl", type=float, default=0.04, help="algorithm.kl_coef (0: no reference model)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-4 with LoRA, 1e-6 without")
