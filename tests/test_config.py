@@ -99,8 +99,16 @@ def test_bad_value_names_the_key():
 
 
 def test_missing_rewards():
-    with pytest.raises(ConfigError, match="Missing required key 'rewards'"):
-        load_config(data={"model": {"path": "x"}})
+    """A run with data needs a reward, said before any model is looked for; one without (hybridrl tinker) does not."""
+    from hybridrl import preflight
+    from hybridrl.models import ModelNotFoundError
+
+    with pytest.raises(ConfigError, match=r"rewards: the run scores its responses with at least one"):
+        preflight.check(load_config(data={"model": {"path": "x"}, "data": BASE["data"]}))
+    with pytest.raises(ConfigError, match=r"data.source is null: a training run needs its prompts"):
+        preflight.check(load_config(data=BASE | {"model": {"path": "x"}, "data": {"source": None}}))
+    with pytest.raises(ModelNotFoundError, match="model.path 'x' does not exist"):  # past both: the model's check
+        preflight.check(load_config(data={"model": {"path": "x"}, "data": {"source": None}}), data=False)
 
 
 def test_duplicate_reward_names_are_rejected():

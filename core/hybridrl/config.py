@@ -76,7 +76,9 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Section):
-    source: str = Field("hf", description="Prompt source plugin.")
+    source: str | None = Field(
+        "hf", description="Prompt source plugin; null: none (prompts come from elsewhere: hybridrl tinker)."
+    )
     prompt_column: str = Field(
         "auto",
         description="Row field holding the prompt: text (through data.template) or a list of chat messages; a dotted "
@@ -204,7 +206,9 @@ class RunConfig(Strict):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    rewards: list[RewardConfig] = Field(min_length=1)
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="The reward functions; every run with data needs one (docs/rewards.md)."
+    )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -357,7 +361,7 @@ def component_sections(cfg: RunConfig):
         if k.many:
             for i, item in enumerate(section):
                 yield kind, f"{k.section}[{i}]", item, getattr(item, k.key)
-        else:
+        elif getattr(section, k.key) is not None:  # data.source: null (a run without data)
             yield kind, k.section, section, getattr(section, k.key)
     for i, s in enumerate(cfg.data.eval):  # held-out sets: a prompt source each, and maybe rewards of their own
         yield "dataset", f"data.eval[{i}]", s, s.source

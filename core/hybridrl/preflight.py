@@ -72,14 +72,14 @@ class Checked:
     evaluation: Evaluation  # the data.eval sets, built and checked
 
 
-def check(
-    cfg: RunConfig, device: torch.device | None = None, run_dir: Path | None = None, *, train: bool = True
-) -> Checked:
+def check(cfg: RunConfig, device: torch.device | None = None, run_dir: Path | None = None, *, train=True, data=True):
     """Run every check of ``cfg`` that needs no model on ``device`` (default: trainer.device's);
     ``run_dir``: the run's folder (default: trainer.run_dir, where set). ``train``: for a training run;
-    False for evaluation alone (``hybridrl eval``: no training data, no trained model)."""
+    False for evaluation alone (``hybridrl eval``: no training data, no trained model). ``data``: False
+    for a training run whose prompts come from elsewhere (prompts of up to data.max_prompt_tokens)."""
     device = device if device is not None else run_device(cfg)
     run_dir = run_dir if run_dir is not None else Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else None
+    check_sources(cfg, train, data)
     check_model_path(cfg.model.path, cfg.model.gguf_file)
     check_component_models(cfg)
     if train:
@@ -103,13 +103,15 @@ def check(
     ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"))
     if train and cfg.model.lora:
         ctx.join(lora=cfg.model.lora)
-    data = None
-    if train:
-        data = plugins.build("dataset", cfg.data.source, cfg.data.options, ctx)
-        check_columns(data, cfg)
-        longest = longest_prompt(data, cfg.data, tokenizer)
+    source = None
+    if train and not data:
+        ctx.join(prompt_tokens=cfg.data.max_prompt_tokens)
+    elif train:
+        source = plugins.build("dataset", cfg.data.source, cfg.data.options, ctx)
+        check_columns(source, cfg)
+        longest = longest_prompt(source, cfg.data, tokenizer)
         check_context(model_config, longest, cfg.rollout.max_tokens)
-        check_reward_fields(data[0], cfg.data, cfg.rewards, "data", "data")
+        check_reward_fields(source[0], cfg.data, cfg.rewards, "data", "data")
         ctx.join(prompt_tokens=longest)
     evaluation = Evaluation(
         cfg, lambda kind, name, options: plugins.build(kind, name, options, ctx), tokenizer, model_config
@@ -124,7 +126,15 @@ def check(
             plugins.lookup("rollout engine", cfg.rollout.engine).check_launch(cfg.rollout.options, ctx)
         except ValueError as e:
             raise ConfigError(f"rollout engine '{cfg.rollout.engine}': {e}") from None
-    return Checked(model_path, tokenizer, model_config, ctx, data, evaluation)
+    return Checked(model_path, tokenizer, model_config, ctx, source, evaluation)
+
+
+def check_sources(cfg: RunConfig, train: bool, data: bool) -> None:
+    """A run with data has prompts to read and rewards to score them (a run without: its face brings both)."""
+    if data and train and cfg.data.source is None:
+        raise ConfigError("data.source is null: a training run needs its prompts (data.source: hf, with data.path)")
+    if data and not cfg.rewards:
+        raise ConfigError("rewards: the run scores its responses with at least one: rewards: [{function: NAME}]")
 
 
 def run_device(cfg: RunConfig) -> torch.device:

@@ -50,6 +50,8 @@ class Run:
     Training parts are None in a run built with ``train=False`` (``hybridrl eval``): ``data``,
     ``prompts``, ``strategy``, ``passes``, ``algorithm``, ``policy``, ``optimizer``, ``scheduler``,
     ``rollout``; ``ref`` is None without a reference model (LoRA: the policy with its adapters off).
+    A run built with ``data=False`` trains on what its face brings (the Tinker server): it has the
+    policy, the optimizer and the engine, and no ``data``, ``prompts`` or ``rollout``.
     """
 
     config: RunConfig
@@ -89,10 +91,11 @@ class Run:
         distributed.teardown(together=together)
 
 
-def build_run(config: RunConfig, name: str = "run", *, train: bool = True) -> Run:
+def build_run(config: RunConfig, name: str = "run", *, train: bool = True, data: bool = True) -> Run:
     """The run of ``config``: its folder is trainer.run_dir, or ``runs/NAME-TIMESTAMP``. ``train``:
     with the policy, its optimizer and the training data; False for evaluation alone (the engine
-    loads model.path; no training data; any number of torchrun ranks)."""
+    loads model.path; no training data; any number of torchrun ranks). ``data``: False for a
+    training run without the config's data (its prompts come from elsewhere)."""
     t = config.trainer
     if t.resume and not t.run_dir:
         raise ConfigError("trainer.resume (--resume) needs trainer.run_dir: the directory of the run to continue.")
@@ -105,7 +108,7 @@ def build_run(config: RunConfig, name: str = "run", *, train: bool = True) -> Ru
     run_dir = Path(distributed.broadcast_object(str(run_dir)))  # rank 0's
     built: list = []  # what needs releasing if a later part fails
     try:
-        return _build(config, device, run_dir, train, built)
+        return _build(config, device, run_dir, train, built, data)
     except BaseException:
         for part in reversed(built):
             with contextlib.suppress(Exception):
@@ -114,8 +117,8 @@ def build_run(config: RunConfig, name: str = "run", *, train: bool = True) -> Ru
         raise
 
 
-def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, built: list) -> Run:
-    checked = preflight.check(config, device, run_dir, train=train)  # every check that needs no model
+def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, built: list, data: bool) -> Run:
+    checked = preflight.check(config, device, run_dir, train=train, data=data)  # every check that needs no model
     ctx, tokenizer = checked.ctx, checked.tokenizer
     evaluation = checked.evaluation
     built.append(evaluation)
@@ -147,7 +150,7 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
             adapter = lora.adapter(parts["strategy"], parts["policy"], 0)  # stops the run here, not at a sync
             session.sync(lambda: adapter, update=False)
     agent = build_agent(build, config, session, tokenizer, end_token_ids(checked.model_path, tokenizer))
-    if train:
+    if train and data:
         parts["rollout"] = RolloutStage(session, parts["data"], parts["prompts"], tokenizer, config, agent)
     evaluation.connect(session, rewards, agent, build)
     names = config.logging.loggers if train and ctx.is_main else []  # rank 0 writes the run's record
@@ -184,7 +187,7 @@ def training_parts(config: RunConfig, checked: preflight.Checked, build) -> dict
     ctx.join(passes=passes)
     return {
         "data": checked.data,
-        "prompts": PromptOrder(len(checked.data), t.seed, config.data.shuffle),
+        "prompts": PromptOrder(len(checked.data), t.seed, config.data.shuffle) if checked.data is not None else None,
         "strategy": strategy,
         "passes": passes,
         "algorithm": build("algorithm", config.algorithm.name, config.algorithm.options),
