@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl_http.server import add_server_options, choose_token, is_loopback
+from hybridrl_http.commands import add_server_options, choose_token, is_loopback
 
 from hybridrl.hookspecs import hookimpl
 

@@ -9,7 +9,7 @@ The servers (``hybridrl serve``, ``serve-reward``, and the dashboard through :cl
    bound to), and an Origin header, when sent, must be such an address too. A web page elsewhere,
    or one reached through DNS rebinding, gets 403. Other names are allowed with
    ``$HYBRIDRL_ALLOWED_HOSTS`` (and the servers' ``allow`` arguments).
-2. **The token** (:func:`choose_token`: loopback keeps out other machines, not other users): 401
+2. **The token** (:func:`hybridrl_http.commands.choose_token`: loopback keeps out other machines, not other users): 401
    without ``Authorization: Bearer <token>``, 429 (:class:`FailedTokens`) to an address's wrong ones
    past ``limit`` in ``window`` s; the right one always passes (behind a proxy all share an address:
    the token's length stops guessers). A public endpoint checks one only when sent (``authorized``).
@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import hmac
 import io
-import ipaddress
 import json
 import math
 import os
 import re
-import secrets
 import sys
 import threading
 import time
@@ -43,73 +41,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-ALLOWED_HOSTS_ENV = "HYBRIDRL_ALLOWED_HOSTS"
+from hybridrl_http.commands import ALLOWED_HOSTS_ENV
+
 BACKLOG = 1024  # connections the kernel queues before the server accepts them (capped by somaxconn)
 REQUEST_TIMEOUT = 30.0  # seconds a connection has to send one whole request, the wait before it included
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 BEARER = "missing or wrong token: send 'Authorization: Bearer <token>'"
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a body may hold a lone surrogate
-
-
-def require_token(command: str, host: str, token: str | None, env: str) -> None:
-    """A server on an address other machines reach needs a token: ConfigError otherwise."""
-    from hybridrl.errors import ConfigError
-
-    if not is_loopback(host) and not token:
-        raise ConfigError(
-            f"{command}: --host {host} accepts connections from other machines, and no token is set. "
-            f"Pass --token (or set {env}) or leave out --no-token, or keep the default --host 127.0.0.1."
-        )
-
-
-def add_server_options(parser, port: int, env: str, exposes: str, shown: str = "printed") -> None:
-    """A server command's ``--host``, ``--port`` (default ``port``), ``--token`` / ``--no-token``
-    (:func:`add_token_options`) and ``--allow-host``."""
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1: this machine only).")
-    parser.add_argument("--port", type=int, default=port, help=f"Port (default {port}; 0: any free one).")
-    add_token_options(parser, env, exposes, shown)
-    allow = "Also answer requests whose Host (or a web page's Origin) is NAME, NAME:PORT or https://NAME; repeatable. "
-    allow += f"Default: the loopback names and the bound address only (and ${ALLOWED_HOSTS_ENV})."
-    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME", help=allow)
-
-
-def add_token_options(parser, env: str, exposes: str, shown: str = "printed") -> None:
-    """A command's ``--token`` / ``--no-token`` (one or the other): the token every request needs,
-    by default ``$ENV`` or a new random one (:func:`choose_token`); ``exposes``: what any local user
-    could do without one ("chat and rate"); ``shown``: where a new token is printed."""
-    auth = parser.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--token",
-        default=None,
-        help=f"Require 'Authorization: Bearer TOKEN' (default: ${env}, else a new random one, {shown}).",
-    )
-    auth.add_argument(
-        "--no-token",
-        action="store_true",
-        help=f"Answer requests without a token: any user of this machine can then {exposes} (127.0.0.1 only).",
-    )
-
-
-def choose_token(command: str, host: str, given: str | None, env: str, off: bool, exposes: str) -> str | None:
-    """``given`` (--token or ``$env``), else a new random token; None only when ``off`` (--no-token) on a
-    loopback ``host``, after a warning that every user of this machine can then ``exposes``."""
-    if off:
-        require_token(command, host, None, env)
-        print(f"warning: {command}: --no-token: every user of this machine can {exposes}.", file=sys.stderr)
-        return None
-    if given and len(given) < 16:
-        print(f"warning: {command}: the token has {len(given)} characters: use a long random one.", file=sys.stderr)
-    return given or secrets.token_urlsafe(32)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listening address is reachable from this machine only (127.0.0.1, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -- what a server checks -------------------------------------------------------------------
@@ -239,6 +177,13 @@ class EventStream:
         self.events = events
 
 
+class Raw:
+    """A route's 200 reply that is not JSON: ``data`` sent as ``kind``."""
+
+    def __init__(self, data: bytes, kind: str):
+        self.data, self.kind = data, kind
+
+
 class HttpError(Exception):
     """A request the server refuses: ``code`` is its HTTP status, the message its one-line reason."""
 
@@ -295,6 +240,8 @@ class JsonHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: JsonServer
     public: frozenset[tuple[str, str]] = frozenset()  # (method, path) of endpoints that need no token
+    token_header, token_scheme = "Authorization", "Bearer "  # where the token comes: 'Authorization: Bearer <token>'
+    body_types: tuple[str, ...] = ("application/json",)  # a POST's types: JSON decoded, others as bytes
 
     def routes(self) -> dict[tuple[str, str], Callable]:
         """``{(method, path): function}``: a GET's function takes nothing, a POST's the JSON body."""
@@ -332,7 +279,7 @@ class JsonHandler(BaseHTTPRequestHandler):
             if route is None:
                 same = [f"{m} {p}" for m, p in routes if m == method] or [f"{m} {p}" for m, p in routes]
                 raise HttpError(404, f"no such endpoint {method} {path[:100]}: use {', '.join(same)}")
-            reply = route(self.read_json()) if method == "POST" else route()
+            reply = route(self.read_body()) if method == "POST" else route()
         except HttpError as e:
             return self.send_json(e.code, {"error": str(e)}, e.headers)
         except ConnectionError:  # the client went away while its body was read: nobody to answer
@@ -343,6 +290,8 @@ class JsonHandler(BaseHTTPRequestHandler):
             return self.send_json(500, reply)
         if isinstance(reply, EventStream):
             return self.send_events(reply)
+        if isinstance(reply, Raw):
+            return self.send_body(200, reply.data, reply.kind)
         self.send_json(200, reply)
 
     def send_events(self, stream: EventStream) -> None:
@@ -362,17 +311,18 @@ class JsonHandler(BaseHTTPRequestHandler):
         reason = s.hosts.refusal(headers.get_all("Host"), headers.get_all("Origin"))
         if reason:
             raise HttpError(403, reason)
-        sent = headers.get("Authorization")
+        sent = headers.get(self.token_header)
         self.authorized = not s.token
         if s.token and (token or sent is not None):
-            if not hmac.compare_digest((sent or "").encode(), f"Bearer {s.token}".encode()):
+            if not hmac.compare_digest((sent or "").encode(), f"{self.token_scheme}{s.token}".encode()):
                 raise s.failures.refusal(self.client_address[0])
             self.authorized = True
         if not body:
             return
-        kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            raise HttpError(415, f"send the body as JSON with 'Content-Type: application/json' (got '{kind[:60]}')")
+        self.body_kind = kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind not in self.body_types:
+            told = " or ".join(f"'Content-Type: {t}'" for t in self.body_types)
+            raise HttpError(415, f"send the body with {told} (got '{kind[:60]}')")
         if headers.get("Transfer-Encoding"):
             raise HttpError(411, "send the body with a Content-Length (chunked bodies are not accepted)")
         if not lengths:
@@ -384,8 +334,12 @@ class JsonHandler(BaseHTTPRequestHandler):
             raise HttpError(413, f"body of {size} bytes is over {s.max_body_name}")
         self.body_size = size
 
-    def read_json(self):
-        """The request's body (``self.body_size`` bytes, checked by :meth:`admit`), decoded."""
+    def read_body(self):
+        """The request's body: JSON decoded (:meth:`read_json`), another accepted type as bytes."""
+        return self.read_json() if self.body_kind == "application/json" else self.read_raw()
+
+    def read_raw(self) -> bytes:
+        """The request's body (``self.body_size`` bytes, checked by :meth:`admit`)."""
         try:
             data = self.rfile.read(self.body_size)
         except TimeoutError:
@@ -395,6 +349,11 @@ class JsonHandler(BaseHTTPRequestHandler):
         if len(data) < self.body_size:
             self.close_connection = True
             raise HttpError(400, f"the body ended after {len(data)} of {self.body_size} bytes")
+        return data
+
+    def read_json(self):
+        """The request's body (``self.body_size`` bytes, checked by :meth:`admit`), decoded."""
+        data = self.read_raw()
         try:
             value = json.loads(data)
             if SURROGATE_ESCAPE.search(data):  # a pair is text; a lone half cannot be encoded, later

@@ -21,15 +21,8 @@ import threading
 from pathlib import Path
 
 import torch
-from hybridrl_http.server import (
-    ALLOWED_HOSTS_ENV,
-    HttpError,
-    JsonHandler,
-    add_server_options,
-    choose_token,
-    listen,
-    require_token,
-)
+from hybridrl_http.commands import add_server_options, choose_token, require_token
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, HttpError, JsonHandler, listen
 
 from hybridrl import plugins
 from hybridrl.batch import Batch

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 from hybridrl_http.client import ServiceError, get_json, post_json
-from hybridrl_http.server import ALLOWED_HOSTS_ENV, choose_token
+from hybridrl_http.commands import choose_token
+from hybridrl_http.server import ALLOWED_HOSTS_ENV
 from hybridrl_reward_hf.serve import TOKEN_ENV, RewardSet, build_context, make_server
 
 from hybridrl.cli import main

@@ -18,8 +18,9 @@ from collections import defaultdict, deque
 from urllib.parse import quote
 
 from hybridrl_http import chat
+from hybridrl_http.commands import require_token
 from hybridrl_http.openai import BadRequest, OpenAIHandler
-from hybridrl_http.server import ALLOWED_HOSTS_ENV, EventStream, HttpError, JsonServer, listen, require_token
+from hybridrl_http.server import ALLOWED_HOSTS_ENV, EventStream, HttpError, JsonServer, listen
 
 TOKEN_ENV = "HYBRIDRL_SERVE_TOKEN"
 

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl_http.server import add_server_options, choose_token
+from hybridrl_http.commands import add_server_options, choose_token
 
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from hybridrl_http.batcher import Batcher
 from hybridrl_http.chat import assistant_message, cut_at_stop, reply
+from hybridrl_http.commands import require_token
 from hybridrl_http.openai import TokenText
-from hybridrl_http.server import require_token
 
 from hybridrl import plugins
 from hybridrl.checkpoint import make_private, private_files
