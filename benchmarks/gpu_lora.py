@@ -212,7 +212,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="responses per forward/backward")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha is 2r)")
-    p.add_argument("--engine-options", default=None, help='JSON of engine options in the rollout section, e.g. {"fuse_projections": false}')
+    p.add_argument("--engine-options", default=None, help='JSON of engine options, e.g. {"fuse_projections": false}')
     p.add_argument("--sync", choices=("auto", "adapter", "merged"), default="auto", help="model.lora.sync")
     p.add_argument("--kl", type=float, default=0.04, help="algorithm.kl_coef (0: no reference model)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-4 with LoRA, 1e-6 without")

@@ -69,7 +69,7 @@ def test_distributed_holds_collectives_only():
     assert core_graph()["hybridrl.distributed"] == set()
 
 
-FACES = {"serve"}  # plugins that drive whole runs: they build a Run and use the loop's public methods
+FACES = {"serve", "tinker"}  # plugins that drive whole runs: they build a Run and use the loop's public methods
 
 
 def test_components_import_shared_modules_not_the_loop():
