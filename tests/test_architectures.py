@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.distributed import exit_rank
 from hybridrl.engine_weights import checkpoint_tensors
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.models import load_causal_lm, resolve_model_path
@@ -324,3 +325,4 @@ def fsdp_worker(model: str, run_dir: str, lora: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:
     fsdp_worker(*sys.argv[2:5])
+    exit_rank(0)  # the rank's work is done: without the teardown that was seen to abort it

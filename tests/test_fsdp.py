@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from hybridrl import devices, distributed
 from hybridrl.batch import Batch, even_out
+from hybridrl.distributed import exit_rank
 from hybridrl.testing import fixed_batch, small_model, torchrun
 
 pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
@@ -505,8 +506,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["stall"]:
     stall_worker(sys.argv[2])
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:4])
+    exit_rank(0)  # the rank's work is done: without the teardown that was seen to abort it
 if __name__ == "__main__" and sys.argv[1:2] == ["metrics"]:
     metrics_worker(sys.argv[2])
+    exit_rank(0)
 
 
 def test_ranks_that_finished_leave_the_process_group_together(monkeypatch):

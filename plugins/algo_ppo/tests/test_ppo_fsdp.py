@@ -19,6 +19,7 @@ import torch
 
 from hybridrl import distributed
 from hybridrl.batch import even_out
+from hybridrl.distributed import exit_rank
 from hybridrl.testing import fixed_batch, torchrun
 
 pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
@@ -132,3 +133,4 @@ def test_one_ppo_step_on_two_fsdp_ranks_equals_single(tiny_model, tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(*sys.argv[2:4])
+    exit_rank(0)  # the rank's work is done: without the teardown that was seen to abort it
