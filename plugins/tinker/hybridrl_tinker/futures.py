@@ -3,7 +3,8 @@ result (``retrieve_future``), which the server holds back until it is ready or a
 
 One worker thread runs every call, in order: a model's training calls strictly by their ``seq_id``
 (a client sends the chunks of one ``forward_backward`` in parallel, the first one last), sampling
-calls as they come, several waiting ones with the same sampler and settings in one engine call.
+calls as they come, several with the same sampler and settings in one engine call (those waiting,
+and those that arrive within :data:`GATHER_S` of the last one: a client sends one per prompt).
 A training call whose predecessor never arrives (a client that gave up on it) runs after
 :data:`GAP_S` seconds, so that one lost request cannot stop a model for good.
 """
@@ -21,13 +22,14 @@ from typing import Any
 
 GAP_S = 60.0  # seconds a model's later calls wait for a missing seq_id
 KEEP_S = 3600.0  # seconds a finished result is kept for a client that has not fetched it
+GATHER_S, GATHER_ROUNDS = 0.02, 50  # a sample call waits for more of its kind while they keep coming (at most 1 s)
 
 
 class UserError(ValueError):
     """A call the client got wrong: the future fails with category ``user`` and this message."""
 
 
-@dataclass
+@dataclass(eq=False)  # one future is itself only
 class Future:
     request_id: str
     kind: str  # "train" | "sample"
@@ -133,9 +135,16 @@ class Worker:
             first = self.ready.pop(0)
             if first.kind != "sample":
                 return [first]
-            same = [f for f in self.ready if f.kind == "sample" and f.key == first.key]
-            self.ready = [f for f in self.ready if not (f.kind == "sample" and f.key == first.key)]
-            return [first, *same]
+            batch = [first]
+            for _ in range(GATHER_ROUNDS):  # while more of the same keep coming (a client sends one per prompt)
+                same = [f for f in self.ready if f.kind == "sample" and f.key == first.key]
+                self.ready = [f for f in self.ready if f not in same]
+                batch += same
+                if not self.cond.wait(timeout=GATHER_S):
+                    break
+            batch += [f for f in self.ready if f.kind == "sample" and f.key == first.key]
+            self.ready = [f for f in self.ready if f not in batch]
+            return batch
 
     def _forget(self) -> None:
         old = [k for k, f in self.futures.items() if f.finished and time.time() - f.finished > KEEP_S]

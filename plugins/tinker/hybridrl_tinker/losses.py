@@ -174,6 +174,14 @@ def _options(name: str, config: Mapping[str, Any]) -> dict[str, float]:
     return options
 
 
+# Tinker's losses this server does not compute, and why (docs/tinker.md)
+NOT_SERVED = {
+    "stable_reinforce": "Tinker publishes no formula for it (the cookbook's rl_loop takes loss_fn=importance_sampling)",
+    "gspo": "Tinker's documentation gives no default clip thresholds for it",
+    "custom": "server-side custom losses are not served (forward_backward_custom runs on the client)",
+}
+
+
 def loss(
     name: str, target_logprobs: torch.Tensor, inputs: Mapping[str, Any], config: Mapping[str, Any] | None = None
 ) -> torch.Tensor:
@@ -184,6 +192,8 @@ def loss(
     ``target_logprobs``; each failure is a ValueError that says what to send instead. Inputs may be
     tensors, numpy arrays or lists; float inputs take ``target_logprobs``' dtype and device.
     """
+    if name in NOT_SERVED:
+        raise ValueError(f"loss {name!r} is not served here: {NOT_SERVED[name]}; served: {', '.join(LOSSES)}")
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; the built-in losses are: {', '.join(LOSSES)}")
     needed = INPUTS[name]

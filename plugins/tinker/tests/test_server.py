@@ -4,6 +4,7 @@ resume after a SIGKILL of the server, and one clear error for each bad request."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,42 +22,21 @@ pytest.importorskip("tinker")
 
 import tinker  # noqa: E402
 from hybridrl_tinker.futures import Worker  # noqa: E402
-from hybridrl_tinker.server import make_server  # noqa: E402
-from hybridrl_tinker.service import TinkerService  # noqa: E402
 from tinker import types  # noqa: E402
 
 from hybridrl.config import load_config  # noqa: E402
-from hybridrl.run import build_run  # noqa: E402
 
-os.environ["TINKER_TELEMETRY"] = "0"
-os.environ["HF_HUB_OFFLINE"] = "1"  # a tokenizer asked of the hub fails at once
-TOKEN = "tml-test-token-0123456789"
-ALIAS = "Qwen/Qwen3-4B-Instruct-2507"  # a name the cookbook's tables know, served by the local model
+_spec = importlib.util.spec_from_file_location("tinker_tests_conftest", Path(__file__).with_name("conftest.py"))
+conftest = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(conftest)
+TOKEN, ALIAS = conftest.TOKEN, conftest.ALIAS
+config = conftest.tinker_config
 TEXT = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the sun. " * 2
 
 
-def config(model, run_dir) -> dict:
-    return {
-        "model": {"path": str(model), "lora": {"r": 8, "alpha": 16, "target_modules": "all-linear"}},
-        "data": {"source": None},
-        "rollout": {"max_tokens": 16},
-        "trainer": {"run_dir": str(run_dir), "threads": 2, "seed": 0},
-        "tinker": {"model_names": ["smollm2", ALIAS]},
-    }
-
-
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
-    cfg = load_config(data=config(smollm2, tmp_path_factory.mktemp("tinker") / "run"))
-    run = build_run(cfg, "tinker", data=False)
-    service = TinkerService(run, cfg.section("tinker"), "smollm2")
-    http = make_server(service, "127.0.0.1", 0, TOKEN, cfg.section("tinker"))
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{http.server_address[1]}"
-    yield url, service
-    http.shutdown()
-    service.close()
-    run.close()
+@pytest.fixture
+def server(tinker_server):
+    return tinker_server.url, tinker_server.service
 
 
 def client(url: str) -> tinker.ServiceClient:
@@ -161,6 +142,8 @@ def test_bad_requests_get_one_clear_line(server):
     datum = supervised(training.get_tokenizer(), "Hello there, friend.")
     with pytest.raises(tinker.RequestFailedError, match="unknown loss 'focal'"):
         training.forward_backward([datum], "focal").result()
+    with pytest.raises(tinker.RequestFailedError, match="loss 'stable_reinforce' is not served here: Tinker publishes"):
+        training.forward_backward([datum], "stable_reinforce").result()
     ids = datum.model_input.to_ints()
     short = types.Datum(model_input=datum.model_input, loss_fn_inputs={"target_tokens": ids[:2], "weights": [1.0, 1.0]})
     with pytest.raises(tinker.RequestFailedError, match="one row per input token"):

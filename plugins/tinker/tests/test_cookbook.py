@@ -1,0 +1,104 @@
+"""The Tinker Cookbook's own recipes, unmodified, against hybridrl's Tinker server on the embedded
+SmolLM2-135M: each runs from its command line (``python -m tinker_cookbook.recipes.NAME key=value``)
+with only ``base_url``, ``model_name``, sizes and ``log_path`` set, and learns (its logged loss
+falls, or its reward rises). The recipes load their tokenizer and data by hub name; nothing is
+downloaded here: stand-ins sit in the Hugging Face caches under those names (SmolLM2's ChatML
+tokenizer as the Qwen model the server serves under that name, small datasets of the hub
+datasets' schemas)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tinker_cookbook")
+
+HERE = Path(__file__).parent
+
+
+def sibling(name: str):
+    spec = importlib.util.spec_from_file_location(f"tinker_tests_{name}", HERE / f"{name}.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+stand_ins = sibling("hub_stand_ins")
+WORDS = "apple river candle forest yellow window silver garden rocket planet copper meadow".split()
+
+
+def no_robots_rows(n: int) -> list[dict]:
+    """Chats of HuggingFaceH4/no_robots' schema with a pattern a small model learns in a few steps."""
+    rows = []
+    for i in range(n):
+        word = WORDS[i % len(WORDS)]
+        messages = [
+            {"role": "user", "content": f"Say the word {word} three times."},
+            {"role": "assistant", "content": f"{word} {word} {word}"},
+        ]
+        rows.append({"prompt": messages[0]["content"], "prompt_id": str(i), "messages": messages, "category": "Chat"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def hub(tinker_server, smollm2, tmp_path_factory):
+    """A Hugging Face home whose caches hold the recipes' tokenizer and datasets."""
+    home = tmp_path_factory.mktemp("hf-home")
+    stand_ins.tokenizer(home / "hub", tinker_server.alias, smollm2)
+    rows = no_robots_rows(256)  # 32 batches of 8: the recipe's linear decay leaves most of its rate to 10 steps
+    stand_ins.dataset(home / "datasets", "HuggingFaceH4/no_robots", "default", {"train": rows, "test": rows[:8]})
+    return home
+
+
+def run_recipe(name: str, hub: Path, served, log_path: Path, **options) -> list[dict]:
+    """The recipe's own command line, its metrics as it logged them (log_path/metrics.jsonl)."""
+    env = os.environ | {
+        "HF_HOME": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TINKER_API_KEY": served.token,
+        "TINKER_TELEMETRY": "0",
+    }
+    args = {"base_url": served.url, "model_name": served.alias, "log_path": str(log_path)} | options
+    cmd = [sys.executable, "-m", f"tinker_cookbook.recipes.{name}", *[f"{k}={v}" for k, v in args.items()]]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_cookbooks_sl_loop_learns(tinker_server, hub, tmp_path):
+    metrics = run_recipe("sl_loop", hub, tinker_server, tmp_path / "sl", batch_size=8, max_steps=10, lora_rank=8,
+                         save_every=0)  # fmt: skip
+    nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
+    assert len(nll) == 10
+    assert sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll  # each step's batch is new: means of three
+    checkpoints = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()]
+    assert checkpoints[-1]["name"] == "final" and checkpoints[-1]["state_path"].startswith("tinker://")
+
+
+def gsm8k_rows(n: int) -> list[dict]:
+    """Problems of openai/gsm8k's schema ('question', an 'answer' ending '#### N'), small sums."""
+    rows = []
+    for i in range(n):
+        a, b = 1 + i % 7, 2 + (i * 3) % 5
+        rows.append({"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
+
+
+def test_the_cookbooks_rl_loop_runs_its_loop(tinker_server, hub, tmp_path):
+    """rl_loop samples groups through the server's engine, trains with importance sampling and saves.
+    Its default loss, stable_reinforce, is not served (its formula is not published); whether its
+    reward rises is measured on the GPU, where a run is long enough (docs/tinker.md)."""
+    stand_ins.dataset(hub / "datasets", "openai/gsm8k", "main", {"train": gsm8k_rows(64), "test": gsm8k_rows(8)})
+    metrics = run_recipe("rl_loop", hub, tinker_server, tmp_path / "rl", batch_size=4, group_size=4, max_tokens=24,
+                         max_steps=2, lora_rank=8, save_every=0, loss_fn="importance_sampling")  # fmt: skip
+    reward = [m["reward/total"] for m in metrics if "reward/total" in m]
+    assert len(reward) == 2 and all(0.0 <= r <= 1.0 for r in reward)
+    final = json.loads((tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert final["name"] == "final" and final["sampler_path"].startswith("tinker://")
