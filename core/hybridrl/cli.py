@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,16 +25,6 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    code = run_command(args)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank: its teardown was seen to abort a finished run
-        from hybridrl.distributed import exit_rank
-
-        exit_rank(code)
-    return code
-
-
-def run_command(args) -> int:
-    """The command's exit code: 0, or the code of the error it ended with (its line printed)."""
     from hybridrl.distributed import RankFailure
     from hybridrl.errors import Interrupted, NonFiniteError, StageError
 

@@ -83,7 +83,9 @@ def exit_rank(code: int) -> NoReturn:
     then ``os._exit``, without the interpreter's teardown. There, under torchrun with gloo, a rank
     that had finished its run was seen to abort now and then (SIGABRT, 'terminate called without an
     active exception': a thread of torch's native code destroyed while still joinable), and torchrun
-    then reports the finished run as failed."""
+    then reports the finished run as failed. Only for ranks that hold nothing the teardown must
+    release: an in-process vLLM engine frees its shared memory there (/dev/shm), and a rank that
+    skipped it left segments that the next run's engine could not create again (EEXIST)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -351,12 +351,12 @@ class TinkerService:
         prompts = [f.args[0] for f in futures]
         sampling = futures[0].args[1]
         out = self.run.session.generate(prompts, sampling, "generate (tinker asample)")
+        scored = self._prompt_logprobs(prompts, tensors) if futures[0].args[2] else [None] * len(prompts)
         results, n = [], sampling.n
-        for i, f in enumerate(futures):
+        for i in range(len(futures)):
             rows = range(i * n, i * n + n)
             seqs = [(out.token_ids[r], out.logprobs[r], out.finish_reasons[r]) for r in rows]
-            prompt_lp = self._prompt_logprobs(f.args[0], tensors) if f.args[2] else None
-            results.append(wire.sample_response(seqs, prompt_lp))
+            results.append(wire.sample_response(seqs, scored[i]))
         return results
 
     def _load(self, key: tuple, tensors: dict) -> None:
@@ -381,12 +381,16 @@ class TinkerService:
         return engine_tensors(run.policy, named, run.engine.weight_format)
 
     @torch.no_grad()
-    def _prompt_logprobs(self, prompt: list[int], tensors: dict) -> list[float | None]:
+    def _prompt_logprobs(self, prompts: list[list[int]], tensors: dict) -> list[list[float | None]]:
+        """Each prompt's logprob of every token after the first (None for the first), scored by the
+        trainer under ``tensors`` (compute_logprobs), in passes of about 1 GiB of logits."""
         self.slots.use(tensors)
-        target = torch.tensor(prompt[1:] + [0])
-        datum = wire.Datum(prompt, {"target_tokens": target})
-        lp = self._target_logprobs([datum], grad=False)[0].float().cpu().tolist()
-        return [None, *lp[:-1]]
+        data = [wire.Datum(p, {"target_tokens": torch.tensor(p[1:] + [0])}) for p in prompts]
+        budget = max(1, 2**28 // self.run.model_config.get_text_config().vocab_size)
+        out = []
+        for part in micro_batches(data, budget):
+            out += [[None, *lp.float().cpu().tolist()[:-1]] for lp in self._target_logprobs(part, grad=False)]
+        return out
 
     # -- futures ----------------------------------------------------------------------------------
 

@@ -51,8 +51,9 @@ def hub(tinker_server, smollm2, tmp_path_factory):
     """A Hugging Face home whose caches hold the recipes' tokenizer and datasets."""
     home = tmp_path_factory.mktemp("hf-home")
     stand_ins.tokenizer(home / "hub", tinker_server.alias, smollm2)
-    rows = no_robots_rows(256)  # 32 batches of 8: the recipe's linear decay leaves most of its rate to 10 steps
-    stand_ins.dataset(home / "datasets", "HuggingFaceH4/no_robots", "default", {"train": rows, "test": rows[:8]})
+    rows = no_robots_rows(512)  # sl_loop: 64 batches of 8, its linear decay leaves most of its rate to 10 steps
+    test = no_robots_rows(128)  # sl_basic's evaluation: one batch of its 128
+    stand_ins.dataset(home / "datasets", "HuggingFaceH4/no_robots", "default", {"train": rows, "test": test})
     return home
 
 
@@ -102,3 +103,15 @@ def test_the_cookbooks_rl_loop_runs_its_loop(tinker_server, hub, tmp_path):
     assert len(reward) == 2 and all(0.0 <= r <= 1.0 for r in reward)
     final = json.loads((tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert final["name"] == "final" and final["sampler_path"].startswith("tinker://")
+
+
+def test_the_cookbooks_sl_basic_learns_and_evaluates(tinker_server, hub, tmp_path):
+    """sl_basic: the cookbook's supervised trainer (a session closed at its end, its held-out NLL
+    scored through a sampling client's compute_logprobs every few steps)."""
+    # its data's batch size (128) is fixed in the recipe: 2 steps of the stand-in's chats
+    metrics = run_recipe("sl_basic", hub, tinker_server, tmp_path / "slb", lora_rank=8, max_steps=2, eval_every=1,
+                         save_every=0)  # fmt: skip
+    nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
+    assert len(nll) == 2 and nll[1] < nll[0], nll
+    held_out = [m["test/nll"] for m in metrics if "test/nll" in m]  # before each step, through compute_logprobs
+    assert len(held_out) == 2 and held_out[1] < held_out[0], held_out

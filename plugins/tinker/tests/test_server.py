@@ -39,8 +39,19 @@ def server(tinker_server):
     return tinker_server.url, tinker_server.service
 
 
+CLIENTS: list = []  # closed after each test, so that none heartbeats to a server that is gone
+
+
 def client(url: str) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=url, api_key=TOKEN)
+    CLIENTS.append(tinker.ServiceClient(base_url=url, api_key=TOKEN))
+    return CLIENTS[-1]
+
+
+@pytest.fixture(autouse=True)
+def close_clients():
+    yield
+    while CLIENTS:
+        CLIENTS.pop().close("success").result(timeout=60)  # the server's /sessions/{id}/finish
 
 
 def ready(made):
@@ -217,6 +228,7 @@ def test_a_killed_server_resumes_each_client_exactly_from_its_saved_state(smollm
         step(training, [datum])
         state = training.save_state("after-1").result().path
         expected = [step(training, [datum]), step(training, [datum])]
+        CLIENTS.pop().close("success").result(timeout=60)  # before the kill: nothing left to heartbeat to it
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -224,6 +236,7 @@ def test_a_killed_server_resumes_each_client_exactly_from_its_saved_state(smollm
     try:
         resumed = ready(client(url).create_training_client_from_state_with_optimizer(state))
         assert [step(resumed, [datum]), step(resumed, [datum])] == expected
+        CLIENTS.pop().close("success").result(timeout=60)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
