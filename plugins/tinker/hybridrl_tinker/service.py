@@ -177,21 +177,27 @@ class TinkerService:
                 raise UserError(f"datum {i}: a token id of its {what} is outside the vocabulary (0..{vocab - 1})")
 
     def _target_logprobs(self, part: list[wire.Datum], grad: bool) -> list[torch.Tensor]:
-        """Each datum's logprobs of its target tokens at every position, one padded pass."""
+        """Each datum's logprobs of its target tokens at every position, one padded pass: one
+        log-softmax over the pass's logits and one gather of every target (a slice per datum of the
+        logits would give each its own full-size gradient in the backward pass)."""
         device = self.run.ctx.device
         width = max(len(d.tokens) for d in part)
+        k = max(d.inputs["target_tokens"].reshape(len(d.tokens), -1).shape[1] for d in part)  # top-K targets: K
         ids = torch.full((len(part), width), self.run.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(part), width), dtype=torch.long)
+        targets = torch.zeros((len(part), width, k), dtype=torch.long)
         for i, d in enumerate(part):
             ids[i, : len(d.tokens)] = torch.tensor(d.tokens)
             mask[i, : len(d.tokens)] = 1
+            t = d.inputs["target_tokens"].reshape(len(d.tokens), -1)
+            targets[i, : len(d.tokens), : t.shape[1]] = t
         with torch.set_grad_enabled(grad), self.run.strategy.autocast():
             logits = self.run.policy(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            chosen = logits.float().log_softmax(-1).gather(-1, targets.to(device))  # (rows, width, k)
         out = []
         for i, d in enumerate(part):
-            target = d.inputs["target_tokens"].to(device)
-            rows = logits[i, : len(d.tokens)].float().log_softmax(-1)
-            out.append(rows.gather(-1, target.reshape(len(d.tokens), -1)).reshape(target.shape))
+            shape = d.inputs["target_tokens"].shape
+            out.append(chosen[i, : len(d.tokens), : (shape[1] if len(shape) == 2 else 1)].reshape(shape))
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -338,20 +338,31 @@ def _batched_tensor(name: str, tensors: list[torch.Tensor]) -> bytes:
 
 
 def forward_backward_output(outputs: list[dict[str, torch.Tensor]], metrics: dict[str, float]) -> bytes:
-    """A ``ForwardBackwardOutput``: one ArrayRecord of every datum's outputs (a 0-D one arrives as shape [1])."""
+    """A ``ForwardBackwardOutput``: the datums' outputs in ArrayRecords, one for each run of datums whose
+    outputs share their dtypes and trailing shapes (the SDK joins them: ragged outputs, such as top-K
+    logprobs beside plain ones, come as several rectangular records); a 0-D output arrives as shape [1]."""
     for key in metrics:
         name, _, reduction = key.partition(":")
         if not name or reduction not in _REDUCTIONS:
             raise ValueError(f"metric {key!r} must be 'name:reduction' with a reduction in {sorted(_REDUCTIONS)}")
     names = list(outputs[0]) if outputs else []
-    record = [_bytes_field(1, b"ArrayRecord"), _varint_field(3, len(outputs))]
     for index, output in enumerate(outputs):
         if set(output) != set(names):
             raise ValueError(f"datum {index} has outputs {sorted(output)}, datum 0 has {sorted(names)}")
-    for name in names:
-        entry = _bytes_field(1, name.encode()) + _bytes_field(2, _batched_tensor(name, [o[name] for o in outputs]))
-        record.append(_bytes_field(2, entry))
-    parts = [_bytes_field(1, b"ArrayRecord"), _bytes_field(2, b"".join(record))]
+    kind = lambda o: [(o[n].dtype.is_floating_point, tuple(o[n].shape[1:])) for n in names]  # noqa: E731
+    runs: list[list[dict]] = []
+    for output in outputs:
+        if runs and kind(runs[-1][0]) == kind(output):
+            runs[-1].append(output)
+        else:
+            runs.append([output])
+    parts = [_bytes_field(1, b"ArrayRecord")]
+    for run in runs or [[]]:
+        record = [_bytes_field(1, b"ArrayRecord"), _varint_field(3, len(run))]
+        for name in names:
+            entry = _bytes_field(1, name.encode()) + _bytes_field(2, _batched_tensor(name, [o[name] for o in run]))
+            record.append(_bytes_field(2, entry))
+        parts.append(_bytes_field(2, b"".join(record)))
     for key, value in metrics.items():
         value_field = _varint_bytes(2 << 3 | 1) + struct.pack("<d", value)  # field 2, fixed64
         parts.append(_bytes_field(3, _bytes_field(1, key.encode()) + value_field))

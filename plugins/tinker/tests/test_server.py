@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("tinker")
@@ -251,3 +252,23 @@ def test_a_config_without_lora_is_refused(smollm2, tmp_path):
     del data["model"]["lora"]
     with pytest.raises(ConfigError, match="set model.lora"):
         check_config(load_config(data=data))
+
+
+def test_top_k_targets_are_scored_per_candidate(server):
+    """target_tokens of shape (N, K) (top-K distillation): each candidate scored at its position; two
+    copies of the true next token at half weight each give the one-column loss, logprobs (N, K)."""
+    url, _ = server
+    training = ready(client(url).create_lora_training_client(base_model="smollm2", rank=8))
+    one = supervised(training.get_tokenizer(), "Hello there, my good friend.")
+    target = one.loss_fn_inputs["target_tokens"].to_torch()
+    two = types.Datum(
+        model_input=one.model_input,
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(torch.stack([target, target], dim=1)),
+            "weights": types.TensorData.from_torch(torch.full((len(target), 2), 0.5)),
+        },
+    )
+    out = training.forward([one, two], "cross_entropy").result()
+    lp_one, lp_two = (o["logprobs"].to_torch() for o in out.loss_fn_outputs)
+    assert lp_two.shape == (len(target), 2) and torch.equal(lp_two[:, 0], lp_one) and torch.equal(lp_two[:, 1], lp_one)
+    assert out.metrics["loss:sum"] == pytest.approx(-2 * float(lp_one.sum()), rel=1e-6)  # the two datums' losses

@@ -180,8 +180,15 @@ def test_forward_backward_output_refuses_server_bugs():
         forward_backward_output([], {"loss:avg": 1.0})
     with pytest.raises(ValueError, match=r"datum 1 has outputs \['x'\], datum 0 has \['logprobs'\]"):
         forward_backward_output([{"logprobs": torch.zeros(1)}, {"x": torch.zeros(1)}], {})
-    with pytest.raises(ValueError, match="output 'k' of datum 1"):
-        forward_backward_output([{"k": torch.zeros(2, 3)}, {"k": torch.zeros(2, 4)}], {})
+
+
+def test_ragged_outputs_come_as_several_records_the_sdk_joins():
+    """Top-K logprobs beside plain ones: a record per run of datums of one trailing shape, in order."""
+    outs = [{"k": torch.arange(6.0).reshape(2, 3)}, {"k": torch.arange(8.0).reshape(2, 4)}, {"k": torch.ones(3, 4)}]
+    decoded = deserialize_forward_backward_output(forward_backward_output(outs, {"loss:sum": 1.0}))
+    got = [o["k"].to_torch() for o in decoded.loss_fn_outputs]
+    assert [tuple(g.shape) for g in got] == [(2, 3), (2, 4), (3, 4)]
+    assert all(torch.equal(g, o["k"]) for g, o in zip(got, outs))
 
 
 def test_sample_response_decodes_with_the_sdk():
