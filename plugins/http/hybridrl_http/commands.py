@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 import sys
+from pathlib import Path
 
 ALLOWED_HOSTS_ENV = "HYBRIDRL_ALLOWED_HOSTS"
 
@@ -70,3 +71,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def model_name(path: str) -> str:
+    """The model's name in ``/v1/models`` and in replies: a hub id as given, a folder by its own name
+    (not where it lies on this machine), ``package:NAME`` as NAME."""
+    if path.startswith("package:"):
+        return path.split(":", 1)[1]
+    folder = Path(path).expanduser()
+    return folder.name if folder.is_absolute() or path.startswith(".") or folder.exists() else path

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from pathlib import Path
 
 from hybridrl_http.batcher import Batcher
 from hybridrl_http.chat import assistant_message, cut_at_stop, reply
-from hybridrl_http.commands import require_token
+from hybridrl_http.commands import model_name, require_token
 from hybridrl_http.openai import TokenText
 
 from hybridrl import plugins
@@ -59,15 +58,6 @@ def tool_parser(run, name: str):
 def answer_id(reply_id: str, choice: int) -> str:
     """The stored answer of a reply's choice: the reply's id for the first, ``ID:CHOICE`` after."""
     return reply_id if choice == 0 else f"{reply_id}:{choice}"
-
-
-def model_name(path: str) -> str:
-    """The model's name in ``/v1/models`` and in replies: a hub id as given, a folder by its own name
-    (not where it lies on this machine), ``package:NAME`` as NAME."""
-    if path.startswith("package:"):
-        return path.split(":", 1)[1]
-    folder = Path(path).expanduser()
-    return folder.name if folder.is_absolute() or path.startswith(".") or folder.exists() else path
 
 
 def check_policy_alone(algorithm, name: str) -> None:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridrl_http.commands import add_server_options, choose_token
+from hybridrl_http.commands import add_server_options, choose_token, model_name
 
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config
@@ -26,15 +26,6 @@ def add_command(subparsers) -> None:
 
     add_server_options(p, 8001, TOKEN_ENV, "train and sample on the server's model")
     p.set_defaults(func=cmd_tinker)
-
-
-def model_name(path: str) -> str:
-    """The name clients send for ``model.path``: a hub id as given, a folder by its own name,
-    ``package:NAME`` as NAME."""
-    if path.startswith("package:"):
-        return path.split(":", 1)[1]
-    folder = Path(path).expanduser()
-    return folder.name if folder.is_absolute() or path.startswith(".") or folder.exists() else path
 
 
 def check_config(cfg) -> None:

@@ -36,9 +36,6 @@ def routes(service, poll_s: float) -> dict:
     """``{(method, path): function}`` of the served endpoints."""
     s = service
 
-    def ok(body=None) -> dict:
-        return {}
-
     def retrieve(body: dict):
         kind, reply = s.result(body, poll_s)
         return Raw(reply, PROTO) if kind == "proto" else reply

@@ -10,6 +10,7 @@ whose result :meth:`TinkerService.result` gives. The HTTP side is :mod:`hybridrl
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from pathlib import Path
@@ -290,7 +291,7 @@ class TinkerService:
         state = folder / "state.json"
         if not (folder / "adapter_config.json").is_file():
             raise UserError(f"nothing saved at {path}")
-        saved = adapters.json.loads(state.read_text()) if state.is_file() else {}
+        saved = json.loads(state.read_text()) if state.is_file() else {}
         base = saved.get("base_model") or self.names[0]
         return {"base_model": base, "is_lora": True, "lora_rank": self.slots.rank} | {
             f"train_{g}": g in saved.get("train", adapters.GROUPS) for g in adapters.GROUPS
