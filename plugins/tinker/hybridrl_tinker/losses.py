@@ -8,8 +8,8 @@ defines it: the token losses summed over the datum, never averaged. The gradient
 
 Source of every formula: https://tinker-docs.thinkingmachines.ai/losses (the page that the Tinker
 Cookbook's ``rl/train.py`` cites) and its per-loss pages under
-https://tinker-docs.thinkingmachines.ai/tinker/losses/. ``gspo`` and ``stable_reinforce`` are not
-here yet (docs/tinker.md says why).
+https://tinker-docs.thinkingmachines.ai/tinker/losses/. ``stable_reinforce`` is not here: Tinker
+publishes no formula for it (docs/tinker.md).
 
 :func:`loss` is the entry a server calls: it looks the loss up by the name the client sent, checks
 the datum's inputs and the request's ``loss_fn_config``, and fills in the documented defaults.
@@ -112,6 +112,40 @@ def cispo(
     return -(coefficient.detach() * target_logprobs * advantages.detach()).sum()
 
 
+# GSPO's clip range from its paper (Zheng et al., 2025, arXiv:2507.18071, its experiments: "3e-4 and
+# 4e-4"), as bounds on the ratio; Tinker's GSPO page gives the formula but no default
+GSPO_LOW, GSPO_HIGH = 1.0 - 3e-4, 1.0 + 4e-4
+
+
+def gspo(
+    target_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    sequence_ratio_mask: torch.Tensor,
+    clip_low_threshold: float = GSPO_LOW,
+    clip_high_threshold: float = GSPO_HIGH,
+) -> torch.Tensor:
+    """GSPO-token: ``-sum_t min(s_t * A_t, clip(s_t, low, high) * A_t)``.
+
+    Source: https://tinker-docs.thinkingmachines.ai/tinker/losses/gspo. ``s`` is the geometric mean of
+    the token ratios over the positions ``sequence_ratio_mask`` marks, ``exp(mean_M(log p_theta -
+    log q))``; each token's ``s_t = sg(s) * p_theta(x_t) / sg(p_theta(x_t))`` takes ``s``'s value and
+    its own logprob's gradient, so per-token advantages still work. The sum runs over every position
+    (the advantages are 0 where nothing is trained).
+    """
+    _check_shapes("gspo", target_logprobs, logprobs=sampling_logprobs, advantages=advantages,
+                  sequence_ratio_mask=sequence_ratio_mask)  # fmt: skip
+    _check_thresholds("gspo", clip_low_threshold, clip_high_threshold)
+    in_ratio = sequence_ratio_mask != 0
+    if not bool(in_ratio.any()):
+        raise ValueError("loss 'gspo': sequence_ratio_mask marks no position; mark the sampled tokens with 1")
+    log_ratio = (target_logprobs.detach() - sampling_logprobs.detach())[in_ratio].mean()
+    ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())
+    clipped = torch.clamp(ratio, clip_low_threshold, clip_high_threshold)
+    advantages = advantages.detach()
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
 def dro(
     target_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor, beta: float
 ) -> torch.Tensor:
@@ -130,6 +164,7 @@ LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
+    "gspo": gspo,
     "dro": dro,
 }
 
@@ -140,6 +175,7 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
     "dro": ("target_tokens", "logprobs", "advantages"),
 }
 
@@ -149,6 +185,7 @@ CONFIG: dict[str, dict[str, float | None]] = {
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "gspo": {"clip_low_threshold": GSPO_LOW, "clip_high_threshold": GSPO_HIGH},
     "dro": {"beta": None},
 }
 
@@ -177,7 +214,6 @@ def _options(name: str, config: Mapping[str, Any]) -> dict[str, float]:
 # Tinker's losses this server does not compute, and why (docs/tinker.md)
 NOT_SERVED = {
     "stable_reinforce": "Tinker publishes no formula for it (the cookbook's rl_loop takes loss_fn=importance_sampling)",
-    "gspo": "Tinker's documentation gives no default clip thresholds for it",
     "custom": "server-side custom losses are not served (forward_backward_custom runs on the client)",
 }
 

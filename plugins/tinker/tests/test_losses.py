@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hybridrl_tinker import losses
-from hybridrl_tinker.losses import LOSSES, cispo, cross_entropy, dro, importance_sampling, loss, ppo
+from hybridrl_tinker.losses import LOSSES, cispo, cross_entropy, dro, gspo, importance_sampling, loss, ppo
 
 # The datum used throughout: 3 target tokens with these logprobs under the trained weights,
 TARGET = [-1.0, -2.0, -0.5]
@@ -136,6 +136,43 @@ def test_cispo_defaults_clip_only_above_4():
     assert close(out.item(), 4.0) and close(target.grad.tolist(), [-4.0])
 
 
+# -- gspo -----------------------------------------------------------------------------------------
+
+
+def test_gspo_one_sequence_ratio_with_each_tokens_own_gradient():
+    # mask [0, 1, 1] (token 0 is the prompt's): s = exp(mean(log 1.5, log 0.5)) = sqrt(0.75) = 0.8660,
+    # the value every token's ratio takes. Thresholds 0.8 / 1.2 leave s alone; advantages [0, 2, 2]:
+    # loss = -(0 + 2 s + 2 s) = -4 s = -3.4641; d s_t / d t_t = s (sg(s) * exp(t - sg(t))), so the
+    # gradient is -s * A = [0, -1.7321, -1.7321]: equal, where PPO's would be -r A = [0, -3, -1]
+    s = math.sqrt(0.75)
+    value, grad = value_and_grad(gspo, data(SAMPLING), data([0.0, 2.0, 2.0]), data([0.0, 1.0, 1.0]), 0.8, 1.2)
+    assert close(value, -4 * s) and close(grad, [0.0, -2 * s, -2 * s])
+
+
+def test_gspo_clips_the_whole_sequence():
+    # mask [1, 1, 0]: s = exp(mean(log 1, log 1.5)) = sqrt(1.5) = 1.2247, above 1.2; advantages [1, 1, 1]:
+    # every token takes min(1.2247, 1.2) = 1.2, a constant: loss -3.6 and no gradient anywhere (token-level
+    # PPO would keep tokens 0 and 2, whose own ratios are 1 and 0.5)
+    value, grad = value_and_grad(gspo, data(SAMPLING), data([1.0, 1.0, 1.0]), data([1.0, 1.0, 0.0]), 0.8, 1.2)
+    assert close(value, -3.6) and close(grad, [0.0, 0.0, 0.0])
+
+
+def test_gspo_defaults_are_the_papers_clip_range():
+    # defaults 1 - 3e-4 / 1 + 4e-4; mask [0, 1, 1]: s = sqrt(0.75) = 0.8660; advantages [0, 1, -1]
+    # token 1: min(s, 0.9997) = s (gradient -s); token 2: min(-s, -0.9997) = -0.9997 (clipped: no gradient)
+    # loss = -(s - 0.9997) = 0.9997 - 0.8660 = 0.1337
+    s = math.sqrt(0.75)
+    inputs = {**RL_INPUTS, "advantages": [0.0, 1.0, -1.0], "sequence_ratio_mask": [0.0, 1.0, 1.0]}
+    target = leaf(TARGET)
+    out = loss("gspo", target, inputs)
+    out.backward()
+    assert close(out.item(), (1 - 3e-4) - s) and close(target.grad.tolist(), [0.0, -s, 0.0])
+    with pytest.raises(ValueError, match="'gspo': sequence_ratio_mask marks no position"):
+        loss("gspo", data(TARGET), {**inputs, "sequence_ratio_mask": [0.0, 0.0, 0.0]})
+    with pytest.raises(ValueError, match="loss 'gspo' is missing loss_fn_inputs sequence_ratio_mask"):
+        loss("gspo", data(TARGET), RL_INPUTS)
+
+
 # -- dro ------------------------------------------------------------------------------------------
 
 
@@ -151,11 +188,12 @@ def test_dro():
 # -- what the gradient flows through --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "gspo", "dro"])
 def test_sampler_logprobs_and_advantages_are_data(name):
     sampling, advantages = leaf(SAMPLING), leaf([1.0, -2.0, 2.0])
     target = leaf(TARGET)
-    LOSSES[name](target, sampling, advantages, **({"beta": 0.1} if name == "dro" else {})).backward()
+    extra = {"dro": {"beta": 0.1}, "gspo": {"sequence_ratio_mask": data([1.0, 1.0, 1.0])}}.get(name, {})
+    LOSSES[name](target, sampling, advantages, **extra).backward()
     assert target.grad is not None and target.grad.abs().sum() > 0
     assert sampling.grad is None and advantages.grad is None
 
@@ -170,7 +208,7 @@ def test_loss_dispatches_with_numpy_and_list_inputs():
     # the same numbers as test_importance_sampling, through the name and inputs a client sends
     inputs = {"target_tokens": np.array([4, 5, 6]), "logprobs": np.array(SAMPLING), "advantages": [2.0, -1.0, 4.0]}
     assert close(loss("importance_sampling", data(TARGET), inputs, {}).item(), -2.5)
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro"}
 
 
 # -- what loss refuses ----------------------------------------------------------------------------
@@ -181,7 +219,7 @@ RL_INPUTS = {"target_tokens": [1, 2, 3], "logprobs": SAMPLING, "advantages": [1.
 def test_unknown_loss_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown loss 'grpo'") as e:
         loss("grpo", data(TARGET), RL_INPUTS)
-    assert all(name in str(e.value) for name in ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+    assert all(name in str(e.value) for name in ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro"])
 
 
 def test_missing_input_names_the_loss_the_key_and_what_it_needs():
