@@ -17,7 +17,6 @@ from tinker import types  # noqa: E402
 
 from hybridrl.testing import build_tiny_model  # noqa: E402
 
-
 TOKEN = "tml-test-token-vllm-0123456789"
 
 
