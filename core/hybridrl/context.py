@@ -72,7 +72,7 @@ class RunContext:
     prompt_tokens: int | None = None  # the longest prompt of the data (its first 256 rows), for engines' buffers
     steps: int | None = None  # the run's RL steps (trainer.steps); None: no planned end
     sampling: Sampling | None = None  # what the run's rollouts sample with (the rollout section's sampling keys)
-    responses_per_call: int | None = None  # the most responses one generate call of this rank asks for
+    responses_per_call: int | None = None  # the most responses one generate call of this rank asks for; None: any
     passes: PassRunner | None = None  # the trainer's pass runner: a critic's passes run (and pack) through it
     training_memory: TrainingMemory | None = None  # what training keeps on a GPU beside an engine; None: CPU, eval
     lora: Any = None  # a training run's model.lora (r, target_modules, sync): engines that take adapters prepare

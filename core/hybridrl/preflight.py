@@ -100,7 +100,7 @@ def check(cfg: RunConfig, device: torch.device | None = None, run_dir: Path | No
             f"model.path {cfg.model.path}: transformers cannot load its tokenizer ({type(e).__name__}: {reason}). "
             "A model folder needs its tokenizer files (tokenizer.json or the model family's, tokenizer_config.json)."
         ) from None
-    ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"))
+    ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"), data)
     if train and cfg.model.lora:
         ctx.join(lora=cfg.model.lora)
     source = None
@@ -145,7 +145,9 @@ def run_device(cfg: RunConfig) -> torch.device:
         raise ConfigError(str(e)) from None
 
 
-def run_context(cfg: RunConfig, model_path: str, tokenizer, device: torch.device, run_dir: Path) -> RunContext:
+def run_context(
+    cfg: RunConfig, model_path: str, tokenizer, device: torch.device, run_dir: Path, data: bool = True
+) -> RunContext:
     """What the components learn of the run; the strategy and the passes join it once built."""
     t = cfg.trainer
     return RunContext(
@@ -163,7 +165,8 @@ def run_context(cfg: RunConfig, model_path: str, tokenizer, device: torch.device
         response_tokens=cfg.rollout.max_tokens,
         steps=t.steps,
         sampling=Sampling(**cfg.rollout.model_dump(include=set(Sampling.model_fields))),
-        responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n,
+        # a run without a dataset answers its face's requests, of any size
+        responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n if data else None,
     )
 
 

@@ -22,6 +22,7 @@ import torch
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import stays_awake, tensor_bytes, weight_buckets
 from hybridrl_rollout_vllm.adapters import Adapters, lora_kwargs, refusal
+from hybridrl_rollout_vllm.options import capture_sizes
 from hybridrl_rollout_vllm.weights import quiet_partial_reload, to_safetensors_dict
 
 NAME = "rollout engine 'vllm'"
@@ -114,6 +115,9 @@ class LocalEngine:
             kw["gpu_memory_utilization"] = o.gpu_memory_utilization
             if self.sleep_level:
                 kw["enable_sleep_mode"] = True
+        sizes = None if self.on_cpu or kw["enforce_eager"] else capture_sizes(ctx.responses_per_call)
+        if sizes:  # graphs for the run's batches only: fewer to capture at every start
+            kw["compilation_config"] = {"cudagraph_capture_sizes": sizes}
         lora, self.lora_refusal = lora_kwargs(ctx, self.sleep_level)
         kw |= lora | o.engine_kwargs
         self.prefix_caching = kw["enable_prefix_caching"]

@@ -181,3 +181,14 @@ class VLLMOptions(Options):
                     f"{', '.join(server)} only apply with base_url (server mode); set base_url or remove them."
                 )
         return self
+
+
+def capture_sizes(responses: int | None) -> list[int] | None:
+    """The batch sizes vLLM captures CUDA graphs for when a run asks for at most ``responses`` at once
+    (one generate call's responses: vLLM's decoding batches never hold more): vLLM's own ladder (1, 2,
+    4, then every multiple of 8) up to that many, instead of up to its default of 512 whatever the
+    run. ``None`` (not known): vLLM's default."""
+    if not responses:
+        return None
+    top = -(-responses // 8) * 8
+    return [s for s in (1, 2, 4) if s < top] + list(range(8, top + 1, 8))

@@ -113,6 +113,19 @@ def test_registered_and_options_are_checked(tmp_path):
         assert field.description, f"option {name} has no description"
 
 
+def test_cuda_graphs_are_captured_for_the_runs_batches_only():
+    """On a GPU the engine asks vLLM for graphs of one generate call's responses at most (its
+    decoding batches never hold more), on vLLM's ladder: 1, 2, 4, then multiples of 8."""
+    from hybridrl_rollout_vllm.options import capture_sizes
+
+    assert capture_sizes(None) is None  # not known: vLLM's default (up to 512)
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(6) == capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(3) == [1, 2, 4, 8]
+    sizes = capture_sizes(250)
+    assert sizes[-1] == 256 and len(sizes) == 3 + 32
+
+
 def test_missing_vllm_names_the_install_command(monkeypatch):
     from hybridrl_rollout_vllm.local import import_vllm
 

@@ -105,6 +105,7 @@ def test_the_engine_samples_each_clients_adapter(engine, sync, tiny, tmp_path):
     http, service, run = serve(tiny, tmp_path / "run", engine, sync)
     try:
         assert run.session.adapters == (sync == "adapter")  # the engine's LoRA, or merged weights
+        assert run.ctx.responses_per_call is None  # clients' calls come in any size: no graph sizes fixed by it
         sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{http.server_address[1]}", api_key=TOKEN)
         a, b = trained(sc, seed=1, lr=5e-2), trained(sc, seed=2, lr=1e-3)
         a_sampler = a.save_weights_and_get_sampling_client()
