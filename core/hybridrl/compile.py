@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -35,6 +36,21 @@ def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int
             flush=True,
         )
     return False
+
+
+def use_cache(choice: str | None) -> Path | None:
+    """Point torch.compile's caches (inductor's compiled graphs and, under it, Triton's kernels) at
+    ``choice`` (``trainer.compile_cache``), set for this process and the ones it starts: ``auto`` keeps
+    ``TORCHINDUCTOR_CACHE_DIR`` where set, else hybridrl's cache folder; None leaves torch's default."""
+    from hybridrl.models import cache_dir
+
+    if choice is None:
+        return None
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if choice == "auto" else None
+    folder = Path(given or (cache_dir() / "torch-compile" if choice == "auto" else choice)).expanduser()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+    return folder
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

@@ -213,6 +213,13 @@ class TrainerConfig(Strict):
     seed: int = 0
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'...")
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
+    compile_cache: str | None = Field(
+        "auto",
+        description="Folder of torch.compile's caches (compiled graphs, Triton kernels), kept across runs: a run of "
+        "a model shape compiled before loads its graphs (torch keys them by torch, shapes, dtypes and settings). "
+        "auto: TORCHINDUCTOR_CACHE_DIR where set, else <HYBRIDRL_CACHE or ~/.cache/hybridrl>/torch-compile; "
+        "null: torch's default, a folder of /tmp.",
+    )
     cudnn_attention: bool = Field(
         False,
         description="Let PyTorch's scaled-dot-product attention (transformers' sdpa: the passes, the hf engine's "

@@ -30,6 +30,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins, preflight, rope
 from hybridrl.agents import build_agent
+from hybridrl.compile import use_cache
 from hybridrl.components import RunContext
 from hybridrl.config import RunConfig
 from hybridrl.config_files import write_config
@@ -102,6 +103,7 @@ def build_run(config: RunConfig, name: str = "run", *, train: bool = True, data:
     ckpt.seed_everything(t.seed)
     if t.threads:
         torch.set_num_threads(t.threads)
+    use_cache(t.compile_cache)  # before anything compiles
     torch.backends.cuda.enable_cudnn_sdp(t.cudnn_attention)  # the process's; no-op without CUDA
     device = join_processes(config, train)
     run_dir = Path(t.run_dir or f"runs/{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
