@@ -103,6 +103,7 @@ CASES = [("vllm", "adapter"), ("vllm", "merged"), ("sglang", "adapter")]
 @pytest.mark.parametrize(("engine", "sync"), CASES, ids=[f"{e}-{s}" for e, s in CASES], indirect=["engine"])
 def test_the_engine_samples_each_clients_adapter(engine, sync, tiny, tmp_path):
     http, service, run = serve(tiny, tmp_path / "run", engine, sync)
+    sc = None
     try:
         assert run.session.adapters == (sync == "adapter")  # the engine's LoRA, or merged weights
         assert run.ctx.responses_per_call is None  # clients' calls come in any size: no graph sizes fixed by it
@@ -120,6 +121,8 @@ def test_the_engine_samples_each_clients_adapter(engine, sync, tiny, tmp_path):
         assert abs(sum(a_lp[3:]) - sum(b_lp[3:])) > 0.5
         assert service.syncs >= 3
     finally:
+        if sc is not None:  # its session ends here, so that it does not heartbeat to a server that is gone
+            sc.close("success").result(timeout=60)
         http.shutdown()
         service.close()
         run.close()
