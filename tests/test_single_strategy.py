@@ -161,6 +161,7 @@ def test_compile_auto_compiles_on_a_gpu_when_the_run_trains_enough_tokens(
     said = capsys.readouterr().out
     assert ("compile auto: off" in said) is (device == "cuda" and not want)  # said once, with the way out
     assert ("sharding.compile: on" in said) is (device == "cuda" and not want)
+    assert ("sharding.compile auto: on, as the run" in said) is (device == "cuda" and want)  # and when it compiles
     assert compiles("on", ctx) and not compiles("off", ctx)
     assert 300 * 32 * 356 < COMPILE_PAYS_TOKENS < 1000 * 32 * 356
 

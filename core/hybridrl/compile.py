@@ -22,12 +22,16 @@ def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int
     """Whether a ``compile`` option (``option``, e.g. ``sharding.compile``) set to ``choice`` compiles:
     on and off say so; auto compiles on a CUDA device when the run's ``planned`` tokens (None: no
     planned end) reach ``threshold``, about what a first step's compiling costs in eager tokens, and
-    says once on the main rank where it does not (``counted``: what the planned tokens are)."""
+    says on the main rank what it chose and why (``counted``: what the planned tokens are)."""
     if choice != "auto":
         return choice == "on"
     if ctx.device.type != "cuda":
         return False
     if planned is None or planned >= threshold:
+        if ctx.is_main:
+            why = "has no planned end" if planned is None else f"plans about {planned:,} {counted}"
+            print(f"{option} auto: on, as the run {why}: the first step compiles; set {option}: off to stay eager",
+                  flush=True)  # fmt: skip
         return True
     if ctx.is_main:
         print(
