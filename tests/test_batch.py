@@ -54,3 +54,33 @@ def test_first_groups_keeps_whole_groups_in_order():
     assert first_groups(batch, 5) is batch
     dropped = batch.select([0, 1, 4, 5])  # group 1 filtered out
     assert first_groups(dropped, 2)["scores"].tolist() == [0, 1, 2, 3]
+
+
+def test_with_branches_adds_a_row_per_earlier_branch_with_its_episodes_score_and_group():
+    from hybridrl.batch import with_branches
+
+    out = RolloutOutput([[7, 8], [9]], [[-1.0, -2.0], [-3.0]], ["stop", "length"], [[1, 0], [1]])
+    batch = Batch.from_rollout([[5], [6]], out, 1, PAD)
+    batch["group_ids"], batch["scores"] = torch.tensor([0, 0]), torch.tensor([1.0, 0.0])
+    batch["answer"] = ["a", "b"]
+    # the first episode forked twice: two earlier branches, each its own prompt and tokens
+    batch["branches"] = [
+        [{"prompt": [1, 2, 3], "ids": [4], "logprobs": [-0.5], "sampled": [1], "finish": "stop"},
+         {"prompt": [2], "ids": [3, 3, 3], "logprobs": [-0.25, 0.0, -0.5], "sampled": [1, 0, 1], "finish": "length"}],
+        [],
+    ]  # fmt: skip
+    rows = with_branches(batch, PAD)
+    assert "branches" not in rows and rows["branch_row"].tolist() == [False, False, True, True]
+    assert rows["scores"].tolist() == [1.0, 0.0, 1.0, 1.0] and rows["group_ids"].tolist() == [0, 0, 0, 0]
+    assert rows["answer"] == ["a", "b", "a", "a"] and rows["finish_reason"] == ["stop", "length", "stop", "length"]
+    wants = [([5], [7, 8]), ([6], [9]), ([1, 2, 3], [4]), ([2], [3, 3, 3])]
+    for i, (prompt, response) in enumerate(wants):
+        p, r = rows["prompt_mask"][i].bool(), rows["response_attention_mask"][i].bool()
+        assert rows["prompts"][i][p].tolist() == prompt and rows["responses"][i][r].tolist() == response
+    assert rows["response_mask"][3].tolist() == [1, 0, 1] and rows["rollout_logprobs"][3].tolist() == [-0.25, 0.0, -0.5]
+    assert rows["response_mask"][0].tolist() == [1, 0, 0]  # the episode's own row as it was, padded
+    # no branches at all: the rows as they were, flagged
+    batch["branches"] = [[], []]
+    assert with_branches(batch, PAD)["branch_row"].tolist() == [False, False]
+    del batch.lists["branches"]
+    assert with_branches(batch, PAD) is batch

@@ -44,6 +44,9 @@ class Trajectory:
     reward: float = 0.0
     info: Counter = field(default_factory=Counter)
     row: dict | None = None  # a driven episode's task, when its group answers another call (late rewards)
+    #: a driven episode's earlier branches (dicts of prompt, ids, logprobs, sampled, finish), trained
+    #: beside it with its reward as rows of their own (:func:`hybridrl.batch.with_branches`)
+    branches: list[dict] = field(default_factory=list)
 
 
 def observation_ids(tokenizer, messages: list[dict], tools: list[dict] | None, after: int | None) -> list[int]:

@@ -209,6 +209,31 @@ def first_groups(batch: Batch, k: int) -> Batch:
     return batch.select(torch.nonzero(keep).squeeze(-1).cpu())
 
 
+def with_branches(batch: Batch, pad_id: int) -> Batch:
+    """The batch with a row for each earlier branch of its agents' episodes (the ``branches`` column:
+    dicts of prompt, ids, logprobs, sampled, finish), after its own rows: the branch's tokens, masks,
+    logprobs and finish reason, the rest its episode's (scores, group), and ``branch_row`` True, so
+    group statistics count each episode once (:func:`hybridrl.functional.counted_rows`)."""
+    if "branches" not in batch:
+        return batch
+    owners = [i for i, branches in enumerate(batch["branches"]) for _ in branches]
+    branches = [b for bs in batch["branches"] for b in bs]
+    main = Batch(dict(batch.tensors), {k: v for k, v in batch.lists.items() if k != "branches"})
+    main["branch_row"] = torch.zeros(len(main), dtype=torch.bool)
+    if not branches:
+        return main
+    out = RolloutOutput(*([b[k] for b in branches] for k in ("ids", "logprobs", "finish", "sampled")))
+    own = Batch.from_rollout([b["prompt"] for b in branches], out, 1, pad_id)
+    extra = main.select(owners)
+    for key in own.keys():
+        if key != "group_ids":
+            extra[key] = own[key]
+    if wide := [k for k, v in extra.tensors.items() if v.dim() > 1 and k not in own.keys()]:
+        raise ValueError(f"with_branches: the batch has per-token entries besides the rollout's: {wide}")
+    extra["branch_row"] = torch.ones(len(extra), dtype=torch.bool)
+    return Batch.cat([main, extra], pad_id)
+
+
 def padded_tokens(prompt: list[int], response: list[int], rows: list[int]) -> int:
     """Tokens a pass of ``rows`` runs, of rows with ``prompt[i]`` and ``response[i]`` tokens: each
     row at its longest prompt + its longest response (the shared padding is cut)."""
@@ -293,8 +318,11 @@ def drop_padding(batch: Batch) -> Batch:
     return batch.select(torch.nonzero(~batch["padding_row"].bool().cpu()).squeeze(-1))
 
 
-def real_rows(batch: Batch) -> int:
-    """Rows of a batch that are not padding rows added by :func:`even_out`."""
-    if "padding_row" in batch:
-        return int((~batch["padding_row"].bool()).sum())
-    return len(batch)
+def real_rows(batch: Batch, branches: bool = True) -> int:
+    """Rows of a batch that are not padding rows added by :func:`even_out`; with ``branches`` False,
+    nor rows of agent episodes' earlier branches (:func:`with_branches`)."""
+    keep = torch.ones(len(batch), dtype=torch.bool)
+    for key in ("padding_row",) + (() if branches else ("branch_row",)):
+        if key in batch:
+            keep &= ~batch[key].bool().cpu()
+    return int(keep.sum())

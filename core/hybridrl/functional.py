@@ -219,23 +219,35 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     return returns
 
 
-def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_stats(
+    scores: torch.Tensor, group_ids: torch.Tensor, counted: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per response (B,): the mean, unbiased std and size of its group.
 
     A group of one response has mean 0 and std 1 (verl's convention for GRPO and
-    REINFORCE++-baseline: the lone score is kept as it is).
+    REINFORCE++-baseline: the lone score is kept as it is). ``counted`` (B,) bool: the rows the
+    statistics are over (None: all); the others get their group's values (:func:`counted_rows`).
     """
     scores = scores.float()
     mean, std = torch.zeros_like(scores), torch.ones_like(scores)
     count = torch.ones_like(scores)
+    counted = None if counted is None else counted.to(device=scores.device, dtype=torch.bool)
     for g in torch.unique(group_ids):
         members = group_ids == g
-        n = int(members.sum())
-        count[members] = n
+        in_stats = members if counted is None else members & counted
+        n = int(in_stats.sum())
+        count[members] = max(n, 1)
         if n > 1:
-            mean[members] = scores[members].mean()
-            std[members] = scores[members].std()
+            mean[members] = scores[in_stats].mean()
+            std[members] = scores[in_stats].std()
     return mean, std, count
+
+
+def counted_rows(batch) -> torch.Tensor | None:
+    """The rows a batch's group statistics count (:func:`group_stats`): all but the rows of agent
+    episodes' earlier branches (``branch_row``); None when it has none."""
+    branch = batch.get("branch_row")
+    return None if branch is None else ~branch.bool()
 
 
 def whiten_advantages(values: torch.Tensor, mask: torch.Tensor, mean_var=None) -> torch.Tensor:

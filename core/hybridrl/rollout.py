@@ -73,4 +73,5 @@ class RolloutStage:
         rollout["agent_info"] = [dict(t.info) for t in trajectories]  # counts, logged as agent/<key>_mean
         if drives:
             rollout["episode"] = [t.state for t in trajectories]
+            rollout["branches"] = [t.branches for t in trajectories]  # rows of their own when trained
         return rollout

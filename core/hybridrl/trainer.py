@@ -17,7 +17,7 @@ import torch
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed, lora, plugins
 from hybridrl import functional as F
-from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows
+from hybridrl.batch import Batch, drop_padding, even_out, first_groups, real_rows, with_branches
 from hybridrl.components import Trainable
 from hybridrl.engine_weights import engine_tensors
 from hybridrl.errors import Interrupted, StageError, nonfinite
@@ -191,7 +191,9 @@ class Trainer:
             with timer("sync_check"):
                 metrics |= check.after_sync(self.probe_prompt, step, self.probe_logprobs, first)
         metrics |= self.run.session.metrics()
-        metrics["batch/trained_fraction"] = real_rows(batch) / len(rollout) if batch is not None else 0.0
+        metrics["batch/trained_fraction"] = (
+            real_rows(batch, branches=False) / len(rollout) if batch is not None else 0.0
+        )
         generating = timer.times.get("rollout", metrics.get("async/rollout_s", 0.0))
         metrics |= batch_metrics(rollout if batch is None else batch, generating, rollout) | timer.metrics()
         metrics |= self.probes.finish(step, first)  # garbage collection and compiling, within the stages above
@@ -296,6 +298,7 @@ class Trainer:
             self.nonfinite(step, "the combined reward is NaN/Inf")
         if bad or distributed.all_ranks(len(kept) == 0):
             return None
+        kept = with_branches(kept, self.run.tokenizer.pad_token_id)  # an agent episode's earlier branches
         return even_out(kept, rollout).to(self.run.ctx.device)
 
     @torch.no_grad()

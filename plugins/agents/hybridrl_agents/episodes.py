@@ -8,6 +8,9 @@ as the chat template frames them after a sampled turn (:func:`hybridrl.agents.ob
 tokenised once. The sampled text is never tokenised again, so the ids trained on are the ids
 sampled. A call whose messages do not extend any earlier one (the harness cut, summarised or
 rewrote its history) starts a new branch from its own rendered messages: a fork, counted.
+
+The trajectories trained (:meth:`Episode.trained`) are the branch of the last call and, by default,
+every earlier branch: the trajectory of each earlier call that no later call continued.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class Turn:
     version: int  # the policy version that sampled this reply
     text: str  # the reply's text as answered
     finish: str  # its finish reason: stop, length, tool_calls
+    parent: Turn | None = None  # the turn its call continued (None: the first of a branch)
+    call: int = 0  # the episode's call that answered it, from 0
+    continued: bool = False  # a later call continued it
+
+    @property
+    def path(self) -> list[Turn]:
+        """The turns of its trajectory: its parent's, then itself."""
+        return ([] if self.parent is None else self.parent.path) + [self]
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Context:
     logprobs: list[float] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     forked: bool = False
+    parent: Turn | None = None  # the turn it continues
 
     @property
     def engine_prompt(self) -> list[int]:
@@ -95,7 +107,41 @@ class Episode:
                 last = turn.ids[-1] if turn.ids and turn.ids[-1] in end_ids and turn.sampled[-1] else None
                 obs = observation_ids(tokenizer, messages[k + 1 :], tools, last)
                 return Context(
-                    turn.prompt, turn.ids + obs, turn.logprobs + [0.0] * len(obs), turn.sampled + [0] * len(obs)
+                    turn.prompt,
+                    turn.ids + obs,
+                    turn.logprobs + [0.0] * len(obs),
+                    turn.sampled + [0] * len(obs),
+                    parent=turn,
                 )
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return Context(tokenizer(text, add_special_tokens=False)["input_ids"], forked=bool(self.turns))
+
+    def record(self, ctx: Context, turns: list[Turn]) -> None:
+        """A call's answers to ``ctx``: its first answer is the episode's latest trajectory."""
+        for turn in turns:
+            turn.parent, turn.call = ctx.parent, self.calls - 1
+        if ctx.parent is not None:
+            ctx.parent.continued = True
+        self.turns += turns
+        self.sampled_tokens += sum(len(turn.ids) - len(ctx.ids) for turn in turns)
+        self.final = turns[0]
+        self.forks += ctx.forked
+
+    def trained(self, branches: bool = True) -> list[Turn]:
+        """The turns whose trajectories train: the last call's first answer, then (``branches``)
+        the first answer of each earlier call of which no answer was continued, in call order."""
+        if self.final is None:
+            return []
+        ends = [self.final]
+        if branches:
+            calls: dict[int, list[Turn]] = {}
+            for turn in self.turns:
+                calls.setdefault(turn.call, []).append(turn)
+            ends += [ts[0] for c, ts in calls.items() if c != self.final.call and not any(t.continued for t in ts)]
+        return ends
+
+    def untrained_tokens(self, trained: list[Turn]) -> int:
+        """Tokens sampled (every answer, every branch) on none of the ``trained`` trajectories."""
+        on_path = {id(t): t for end in trained for t in end.path}
+        return self.sampled_tokens - sum(t.sampled.count(1) - (t.parent.sampled.count(1) if t.parent else 0)
+                                         for t in on_path.values())  # fmt: skip

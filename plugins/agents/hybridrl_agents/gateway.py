@@ -206,10 +206,7 @@ class Gateway:
     def _record(self, episode: Episode, ctx: Context, turns: list[Turn]) -> None:
         for turn in turns:  # what the next call's messages are compared with: as the harness sends it
             turn.reply = openai_chat.messages([{k: v for k, v in turn.reply.items() if k != "refusal"}])[0]
-        episode.turns += turns
-        episode.sampled_tokens += sum(len(turn.ids) - len(ctx.ids) for turn in turns)
-        episode.final = turns[0]
-        episode.forks += ctx.forked
+        episode.record(ctx, turns)
 
     def _completion_context(self, episode: Episode, ids: list[int]) -> Context:
         """A completion prompt that starts with an earlier answer's ids continues it (the rest of
@@ -219,7 +216,7 @@ class Gateway:
             if len(ids) >= len(done) and ids[: len(done)] == done:
                 extra = ids[len(done) :]
                 return Context(turn.prompt, turn.ids + extra, turn.logprobs + [0.0] * len(extra),
-                               turn.sampled + [0] * len(extra))  # fmt: skip
+                               turn.sampled + [0] * len(extra), parent=turn)  # fmt: skip
         return Context(list(ids), forked=bool(episode.turns))
 
     def _reply(self, kind: str, episode: Episode, choices: list[dict], ctx: Context, answers: list[dict]) -> dict:

@@ -70,6 +70,11 @@ class HarnessOptions(Options):
     )
     env: dict[str, str] = Field(default_factory=dict, description="More environment variables for the command.")
     max_calls: int = Field(64, gt=0, description="Most calls of one episode; more get 429.")
+    branches: Literal["all", "last"] = Field(
+        "all",
+        description="What of an episode that forked trains: 'all' its branches (each a row of its own, with the "
+        "episode's reward), 'last' the last call's branch only.",
+    )
     batch_requests: int = Field(64, gt=0, description="Most requests answered by one engine call.")
     batch_wait_s: float = Field(
         0.05,
@@ -254,7 +259,7 @@ class HarnessEnvironment(Environment):
         if lost:
             print(f"agent harness: episode {episode.id} lost: {lost} ({self.name})", file=sys.stderr)
         state |= {"reward": episode.reward, "lost": lost, "calls": episode.calls}
-        return trajectory(index, episode, state, lost, loop, chat, self.options.answer), episode
+        return trajectory(index, episode, state, lost, loop, chat, self.options), episode
 
     def _run(self, task: Task, state: dict) -> str | None:
         """Run the harness for ``task``; why the episode is lost, or None."""
@@ -319,26 +324,37 @@ class HarnessEnvironment(Environment):
         self.store.close()
 
 
-def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: list[dict], answer: str) -> Trajectory:
-    """The episode as the batch's row: the last call's trajectory, or no tokens when lost."""
+def trajectory(index: int, episode, state: dict, lost: str | None, loop, chat: list[dict], options) -> Trajectory:
+    """The episode as the batch's row: the last call's trajectory, with its earlier branches
+    (``options.branches``), or no tokens when lost."""
     info = Counter(
         calls=episode.calls, forks=episode.forks, tool_calls=episode.tool_calls, lost=int(bool(lost)),
         malformed_tool_calls=episode.malformed, reward_posted=int(episode.reward is not None),
         tool_choice_unmet=episode.unforced,
     )  # fmt: skip
-    final = None if lost else episode.final
-    info["untrained_tokens"] = episode.sampled_tokens - (final.sampled.count(1) if final is not None else 0)
-    if final is None:
+    trained = [] if lost else episode.trained(options.branches == "all")
+    info["untrained_tokens"] = episode.untrained_tokens(trained)
+    if not trained:
         text = loop.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         prompt = loop.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Trajectory(index, prompt, list(chat), state, finish="abort", info=info, done=True)
+    final, earlier = trained[0], trained[1:]
     info["observation_tokens"] = final.sampled.count(0)
-    last_text = {"reply": final.text, "returned": state["returned"], "stdout": state["output"].strip()}[answer]
+    info["trained_branches"] = len(trained)
+    last_text = {"reply": final.text, "returned": state["returned"], "stdout": state["output"].strip()}[options.answer]
+    branches = [
+        {"prompt": t.prompt, "ids": t.ids, "logprobs": t.logprobs, "sampled": t.sampled, "finish": finish(t)}
+        for t in earlier
+    ]
     return Trajectory(
         index, final.prompt, [*final.messages, final.reply], state, list(final.ids), list(final.logprobs),
-        list(final.sampled), turns=episode.calls, last_text=last_text or "", done=True,
-        finish="length" if final.finish == "length" else "stop", info=info,
+        list(final.sampled), turns=episode.calls, last_text=last_text or "", done=True, finish=finish(final),
+        info=info, branches=branches,
     )  # fmt: skip
+
+
+def finish(turn) -> str:
+    return "length" if turn.finish == "length" else "stop"
 
 
 def stored_trajectory(stored: dict) -> Trajectory:
@@ -351,5 +367,5 @@ def record(t: Trajectory) -> dict:
     return {
         "index": t.index, "prompt": t.prompt, "messages": t.messages, "state": t.state, "ids": t.ids,
         "logprobs": t.logprobs, "sampled": t.sampled, "turns": t.turns, "last_text": t.last_text,
-        "done": t.done, "finish": t.finish, "reward": t.reward, "info": dict(t.info),
+        "done": t.done, "finish": t.finish, "reward": t.reward, "info": dict(t.info), "branches": t.branches,
     }  # fmt: skip

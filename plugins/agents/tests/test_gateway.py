@@ -111,7 +111,7 @@ def test_an_openai_client_agent_trains_on_exactly_the_sampled_tokens(parts):
     env.close()
 
 
-def test_a_rewritten_history_forks_a_new_branch(parts):
+def test_a_rewritten_history_forks_a_new_branch_and_both_branches_train(parts):
     tok, ctx, engine, loop = parts
 
     def summarising(task):
@@ -123,15 +123,43 @@ def test_a_rewritten_history_forks_a_new_branch(parts):
         summary = [{"role": "user", "content": f"{task.prompt} (earlier you said {said} characters)"}]
         client.chat.completions.create(model="any", messages=summary)
 
-    make_env(ctx, loop, summarising)
-    engine.calls.clear()
-    out, (t,) = loop.run([[0]], [{"q": 1}], [[{"role": "user", "content": "Hi"}]], sampling(n=1))
-    assert t.info["forks"] == 1 and t.info["calls"] == 2
-    # the trained branch is the second call alone: its own rendered prompt, all sampled
-    prompts, answer = engine.calls[-1][0], engine.calls[-1][1]
-    assert t.prompt in prompts and t.ids == answer.token_ids[prompts.index(t.prompt)] and set(t.sampled) == {1}
-    first = engine.calls[-2][1].token_ids[0]  # the first branch's reply: sampled, not trained, counted
-    assert t.info["untrained_tokens"] == len(first) > 0
+    for seed, branches in enumerate(("all", "last")):
+        make_env(ctx, loop, summarising, branches=branches)
+        engine.calls.clear()
+        out, (t,) = loop.run([[0]], [{"q": 1}], [[{"role": "user", "content": "Hi"}]], sampling(n=1, seed=seed))
+        loop.env.close()
+        assert t.info["forks"] == 1 and t.info["calls"] == 2
+        # the episode's row is the second call's branch alone: its own rendered prompt, all sampled
+        prompts, answer = engine.calls[-1][0], engine.calls[-1][1]
+        assert t.prompt in prompts and t.ids == answer.token_ids[prompts.index(t.prompt)] and set(t.sampled) == {1}
+        (first_prompt,), first = engine.calls[-2][0], engine.calls[-2][1]  # the first branch: its call and reply
+        if branches == "last":  # sampled, not trained, counted
+            assert t.branches == [] and t.info["untrained_tokens"] == len(first.token_ids[0]) > 0
+            continue
+        # trained too, as a row of its own: its prompt, its sampled ids and their logprobs
+        assert t.info["untrained_tokens"] == 0 and t.info["trained_branches"] == 2
+        (branch,) = t.branches
+        assert branch["prompt"] == first_prompt == render(tok, [{"role": "user", "content": "Hi"}])
+        assert branch["ids"] == first.token_ids[0] and branch["logprobs"] == first.logprobs[0]
+        assert branch["sampled"] == [1] * len(first.token_ids[0]) and branch["finish"] == first.finish_reasons[0]
+
+
+def test_the_trained_branches_are_the_calls_no_later_call_continued(live):
+    gateway, episode, client = live
+    chat = [{"role": "user", "content": "Count: one two three"}]
+    # call 0: three answers; call 1 continues the third; call 2 starts over (a fork)
+    third = client.chat.completions.create(model="any", messages=chat, n=3).choices[2].message
+    history = [*chat, {"role": "assistant", "content": third.content}, {"role": "user", "content": "more"}]
+    client.chat.completions.create(model="any", messages=history)
+    client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Start over"}])
+    answers, continued, fork = episode.turns[:3], episode.turns[3], episode.turns[4]
+    assert episode.forks == 1 and continued.parent is answers[2] and fork.parent is None
+    assert episode.trained() == [fork, continued] and episode.trained(branches=False) == [fork]
+    assert continued.path == [answers[2], continued] and continued.ids[: len(answers[2].ids)] == answers[2].ids
+    # untrained: the two answers of call 0 nobody continued; with the last branch only, call 1's path too
+    unused = sum(len(a.ids) for a in answers[:2])
+    assert episode.untrained_tokens(episode.trained()) == unused
+    assert episode.untrained_tokens([fork]) == unused + continued.sampled.count(1)
 
 
 def test_a_reply_sent_back_trimmed_or_padded_continues_the_episode(parts):

@@ -75,6 +75,56 @@ def test_grpo_trains_an_unmodified_command_agent_on_its_posted_rewards(tiny_mode
     assert stored(tmp_path / "run") == 2 * 2 * 2  # every finished episode is in the store, committed
 
 
+FORKING = textwrap.dedent(
+    """
+    import openai
+
+    def solve(task):  # each call rewrites the history: the episode forks, and both branches train
+        client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+        first = client.chat.completions.create(model="p", messages=[{"role": "user", "content": task.prompt}])
+        said = first.choices[0].message.content
+        retry = [{"role": "user", "content": f"{task.prompt} You said {len(said)} characters. Again?"}]
+        text = client.chat.completions.create(model="p", messages=retry).choices[0].message.content
+        client.post(task.reward_url, body={"reward": (len(said) + len(text)) % 3}, cast_to=object)
+        return text
+    """
+)
+
+
+def test_grpo_trains_every_branch_of_a_forked_episode_with_its_episodes_advantage(tiny_model, tmp_path, monkeypatch):
+    from hybridrl_algo_grpo.functional import group_advantages
+
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
+
+    (tmp_path / "forking.py").write_text(FORKING)
+    agent = {"environment": "harness", "callable": f"{tmp_path / 'forking.py'}:solve", "max_total_tokens": 64}
+    config = run_config(tiny_model, tmp_path / "run", agent)
+    config["trainer"] |= {"steps": 1, "prompts_per_step": 2}
+    config["rollout"]["n"] = 3
+    trained, update = [], Trainer.update
+    monkeypatch.setattr(Trainer, "update", lambda self, batch, step: trained.append(batch) or update(self, batch, step))
+    metrics = Trainer(build_run(load_config(data=config))).train()
+    assert metrics["agent/forks_mean"] == 1 and metrics["agent/trained_branches_mean"] == 2
+    assert metrics["agent/untrained_tokens_mean"] == 0 and metrics["batch/trained_fraction"] == 1
+    (batch,) = trained
+    branch = batch["branch_row"]
+    assert len(batch) == 12 and branch.tolist() == [False] * 6 + [True] * 6  # each episode's first call, after
+    # a branch row: the first call's prompt (the task alone) and tokens; the episode's score and group
+    main, earlier = torch.arange(6), torch.arange(6, 12)
+    assert (batch["scores"][earlier] == batch["scores"][main]).all()
+    assert (batch["group_ids"][earlier] == batch["group_ids"][main]).all()
+    assert not torch.equal(batch["prompts"][main], batch["prompts"][earlier][:, -batch["prompts"].shape[1] :])
+    # the advantages: the GRPO formula over the 6 episodes (3 a group), each branch with its episode's
+    mask = batch["response_mask"]
+    want = group_advantages(batch["scores"][main], mask[main], batch["group_ids"][main])
+    assert batch["scores"][main].unique().numel() > 1  # the rewards differ: the advantages are not all 0
+    torch.testing.assert_close(batch["advantages"][main], want)
+    first = batch["advantages"][:, 0]
+    torch.testing.assert_close(first[earlier], first[main])
+    assert metrics["rollout/logprob_diff_max"] < 1e-4  # engine and trainer agree on every row, the branches' too
+
+
 @pytest.fixture
 def loop(tiny_model, tmp_path):
     tok = load_tokenizer(tiny_model)

@@ -169,16 +169,16 @@ class GRPO(Algorithm):
             if len(batch):
                 metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
                 metrics["reward/overlong_fraction"] = (penalty < 0).float().mean().item()
-        groups = batch["group_ids"].to(mask.device)
+        groups, counted = batch["group_ids"].to(mask.device), F.counted_rows(batch)  # each episode once
         mean_var = distributed.masked_mean_var if distributed.world_size() > 1 else None  # whiten over all ranks
         if o.estimator == "grpo":
-            adv = group_advantages(scores, mask, groups, norm_std=o.norm_adv_by_std, eps=o.eps)
+            adv = group_advantages(scores, mask, groups, norm_std=o.norm_adv_by_std, eps=o.eps, counted=counted)
         elif o.estimator == "rloo":
-            adv = rloo_advantages(scores, mask, groups)
+            adv = rloo_advantages(scores, mask, groups, counted)
         elif o.estimator == "reinforce_plus_plus":
             adv, _ = reinforce_pp_advantages(scores, mask, o.gamma, mean_var)
         else:
-            adv = reinforce_pp_baseline_advantages(scores, mask, groups, mean_var)
+            adv = reinforce_pp_baseline_advantages(scores, mask, groups, mean_var, counted)
         batch["advantages"] = adv
         return metrics
 

@@ -21,14 +21,16 @@ def group_advantages(
     group_ids: torch.Tensor,  # (B,) responses with the same id answer the same prompt
     norm_std: bool = True,
     eps: float = 1e-6,
+    counted: torch.Tensor | None = None,  # (B,) bool: the rows the group statistics count (None: all)
 ) -> torch.Tensor:
     """GRPO advantage (s - mean_g) / (std_g + eps), broadcast over the response tokens: (B, T).
 
     Mean and unbiased std are per group; a group of one response has mean 0 and std 1.
     ``norm_std=False`` gives Dr. GRPO's s - mean_g (Liu et al. 2025, arXiv:2503.20783).
+    ``counted``: see :func:`hybridrl.functional.group_stats` (an agent episode's earlier branches).
     """
     scores = scores.float()
-    mean, std, _ = F.group_stats(scores, group_ids)
+    mean, std, _ = F.group_stats(scores, group_ids, counted)
     adv = (scores - mean) / (std + eps) if norm_std else scores - mean
     return adv.unsqueeze(-1) * mask.to(adv.dtype)
 
@@ -37,6 +39,7 @@ def rloo_advantages(
     scores: torch.Tensor,  # (B,)
     mask: torch.Tensor,  # (B, T)
     group_ids: torch.Tensor,  # (B,)
+    counted: torch.Tensor | None = None,  # (B,) bool: the rows the group statistics count (None: all)
 ) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): s_i - mean of the other scores of the group.
 
@@ -44,7 +47,7 @@ def rloo_advantages(
     advantage is its score (no baseline), as in verl. Broadcast over tokens: (B, T).
     """
     scores = scores.float()
-    mean, _, n = F.group_stats(scores, group_ids)
+    mean, _, n = F.group_stats(scores, group_ids, counted)
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
     return adv.unsqueeze(-1) * mask.to(adv.dtype)
 
@@ -73,6 +76,7 @@ def reinforce_pp_baseline_advantages(
     mask: torch.Tensor,  # (B, T)
     group_ids: torch.Tensor,  # (B,)
     mean_var=None,
+    counted: torch.Tensor | None = None,  # (B,) bool: the rows the group statistics count (None: all)
 ) -> torch.Tensor:
     """REINFORCE++-baseline: s - mean_g broadcast over the tokens, then whitened over the batch.
 
@@ -80,7 +84,7 @@ def reinforce_pp_baseline_advantages(
     """
     mask = mask.float()
     scores = scores.float()
-    mean, _, _ = F.group_stats(scores, group_ids)
+    mean, _, _ = F.group_stats(scores, group_ids, counted)
     centred = (scores - mean).unsqueeze(-1) * mask
     return F.whiten_advantages(centred, mask, mean_var)
 

@@ -167,3 +167,35 @@ def test_gspo_ratio_is_one_on_policy():
     loss, m = gspo_policy_loss(logp.detach(), logp, torch.full((1, 2), -2.0), torch.ones(1, 2))
     assert loss.item() == pytest.approx(2.0)  # -A * 1
     assert m["ppo_kl"].item() == 0.0
+
+
+# -- an agent episode's earlier branches: rows of their own, counted once -------------------------
+
+
+def test_group_stats_count_each_episode_once():
+    # group 0: episodes scored 1 and 0, the first with two earlier branches (rows 2, 3) repeating its 1
+    scores, groups = torch.tensor([1.0, 0.0, 1.0, 1.0, 5.0]), torch.tensor([0, 0, 0, 0, 1])
+    counted = torch.tensor([True, True, False, False, True])
+    mean, std, n = F.group_stats(scores, groups, counted)
+    assert mean.tolist() == [0.5, 0.5, 0.5, 0.5, 0.0]  # counting every row would give 0.75
+    assert std.tolist() == pytest.approx([math.sqrt(0.5)] * 4 + [1.0])
+    assert n.tolist() == [2, 2, 2, 2, 1]
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    close(
+        group_advantages(scores, torch.ones(5, 1), groups, eps=1e-6, counted=counted),
+        [[a], [-a], [a], [a], [5 / (1 + 1e-6)]],
+    )
+    # RLOO: 1 - 0 = 1 and 0 - 1 = -1 over the two episodes, the branches with their episode's
+    close(rloo_advantages(scores, torch.ones(5, 1), groups, counted), [[1.0], [-1.0], [1.0], [1.0], [5.0]])
+    centred = reinforce_pp_baseline_advantages(scores, torch.ones(5, 1), groups, counted=counted)
+    close(centred, [[w] for w in whiten([0.5, -0.5, 0.5, 0.5, 5.0])])  # then whitened over every row's tokens
+
+
+def test_counted_rows_are_all_but_the_branch_rows():
+    from hybridrl.batch import Batch
+
+    batch = Batch()
+    batch["scores"] = torch.zeros(3)
+    assert F.counted_rows(batch) is None
+    batch["branch_row"] = torch.tensor([False, True, False])
+    assert F.counted_rows(batch).tolist() == [True, False, True]

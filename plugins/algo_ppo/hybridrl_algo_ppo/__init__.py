@@ -192,7 +192,7 @@ class PPO(Algorithm):
             }
         else:
             if o.baseline == "group_mean":
-                mean, _, _ = F.group_stats(scores, batch["group_ids"].to(mask.device))
+                mean, _, _ = F.group_stats(scores, batch["group_ids"].to(mask.device), F.counted_rows(batch))
                 rewards = rewards - F.outcome_token_rewards(mean, mask)
             returns = F.discounted_returns(rewards, mask, o.gamma)
             advantages = F.whiten_advantages(returns, mask, mean_var)
