@@ -142,6 +142,13 @@ def test_a_rewritten_history_forks_a_new_branch_and_both_branches_train(parts):
         assert branch["prompt"] == first_prompt == render(tok, [{"role": "user", "content": "Hi"}])
         assert branch["ids"] == first.token_ids[0] and branch["logprobs"] == first.logprobs[0]
         assert branch["sampled"] == [1] * len(first.token_ids[0]) and branch["finish"] == first.finish_reasons[0]
+        kept = t
+    # a resumed rollout takes the finished episode from the store: its branches too, sampling nothing
+    make_env(ctx, loop, summarising)
+    engine.calls.clear()
+    _, (again,) = loop.run([[0]], [{"q": 1}], [[{"role": "user", "content": "Hi"}]], sampling(n=1, seed=0))
+    loop.env.close()
+    assert engine.calls == [] and again.branches == kept.branches and again.ids == kept.ids
 
 
 def test_the_trained_branches_are_the_calls_no_later_call_continued(live):
