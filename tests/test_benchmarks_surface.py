@@ -3,7 +3,7 @@ alone, so that a change inside the trainer never breaks one and a figure measure
 
 The surface: a run (``hybridrl.run``: ``build_run``, ``Run`` and its parts), the loop
 (``hybridrl.trainer.Trainer`` and its public methods), ``hybridrl.config.load_config``, the testing
-helpers (``hybridrl.testing``, ``hybridrl.testing_models``, ``hybridrl.testing_engines``), the
+helpers (``hybridrl.testing``, ``hybridrl.testing_models``), the
 plugin contract (``hybridrl.components``, ``hybridrl.batch.Batch``, ``hybridrl.plugins``' lookup and
 build and the registering of a plugin in code, ``hybridrl.hookspecs.hookimpl``) and a plugin's own
 public modules (``hybridrl_rollout_vllm.local``: a benchmark of that plugin). Checked with ``ast``:
@@ -29,7 +29,6 @@ ALLOWED = {
     "hybridrl.config": {"load_config"},
     "hybridrl.testing": ANY,
     "hybridrl.testing_models": ANY,
-    "hybridrl.testing_engines": ANY,
     "hybridrl.components": ANY,
     "hybridrl.batch": {"Batch"},
     "hybridrl.plugins": {"lookup", "build", "get_plugin_manager", "invalidate_registry", "PluginError"},

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from hybridrl.batch import Batch
-from hybridrl.prefetch import Prefetcher
+from hybridrl.prefetch import Prefetcher, staleness
 
 
 class Engine:
@@ -17,9 +18,13 @@ class Engine:
     session's count of updates and versions, and a log of what ran when (generation in the prefetch
     thread, syncs in the trainer's)."""
 
-    def __init__(self):
+    def __init__(self, in_flight=False):
         self.weights, self.log, self.lock = 0, [], threading.Lock()
         self.updates = self.version = 0
+        self.in_flight = in_flight
+
+    def updates_in_flight(self):
+        return self.in_flight
 
     def load_state_dict(self, state):
         self.updates, self.version = state["updates"], state["version"]
@@ -98,3 +103,36 @@ def test_a_checkpoint_holds_the_batches_in_flight_and_resumes_to_the_same_steps(
     assert first + rest == straight
     # only step 6 was generated after the resume: 4 and 5 came from the checkpoint
     assert [e[1] for e in engine.log[generated:] if e[0] == "generate"] == [6]
+
+
+def test_a_sync_in_flight_does_not_wait_for_the_batches_generated_ahead():
+    engine, release = Engine(in_flight=True), threading.Event()
+    collect = engine.collect
+
+    def slow(step, timer):  # step 2 is still generating when step 1's update syncs
+        if step == 2:
+            assert release.wait(30)
+        return collect(step, timer)
+
+    p = Prefetcher(slow, 1, 2, engine)
+    p.take(1)
+    engine.sync(p)  # returns with step 2 in flight: the engine takes the sync while it generates
+    assert not p.futures[2].done() and ("sync", 1) in engine.log
+    release.set()
+    rollout, _, _ = p.take(2)
+    assert rollout.lists["step"] == [2, 2]
+    p.close()
+
+
+def test_staleness_is_counted_per_token_where_tokens_carry_their_versions():
+    batch = Batch()
+    batch["response_mask"] = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    batch["token_versions"] = torch.tensor([[3, 3, 4, 0], [4, 4, 0, 0], [0, 0, 0, 0]])  # 0 past the tokens
+    batch["policy_version"] = torch.tensor([3, 4, 4])
+    got = staleness(batch, 5)
+    # five sampled tokens, 2 2 1 1 1 updates old; one response of the three spans two versions
+    assert got == pytest.approx(
+        {"rollout/staleness_mean": 7 / 5, "rollout/staleness_max": 2, "rollout/mixed_versions": 1 / 3}
+    )
+    del batch.tensors["token_versions"]  # per response, from the version each started with
+    assert staleness(batch, 5) == pytest.approx({"rollout/staleness_mean": 4 / 3, "rollout/staleness_max": 2})

@@ -5,10 +5,13 @@ sync check, a resume and rollout.async, against an engine that raises on any cal
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +23,16 @@ from hybridrl.models import load_tokenizer
 from hybridrl.run import build_run
 from hybridrl.session import EngineSession, rollout_seed
 from hybridrl.testing import SevensPlugin
-from hybridrl.testing_engines import LifecycleError, StrictEngine, StrictPlugin
 from hybridrl.trainer import Trainer
+
+_spec = importlib.util.spec_from_file_location("strict_engine", Path(__file__).parent / "strict_engine.py")
+strict_engine = sys.modules["strict_engine"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(strict_engine)
+LifecycleError, StrictEngine, StrictPlugin = (
+    strict_engine.LifecycleError,
+    strict_engine.StrictEngine,
+    strict_engine.StrictPlugin,
+)
 
 
 class Watched(RolloutEngine):
@@ -88,6 +99,47 @@ def test_a_server_that_skips_a_reload_keeps_its_version_and_resends_do_not_count
         versions.append(session.version)
     assert versions == [1, 1, 3] and session.updates == 3
     assert session.state_dict() == {"updates": 3, "version": 3}
+
+
+class InFlight(Watched):
+    """An engine that takes syncs while it generates: a generation spans a sync and says per token
+    how many syncs the engine had taken (``token_versions``)."""
+
+    def __init__(self, holds_latest=lambda: True):
+        super().__init__(holds_latest)
+        self.started, self.release, self.labels = threading.Event(), threading.Event(), None
+
+    def updates_in_flight(self):
+        return True
+
+    def generate(self, prompts, sampling):
+        before = self.weights
+        self.started.set()
+        assert self.release.wait(10)
+        labels = self.labels or [before, self.weights]
+        return RolloutOutput([[1, 2]], [[0.0, 0.0]], ["stop"], token_versions=[labels])
+
+
+def test_a_sync_lands_during_a_generation_of_an_engine_that_updates_in_flight():
+    engine = InFlight(lambda: engine.weights != 2)  # the second sync is one a server skips (sync_every)
+    session = EngineSession(engine, RolloutConfig(n=1))
+    session.sync([])  # version 1
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault("out", session.generate([[1]], SamplingParams(n=1))))
+    thread.start()
+    assert engine.started.wait(10)
+    session.sync([])  # lands while the generation runs: the session does not hold it back
+    session.sync([])  # a third: the engine loaded it; its second it did not (version 1 still)
+    engine.release.set()
+    thread.join()
+    out = got["out"]
+    # the engine counts its syncs (1 before, 3 after); the session gives the policy versions they held
+    assert out.policy_version == 1 and out.token_versions == [[1, 3]] and session.loaded == [0, 1, 1, 3]
+    # a count the session never saw (another trainer's syncs of the same server): refused, not trained on
+    engine.labels, engine.started, engine.release = [3, 7], threading.Event(), threading.Event()
+    engine.release.set()
+    with pytest.raises(StageError, match="sampled by the weights of sync 7, but the engine has had 3 syncs"):
+        session.generate([[1]], SamplingParams(n=1))
 
 
 def test_the_step_seed_rule_and_each_engines_per_request_seeds():

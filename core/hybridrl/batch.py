@@ -26,6 +26,9 @@ class RolloutOutput:
     sampled_masks: list[list[int]] | None = None
     #: the policy updates the engine's weights held (set by the trainer's engine session, not the engine)
     policy_version: int | None = None
+    #: per token, the weights that sampled it (engines that update in flight): the engine gives the
+    #: count of its update_weights calls before the token, the engine session the policy version
+    token_versions: list[list[int]] | None = None
 
 
 @dataclass
@@ -165,6 +168,11 @@ class Batch:
             batch["response_attention_mask"] = attend
         batch["group_ids"] = torch.arange(B) // n
         batch["finish_reason"] = out.finish_reasons
+        if out.token_versions is not None:  # 0 past the response: read it through response_mask
+            versions = torch.zeros(B, T, dtype=torch.long)
+            for b, v in enumerate(out.token_versions):
+                versions[b, : len(v)] = torch.tensor(v, dtype=torch.long)
+            batch["token_versions"] = versions
         return batch
 
 

@@ -42,8 +42,6 @@ class RolloutEngine(Component):
     the engine to sleep only for training and syncs it still asleep (the KV cache stays freed while
     the trainer gathers the full tensors); between a ``sleep`` and the next ``wake_up`` it sends the
     whole policy, so ``sleep`` may drop the weights (vLLM's level 2). Engines never wake themselves.
-    docs/plugins.md has the table; :class:`hybridrl.testing_engines.StrictEngine` raises on a call
-    out of order.
     """
 
     #: what :meth:`update_weights` receives: ``"checkpoint"``, the names and layouts of the model
@@ -89,6 +87,11 @@ class RolloutEngine(Component):
     def runs_apart(self) -> bool:
         """Whether the engine generates on other devices or in another process than training (a
         server), so that it can generate the next batch while the policy trains (rollout.async)."""
+        return False
+
+    def updates_in_flight(self) -> bool:
+        """Whether :meth:`update_weights` may run during a :meth:`generate` of another thread, whose
+        requests go on under the new weights, saying per token which sampled it (``token_versions``)."""
         return False
 
     def seeds_each_request(self) -> bool:

@@ -10,6 +10,11 @@ the updates the engine's weights hold; a server that reloads every ``sync_every`
 older ones, and the staleness metric counts them). Deterministic: the steps' prompts, seeds and
 weight versions do not depend on timing. A checkpoint waits for the batches in
 flight and saves them, so a resumed run trains on the very batches the uninterrupted one would have.
+
+With an engine that updates in flight (:meth:`hybridrl.session.EngineSession.updates_in_flight`)
+a sync does not wait: the batches in flight go on under the new weights, each token records the
+version that sampled it (``token_versions``), and staleness is counted per token. The versions a
+token gets then depend on timing; the bound stays: a token is at most k updates old.
 """
 
 from __future__ import annotations
@@ -59,17 +64,13 @@ class Prefetcher:
         self._fill(step)
         result = self.done.pop(step) if step in self.done else self.futures.pop(step).result()
         rollout, kept, metrics = result
-        stale = (self.session.updates - rollout["policy_version"]).float()
-        return (
-            rollout,
-            kept,
-            metrics | {"rollout/staleness_mean": stale.mean().item(), "rollout/staleness_max": stale.max().item()},
-        )
+        return rollout, kept, metrics | staleness(rollout, self.session.updates)
 
     def before_sync(self) -> None:
-        """Wait until every queued batch is generated: they come from the weights the engine had
-        when they were queued."""
-        cf.wait(list(self.futures.values()))
+        """Wait until every queued batch is generated (they come from the weights the engine had
+        when they were queued), unless the engine takes the sync in flight."""
+        if not self.session.updates_in_flight():
+            cf.wait(list(self.futures.values()))
 
     def state_dict(self) -> dict:
         """The batches in flight, finished: a resumed run starts from them."""
@@ -88,6 +89,24 @@ class Prefetcher:
         for f in self.futures.values():
             f.cancel()
         self.pool.shutdown(wait=True)
+
+
+def staleness(rollout: Batch, updates: int) -> dict[str, float]:
+    """Updates between the weights that sampled the batch and the policy (``updates``): per response,
+    or per sampled token where the tokens carry their versions, with the fraction of responses whose
+    tokens come from more than one version (``rollout/mixed_versions``)."""
+    if "token_versions" not in rollout:
+        stale = (updates - rollout["policy_version"]).float()
+        return {"rollout/staleness_mean": stale.mean().item(), "rollout/staleness_max": stale.max().item()}
+    mask, versions = rollout["response_mask"].bool(), rollout["token_versions"]
+    stale = (updates - versions[mask]).float()
+    low = torch.where(mask, versions, versions.max() + 1).min(-1).values
+    mixed = (torch.where(mask, versions, -1).max(-1).values > low).float()
+    return {
+        "rollout/staleness_mean": stale.mean().item() if stale.numel() else 0.0,
+        "rollout/staleness_max": stale.max().item() if stale.numel() else 0.0,
+        "rollout/mixed_versions": mixed.mean().item(),
+    }
 
 
 def make_prefetcher(config, session, collect, main: bool) -> Prefetcher | None:

