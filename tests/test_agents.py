@@ -61,6 +61,9 @@ class Recording:
     def seeds_each_request(self):
         return False
 
+    def updates_in_flight(self):
+        return False
+
 
 def agent_config(**kw):
     return AgentConfig(environment="go_on", max_turns=3, **kw)

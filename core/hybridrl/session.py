@@ -121,9 +121,8 @@ class EngineSession:
         return self.loaded[syncs]
 
     def updates_in_flight(self) -> bool:
-        """Whether a sync may land while the engine generates (:meth:`RolloutEngine.updates_in_flight`);
-        not while it takes adapters, whose versions it does not keep for the requests in flight."""
-        return not self.adapters and self.engine.updates_in_flight()
+        """Whether a sync may land while the engine generates (:meth:`RolloutEngine.updates_in_flight`)."""
+        return self.engine.updates_in_flight()
 
     def before_training(self) -> None:
         """Training comes next (the loop's rollouts are done): the engine sleeps, giving its memory to

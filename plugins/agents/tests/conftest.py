@@ -25,6 +25,9 @@ class Recording:
     def seeds_each_request(self):
         return False
 
+    def updates_in_flight(self):
+        return False
+
 
 @pytest.fixture(scope="session")
 def recorded_loop():

@@ -21,8 +21,10 @@ from __future__ import annotations
 import math
 import shutil
 import sys
+import threading
 import time
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from hybridrl_rollout_vllm import in_flight
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
 
 NAME = "rollout engine 'vllm' (server mode)"
-KEPT_ADAPTERS = 2  # the latest, and the one before for what a rank may still ask of it
+KEPT_ADAPTERS = 2  # the latest, and the one before for what a rank may still ask of it; and any in use
 LOGPROB_SLACK = 1e-4  # a log-probability is at most 0; float rounding may put one a hair above
 
 
@@ -67,6 +69,9 @@ class ServerEngine:
         # comes along, while Gemma-2 has none and refuses it (then it is left out from there on)
         self.tied_head = tied_embeddings(ctx.model_path)
         self.adapters: list[str] = []  # the adapter versions loaded, oldest first; requests ask for the last
+        self.labels: dict[str, int] = {}  # each adapter's sync count: its answers' token_versions
+        self.in_use: Counter[str] = Counter()  # generate calls running on each adapter: not unloaded
+        self.adapter_lock = threading.Lock()
         self.in_flight = self._check_in_flight()
 
     def _check_in_flight(self) -> bool:
@@ -78,16 +83,36 @@ class ServerEngine:
         if why and o.in_flight == "on":
             raise ServiceError(f"{NAME}: rollout.in_flight is 'on', but {why}; or set rollout.in_flight: auto.")
         if why and self.ctx.rank == 0:
-            print(f"note: {NAME}: syncs wait for the requests in flight: {why}.", file=sys.stderr, flush=True)
+            print(f"note: {NAME}: weight syncs wait for the requests in flight: {why}.", file=sys.stderr, flush=True)
         return not why
 
     def updates_in_flight(self) -> bool:
-        return self.in_flight and not self.adapters
+        """Full weights: where the server pauses and labels (``in_flight``). Adapters: a new one loads
+        beside those that requests in flight use, which are unloaded only once nothing uses them."""
+        if self.adapters:
+            return self.options.in_flight != "off"
+        return self.in_flight
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        if not self.adapters:
+            return self._generate(prompts, sampling, self.model)
+        with self.adapter_lock:
+            name = self.adapters[-1]  # the version every request of this call is served by
+            label = self.labels[name]
+            self.in_use[name] += 1
+        try:
+            out = self._generate(prompts, sampling, name)
+        finally:
+            with self.adapter_lock:
+                self.in_use[name] -= 1
+            self._unload_unused()
+        out.token_versions = [[label] * len(ids) for ids in out.token_ids]
+        return out
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, model: str) -> RolloutOutput:
         s = sampling
         base = {
-            "model": self.adapters[-1] if self.adapters else self.model,
+            "model": model,
             "n": s.n,
             "max_tokens": s.max_tokens,
             # explicit values everywhere: vLLM fills unset ones from the model's generation_config
@@ -102,7 +127,7 @@ class ServerEngine:
             "return_tokens_as_token_ids": True,
         }
         seeds = (s.prompt_seeds(len(prompts)) if self.options.seed_requests else None) or [None] * len(prompts)
-        if self.updates_in_flight():
+        if self.in_flight and not self.adapters:
             return self._generate_tokens(prompts, s, base, seeds)
         payloads = [
             base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
@@ -204,7 +229,8 @@ class ServerEngine:
 
     def update_adapter(self, adapter) -> None:
         """The adapter, written where the server reads it, loaded under a new name (rank 0; every rank
-        asks for it by that name); the version before the one before is unloaded, its folder removed.
+        asks for it by that name), while requests in flight go on with the one they started on; the
+        versions before the one before are unloaded, their folders removed, once nothing uses them.
         Every sync loads one: ``sync_every`` spaces out full reloads, not these."""
         self.updates += 1
         name = f"{Path(self.ctx.run_dir).name}-v{adapter.version}-{self.updates}"[-120:]
@@ -212,13 +238,23 @@ class ServerEngine:
             folder = adapter.save(self.weights_dir / "adapters" / name)
             body = {"lora_name": name, "lora_path": str(folder.resolve())}
             post_json(f"{self.base}/v1/load_lora_adapter", body, **self.http, text=True)
-        self.adapters.append(name)
-        while len(self.adapters) > KEPT_ADAPTERS:
-            old = self.adapters.pop(0)
-            if self.ctx.rank == 0:
-                post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": old}, **self.http, text=True)
-                shutil.rmtree(self.weights_dir / "adapters" / old, ignore_errors=True)
+        with self.adapter_lock:
+            self.adapters.append(name)
+            self.labels[name] = self.updates
+        self._unload_unused()
         self.stats["vllm/adapter_mib"] = adapter.nbytes() / 2**20
+        self.stats["vllm/adapters_loaded"] = len(self.adapters)
+
+    def _unload_unused(self) -> None:
+        """Unload the adapters older than the latest KEPT_ADAPTERS that no request in flight uses."""
+        with self.adapter_lock:
+            old = [a for a in self.adapters[:-KEPT_ADAPTERS] if not self.in_use[a]]
+            self.adapters = [a for a in self.adapters if a not in old]
+        for name in old:
+            self.labels.pop(name, None)
+            if self.ctx.rank == 0:
+                post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": name}, **self.http, text=True)
+                shutil.rmtree(self.weights_dir / "adapters" / name, ignore_errors=True)
 
     def _reload(self, path: Path) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}}

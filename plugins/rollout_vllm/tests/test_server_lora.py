@@ -3,12 +3,21 @@ runtime adapter loading gets the adapter alone each sync, as a new adapter that 
 model, and the run stays on-policy; a server without them gets merged weights, and setup says why."""
 
 import json
+import threading
+import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hybridrl_rollout_vllm.testing import cpu_server
 
+from hybridrl import lora, plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RunContext, SamplingParams
 from hybridrl.config import load_config
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
 from hybridrl.run import build_run
 from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
@@ -17,6 +26,7 @@ pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl
 pytest.importorskip("peft")
 
 LORA_FLAGS = ("--no-enable-chunked-prefill", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+LORA_FLAGS += ("--max-cpu-loras", "4")  # adapters loaded beside those that requests in flight use
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +47,19 @@ def config(model_dir, server, run_dir, steps=3):
         "trainer": {"steps": steps, "prompts_per_step": 4, "lr": 5e-2, "seed": 0, "run_dir": str(run_dir)},
         "logging": {"loggers": ["jsonl"]},
     }
+
+
+def make_engine(model_dir, run_dir, **options):
+    ctx = RunContext(model_dir, load_tokenizer(model_dir), torch.device("cpu"), torch.float32, 0, run_dir)
+    cls = plugins.lookup("rollout engine", "vllm")
+    return cls(cls.Options(timeout=60, retries=1, **options), ctx)
+
+
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens generated so far (its Prometheus metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:generation_tokens_total"))
 
 
 def served(url):
@@ -60,6 +83,57 @@ def test_a_lora_server_gets_the_adapter_alone_and_the_run_stays_on_policy(
     names = [n for n in served(lora_server) if n != "tiny"]  # the setup's version 0 and one per step, two kept
     assert names == ["run-v2-3", "run-v3-4"], names
     assert sorted(p.name for p in (run / "vllm_server_weights" / "adapters").iterdir()) == names
+
+
+def lora_policy(model_dir, seed):
+    """The model with a rank-4 adapter on every linear layer, its matrices seeded (peft starts B at 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(load_causal_lm(model_dir, torch.float32, torch.device("cpu")),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def test_adapters_load_beside_the_one_requests_in_flight_use_which_serves_them_to_the_end(
+    lora_server, model_dir, tmp_path
+):
+    """Syncs of adapters while requests run: each request is served to its end by the adapter it started
+    on (its tokens say so, and their logprobs are that adapter's), which stays loaded while they run
+    although two newer ones came, and goes once nothing uses it."""
+    engine = make_engine(model_dir, tmp_path, base_url=lora_server)
+    single = SimpleNamespace(full_tensors=lambda m, keep: ((n, t) for n, t in m.state_dict().items() if keep(n)))
+    policies = [lora_policy(model_dir, seed) for seed in (1, 2, 3)]
+    engine.update_adapter(lora.adapter(single, policies[0], 1))
+    first = engine.backend.adapters[-1]
+    assert engine.updates_in_flight()  # adapters load beside each other: no pause needed
+    tok = load_tokenizer(model_dir)
+    prompts = [tok(t)["input_ids"] for t in ["abc", "a much longer prompt"]]
+    sampling = SamplingParams(n=4, max_tokens=160, temperature=1.0, seed=3, ignore_eos=True)
+    done, before = {}, generated_tokens(lora_server)
+    thread = threading.Thread(target=lambda: done.setdefault("out", engine.generate(prompts, sampling)))
+    thread.start()
+    while generated_tokens(lora_server) < before + 8 * 20 and thread.is_alive():
+        time.sleep(0.005)
+    for version, policy in ((2, policies[1]), (3, policies[2])):  # two syncs while the requests run
+        engine.update_adapter(lora.adapter(single, policy, version))
+    loaded_meanwhile = served(lora_server)
+    thread.join()
+    out = done["out"]
+    assert [len(t) for t in out.token_ids] == [160] * 8  # none aborted or cut
+    assert first in loaded_meanwhile  # in use: kept past the two that the engine keeps
+    assert out.token_versions == [[1] * 160] * 8  # all served by the adapter they started on (sync 1)
+    assert first not in served(lora_server) and len(engine.backend.adapters) == 2  # then unloaded
+    batch = Batch.from_rollout(prompts, out, 4, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = response_logprobs(policies[0], batch.input_ids, batch.attention_mask, 160, 1.0)
+    mask = batch["response_mask"].bool()
+    assert (lp[mask] - batch["rollout_logprobs"][mask]).abs().mean().item() < 1e-4
 
 
 def test_a_server_without_runtime_adapters_gets_merged_weights_and_setup_says_why(
