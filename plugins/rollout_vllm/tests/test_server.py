@@ -456,3 +456,33 @@ def test_a_tied_output_layer_goes_in_a_shard_of_its_own_that_can_be_dropped(tmp_
     drop_tied_head(folder)  # for a model class without an lm_head of its own (vLLM's Gemma-2)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(index) == ["model.embed_tokens.weight", "model.norm.weight"] and not (folder / TIED_SHARD).exists()
+
+
+def test_the_token_endpoints_answers_are_checked_before_a_token_is_trained_on():
+    """What the server says of each token's weights is read, never trusted: spans must cover the tokens
+    in order under labels that are counts; a bad one fails the call, naming it."""
+    from hybridrl_rollout_vllm.in_flight import parse, versions
+
+    assert versions([{"version": "0", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}], 5, "w") == [
+        0, 0, 3, 3, 3,
+    ]  # fmt: skip
+    assert versions(None, 0, "w") == []  # an empty response needs none
+    bad = [
+        (None, 2, "do not name this run's weights"),
+        ([{"version": "default", "start": 0, "end": 2}], 2, "do not name this run's weights"),  # another's label
+        ([{"version": "1", "start": 1, "end": 2}], 2, "do not cover the tokens in order"),  # a gap
+        ([{"version": "2", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 2}], 2, "in order"),  # backwards
+        ([{"version": "1", "start": 0, "end": 3}], 2, "do not fit its 2 tokens"),
+    ]
+    for spans, tokens, message in bad:
+        with pytest.raises(ServiceError, match=message):
+            versions(spans, tokens, "w")
+    choice = {"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+              "logprobs": {"content": [{"logprob": -0.5}, {"logprob": 2.0}]},
+              "weight_versions": [{"version": "0", "start": 0, "end": 2}]}  # fmt: skip
+    with pytest.raises(ServiceError, match=r"logprobs.content\[\].logprob\[1\] is 2, above 0"):
+        parse(choice, "the server answered choices[0]", 100, 4)
+    choice["logprobs"]["content"][1]["logprob"] = -1.0
+    assert parse(choice, "w", 100, 4) == ([5, 6], [-0.5, -1.0], [0, 0])
+    with pytest.raises(ServiceError, match="over max_tokens=1"):
+        parse(choice, "w", 100, 1)
