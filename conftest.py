@@ -1,1 +1,1 @@
-pytest_plugins = ["hybridrl.testing"]
+pytest_plugins = ["hybridrl_testing"]

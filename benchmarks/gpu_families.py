@@ -6,7 +6,7 @@
     python benchmarks/gpu_families.py --smoke                  # CPU check of the script
 
 tests/test_architectures.py runs the engine's GPU path on the CPU, with the graph pool and the
-captures stood in for; this runs it as on a user's GPU. The families are hybridrl.testing_models'
+captures stood in for; this runs it as on a user's GPU. The families are hybridrl_testing.models'
 tiny random checkpoints, saved as each family ships (bf16 weights, its config keys, sliding windows
 of 16 tokens, Phi-3's LongRoPE with an original length of 64), with ten more end ids (3-12, about
 a tenth of the sampled tokens) so that response lengths vary. For each family:
@@ -57,7 +57,7 @@ END_IDS = list(range(3, 13))
 
 def checkpoint(folder: Path, arch: str) -> str:
     """The family's tiny checkpoint with END_IDS among its end ids (generation_config.json)."""
-    from hybridrl.testing_models import build_checkpoint
+    from hybridrl_testing.models import build_checkpoint
 
     path = build_checkpoint(folder / arch, arch)
     gen = Path(path) / "generation_config.json"
@@ -172,12 +172,13 @@ def compiled(path: str, device, workdir: Path, count: int) -> dict:
 
 
 def train(path: str, run_dir: Path, fp32: bool, smoke: bool) -> dict:
-    """hybridrl.testing_models.two_grpo_steps (the tests' two steps) on this script's prompts, with 48
+    """hybridrl_testing.models.two_grpo_steps (the tests' two steps) on this script's prompts, with 48
     tokens a response; float32 (``fp32``) or the defaults."""
+    from hybridrl_testing import SevensReward
+    from hybridrl_testing.models import two_grpo_steps
+
     from hybridrl import plugins
     from hybridrl.components import PromptSource
-    from hybridrl.testing import SevensReward
-    from hybridrl.testing_models import two_grpo_steps
 
     class Questions(PromptSource):
         def __len__(self):
@@ -235,7 +236,7 @@ def one_family(arch: str, args, work: Path) -> dict:
 
 def main() -> None:
     common.use_checkout("algo_grpo")
-    from hybridrl.testing_models import ARCHITECTURES
+    from hybridrl_testing.models import ARCHITECTURES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=None, help=f"comma-separated, from {', '.join(ARCHITECTURES)} (default: all)")

@@ -299,7 +299,7 @@ def smoke_inputs(args, workdir: Path) -> None:
     import common
 
     common.use_checkout()
-    from hybridrl.testing import build_tiny_model
+    from hybridrl_testing import build_tiny_model
 
     args.model, args.gguf = build_tiny_model(workdir / "model"), None
     rows = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(1, 9) for b in range(1, 9)]

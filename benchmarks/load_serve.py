@@ -5,7 +5,7 @@
     python benchmarks/load_serve.py --seconds 5 --clients 1 8 --out /tmp/load_serve.json
 
 Starts ``hybridrl serve`` in a subprocess on 127.0.0.1 (a free port) with a tiny random Llama
-(``hybridrl.testing.build_tiny_model``: character-level tokenizer, hidden 64, 2 layers), answers of
+(``hybridrl_testing.build_tiny_model``: character-level tokenizer, hidden 64, 2 layers), answers of
 up to ``--max-tokens`` tokens, and its learner on (an update every ``--update-every`` ratings, as
 in service). Each client is a thread that, until the level's time is up, asks a question
 (``POST /v1/chat/completions``) and rates the answer (``POST /v1/feedback``), each request on a new
@@ -185,7 +185,7 @@ def main() -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "load_serve.json"))
     args = p.parse_args()
 
-    from hybridrl.testing import build_tiny_model
+    from hybridrl_testing import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="load-serve-") as tmp:
         tmp = Path(tmp)

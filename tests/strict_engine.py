@@ -4,7 +4,7 @@
 ``StrictEngine`` is the hf engine that records every call and raises :class:`LifecycleError` on
 one out of order; ``StrictPlugin`` registers it as ``strict``:
 ``register_plugin(StrictPlugin(), name="strict")`` with the ``register_plugin`` fixture of
-:mod:`hybridrl.testing`. ``tests/test_session.py`` trains through it.
+:mod:`hybridrl_testing`. ``tests/test_session.py`` trains through it.
 """
 
 from __future__ import annotations

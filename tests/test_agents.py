@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 
 from hybridrl import plugins
 from hybridrl.agents import AgentLoop, Trajectory, observation_ids
@@ -18,7 +19,6 @@ from hybridrl.hookspecs import hookimpl
 from hybridrl.models import end_token_ids, load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
 from hybridrl.session import EngineSession
-from hybridrl.testing import SevensPlugin
 
 # -- observations as the chat template frames them -------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Every model family users bring, as its checkpoints ship (hybridrl.testing_models), through the
+"""Every model family users bring, as its checkpoints ship (hybridrl_testing.models), through the
 real trainer and the hf engine: two GRPO steps with packed passes, fully trained and with LoRA,
 the sync checked after every step; and the errors a user meets first."""
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin, torchrun
+from hybridrl_testing.models import ARCHITECTURES, MOE, build_checkpoint, two_grpo_steps
 
 from hybridrl.distributed import exit_rank
 from hybridrl.engine_weights import checkpoint_tensors
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.models import load_causal_lm, resolve_model_path
 from hybridrl.rope import pin_long_rope
-from hybridrl.testing import SevensPlugin, torchrun
-from hybridrl.testing_models import ARCHITECTURES, MOE, build_checkpoint, two_grpo_steps
 
 LOGPROB_TOL = 1e-4  # float32 engine and trainer: measured below 2e-6
 

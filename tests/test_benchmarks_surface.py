@@ -3,7 +3,7 @@ alone, so that a change inside the trainer never breaks one and a figure measure
 
 The surface: a run (``hybridrl.run``: ``build_run``, ``Run`` and its parts), the loop
 (``hybridrl.trainer.Trainer`` and its public methods), ``hybridrl.config.load_config``, the testing
-helpers (``hybridrl.testing``, ``hybridrl.testing_models``), the
+helpers (``hybridrl_testing``, ``hybridrl_testing.models``), the
 plugin contract (``hybridrl.components``, ``hybridrl.batch.Batch``, ``hybridrl.plugins``' lookup and
 build and the registering of a plugin in code, ``hybridrl.hookspecs.hookimpl``) and a plugin's own
 public modules (``hybridrl_rollout_vllm.local``: a benchmark of that plugin). Checked with ``ast``:
@@ -27,8 +27,8 @@ ALLOWED = {
     "hybridrl.run": {"build_run", "Run"},
     "hybridrl.trainer": {"Trainer"},
     "hybridrl.config": {"load_config"},
-    "hybridrl.testing": ANY,
-    "hybridrl.testing_models": ANY,
+    "hybridrl_testing": ANY,
+    "hybridrl_testing.models": ANY,
     "hybridrl.components": ANY,
     "hybridrl.batch": {"Batch"},
     "hybridrl.plugins": {"lookup", "build", "get_plugin_manager", "invalidate_registry", "PluginError"},
@@ -269,7 +269,7 @@ def test_the_check_catches(source):
         "t = Trainer(build_run(cfg))\nt.step(1)\nt.run.policy\nt.close()",
         "from hybridrl import plugins\nplugins.lookup('rollout engine', 'hf')",
         "from hybridrl.components import RunContext, SamplingParams",
-        "from hybridrl.testing import build_tiny_model",
+        "from hybridrl_testing import build_tiny_model",
         "from hybridrl_rollout_vllm.local import choose_weight_sync",
         "import os\nos._exit(0)",
         "import torch\ntorch._dynamo.reset()",

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 import yaml
+from hybridrl_testing import small_model, torchrun
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed
 from hybridrl.config import load_config
 from hybridrl.run import build_run
-from hybridrl.testing import small_model, torchrun
 from hybridrl.trainer import Trainer
 
 

@@ -3,12 +3,12 @@ component; and what it tells an engine about training's memory."""
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 
 from hybridrl.components import RunContext, TrainingMemory
 from hybridrl.config import load_config
 from hybridrl.models import load_causal_lm, load_model_config, parameter_count
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 
 
 def test_join_sets_a_field_once(tmp_path):

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin, torchrun
 
 from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.cli import main
@@ -15,7 +16,6 @@ from hybridrl.config import ConfigError, load_config
 from hybridrl.evaluation import pass_at_k, summarize
 from hybridrl.hookspecs import hookimpl
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin, torchrun
 from hybridrl.trainer import Trainer
 
 HELD_OUT = {"name": "held", "source": "reasoning_gym", "task": "chain_sum", "size": 6, "seed": 1}

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybridrl_testing import fixed_batch, small_model, torchrun
 from safetensors.torch import load_file
 
 from hybridrl import devices, distributed
 from hybridrl.batch import Batch, even_out
 from hybridrl.distributed import exit_rank
-from hybridrl.testing import fixed_batch, small_model, torchrun
 
 pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
 
@@ -387,8 +387,7 @@ def test_two_launchers_of_one_node_each_train_as_two_nodes(tiny_model, tmp_path)
     from concurrent.futures import ThreadPoolExecutor
 
     import yaml
-
-    from hybridrl.testing import free_port
+    from hybridrl_testing import free_port
 
     data = config(tiny_model, tmp_path / "run", "fsdp", trainer={"steps": 2}, logging={"loggers": ["console", "jsonl"]})
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))

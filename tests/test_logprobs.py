@@ -3,11 +3,11 @@ gradients as the textbook computation from full logits."""
 
 import pytest
 import torch
+from hybridrl_testing import embedded_tokens, small_model
 
 from hybridrl.forward import ModelHandle, chunked_head_logprobs, head_split
 from hybridrl.models import disable_dropout, load_causal_lm
 from hybridrl.passes import response_logprobs
-from hybridrl.testing import embedded_tokens, small_model
 
 
 def reference(model, ids, mask, T, temperature=1.0):
@@ -153,9 +153,10 @@ def test_the_trainer_turns_dropout_off_unless_asked(tiny_model, tmp_path, keep, 
     import json
     import shutil
 
+    from hybridrl_testing import SevensPlugin
+
     from hybridrl.config import load_config
     from hybridrl.run import build_run
-    from hybridrl.testing import SevensPlugin
 
     register_plugin(SevensPlugin(), name="sevens")
     folder = tmp_path / "model"
@@ -319,10 +320,11 @@ def test_the_trainer_shares_prompts_on_the_cpu_unless_told_not_to(
     """One GRPO step: with trainer.share_prompts 'auto' (on for the CPU) the reference's and the
     policy's passes run each prompt once; with false, once per response, packed (trainer.pack_sequences
     'auto' packs where prompts are not shared)."""
+    from hybridrl_testing import SevensPlugin
+
     from hybridrl import passes, trainer
     from hybridrl.config import load_config
     from hybridrl.run import build_run
-    from hybridrl.testing import SevensPlugin
 
     calls = []
 

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin, build_tiny_model, fixed_batch, hf_greedy, policy_greedy, small_model
 
 from hybridrl import lora
 from hybridrl.config import ConfigError, LoraOptions, load_config
@@ -14,7 +15,6 @@ from hybridrl.hookspecs import hookimpl
 from hybridrl.models import disable_dropout, load_causal_lm
 from hybridrl.passes import response_logprobs
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin, build_tiny_model, fixed_batch, hf_greedy, policy_greedy, small_model
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("peft", reason="peft is not installed: pip install 'hybridrl[lora]'")
@@ -347,7 +347,7 @@ def test_a_run_starts_from_a_peft_adapter_folder_as_peft_loads_it(arch, sync, ti
 
 
 def other_base(tmp_path):
-    from hybridrl.testing import build_tiny_model
+    from hybridrl_testing import build_tiny_model
 
     return str(build_tiny_model(tmp_path / "wider", hidden=96))
 

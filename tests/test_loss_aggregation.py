@@ -3,13 +3,13 @@ the trainer: the loss over the global mini-batch, whatever the padded width and 
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin, fixed_batch
 
 from hybridrl import functional as F
 from hybridrl.batch import pad_responses
 from hybridrl.config import load_config
 from hybridrl.passes import response_logprobs
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0], [6.0, 0.0, 0.0, 0.0]])

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.run import build_run, lr_factor
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 

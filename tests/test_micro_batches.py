@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin, fixed_batch
 
 from hybridrl import packing
 from hybridrl.batch import Batch, token_budget_split
@@ -12,7 +13,6 @@ from hybridrl.compile import compile_seconds
 from hybridrl.config import ConfigError, load_config
 from hybridrl.passes import split_widest
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin, fixed_batch
 from hybridrl.trainer import Trainer
 
 LENGTHS = [[2, 3, 4, 2], [14, 12, 10, 13], [5, 9, 1, 7], [11, 3, 8, 6]]  # 4 groups of 4 responses

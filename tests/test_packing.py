@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from hybridrl_testing import embedded_tokens, small_model
 
 from hybridrl import forward, packing
 from hybridrl.forward import ModelHandle
 from hybridrl.models import disable_dropout
 from hybridrl.passes import response_logprobs
-from hybridrl.testing import embedded_tokens, small_model
 
 
 def passes(lengths, width, budget):

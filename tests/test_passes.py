@@ -3,6 +3,7 @@ where a budget cuts, how each pass runs, and first-fit once per pass."""
 
 import pytest
 import torch
+from hybridrl_testing import small_model
 
 from hybridrl import packing, passes
 from hybridrl.batch import Batch
@@ -10,7 +11,6 @@ from hybridrl.forward import ModelHandle
 from hybridrl.memory import MicroBatches
 from hybridrl.models import disable_dropout
 from hybridrl.passes import PACKED, PADDED, SHARED, Planner, Runner
-from hybridrl.testing import small_model
 
 
 class Model:

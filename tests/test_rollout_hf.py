@@ -263,7 +263,7 @@ def test_decoding_stops_once_every_sequence_has_ended(make_engine):
 def untied_model(tmp_path_factory):
     """A tiny model whose greedy responses differ in length (with tied embeddings a random model
     repeats its last token)."""
-    from hybridrl.testing import build_tiny_model
+    from hybridrl_testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("untied"), tie=False, seed=1)
 

@@ -4,11 +4,11 @@ changes nothing the hf engine samples, on the dynamic and on the static cache.""
 
 import pytest
 import torch
+from hybridrl_testing import SAMPLING_GENERATION_CONFIG, sampler_check
 
 from hybridrl import plugins
 from hybridrl.components import RunContext
 from hybridrl.models import load_tokenizer
-from hybridrl.testing import SAMPLING_GENERATION_CONFIG, sampler_check
 
 TOL = 1e-4
 

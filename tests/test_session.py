@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 
 from hybridrl.components import RolloutEngine, RolloutOutput, RunContext, SamplingParams
 from hybridrl.config import RolloutConfig, load_config
@@ -22,7 +23,6 @@ from hybridrl.errors import StageError
 from hybridrl.models import load_tokenizer
 from hybridrl.run import build_run
 from hybridrl.session import EngineSession, rollout_seed
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 _spec = importlib.util.spec_from_file_location("strict_engine", Path(__file__).parent / "strict_engine.py")

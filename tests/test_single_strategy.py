@@ -172,9 +172,10 @@ def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_mod
     saves tokens."""
     import dataclasses
 
+    from hybridrl_testing import fixed_batch
+
     from hybridrl.memory import MicroBatches
     from hybridrl.passes import Planner
-    from hybridrl.testing import fixed_batch
 
     cls = plugins.lookup("sharding strategy", "single")
     ctx = RunContext(tiny_model, load_tokenizer(tiny_model), torch.device("cpu"), torch.float32, 0, tmp_path)

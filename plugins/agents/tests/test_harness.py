@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 from hybridrl_agents.harness import HarnessEnvironment
+from hybridrl_testing import alive
 
 from hybridrl import plugins
 from hybridrl.agents import AgentLoop
@@ -22,7 +23,6 @@ from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.models import end_token_ids, load_tokenizer
 from hybridrl.session import EngineSession
-from hybridrl.testing import alive
 
 AGENT = textwrap.dedent(
     """

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from hybridrl_testing import SevensPlugin
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
@@ -20,7 +21,6 @@ from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.config import ConfigError, load_config
 from hybridrl.hookspecs import hookimpl
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 MASK = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])  # a hole at t = 2 of row 0; padding in row 1

@@ -1,6 +1,6 @@
 """End to end: each GRPO-family variant raises the reward of a learnable task on a tiny model.
 
-The real trainer, the tiny random Llama of ``hybridrl.testing`` and a reward registered in
+The real trainer, the tiny random Llama of ``hybridrl_testing`` and a reward registered in
 the test (the fraction of '7' characters in the response, which a tiny model learns in a
 few steps at a high learning rate). Plain GRPO is covered by the core's tests/test_e2e.py.
 """
@@ -8,10 +8,10 @@ few steps at a high learning rate). Plain GRPO is covered by the core's tests/te
 import json
 
 import pytest
+from hybridrl_testing import SevensPlugin
 
 from hybridrl.config import load_config
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 STEPS = 8

@@ -347,9 +347,10 @@ def test_packed_critic_passes_give_the_padded_values_and_gradients(ctx, arch, mo
     pass runner, trainer.pack_sequences): the padded passes' values and gradients from fewer tokens."""
     import dataclasses
 
+    from hybridrl_testing import embedded_tokens
+
     from hybridrl import packing
     from hybridrl.passes import PACKED, PADDED, Planner, Runner
-    from hybridrl.testing import embedded_tokens
 
     monkeypatch.setattr(packing, "WIDTH_MULTIPLE", 4)
     algo = make_ppo(ctx, critic_arch=arch)

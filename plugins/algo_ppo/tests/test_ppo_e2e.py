@@ -1,6 +1,6 @@
 """End to end: PPO's critic learns the value of a prompt, and critic-free PPO raises the reward.
 
-The real trainer and the tiny random Llama of ``hybridrl.testing``; rewards registered in the
+The real trainer and the tiny random Llama of ``hybridrl_testing``; rewards registered in the
 test. For the critic, two prompts are worth 0 and 1 on top of a learnable part (the fraction
 of '7' in the response): a critic that reads the prompt explains most of the return variance,
 one that does not explains none.
@@ -8,11 +8,12 @@ one that does not explains none.
 
 import json
 
+from hybridrl_testing import SevensReward
+
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
 from hybridrl.run import build_run
-from hybridrl.testing import SevensReward
 from hybridrl.trainer import Trainer
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybridrl_testing import fixed_batch, torchrun
 
 from hybridrl import distributed
 from hybridrl.batch import even_out
 from hybridrl.distributed import exit_rank
-from hybridrl.testing import fixed_batch, torchrun
 
 pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
 

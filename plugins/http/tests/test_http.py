@@ -10,8 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from hybridrl_http.client import ServiceError, get_json, post_json
 from hybridrl_http.server import ALLOWED_HOSTS_ENV, FailedTokens, HostCheck, JsonHandler, JsonServer, listen, split_port
-
-from hybridrl.testing import raw_request
+from hybridrl_testing import raw_request
 
 
 class Handler(BaseHTTPRequestHandler):

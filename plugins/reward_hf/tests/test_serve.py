@@ -18,11 +18,11 @@ from hybridrl_http.client import ServiceError, get_json, post_json
 from hybridrl_http.commands import choose_token
 from hybridrl_http.server import ALLOWED_HOSTS_ENV
 from hybridrl_reward_hf.serve import TOKEN_ENV, RewardSet, build_context, make_server
+from hybridrl_testing import raw_request as send
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
 from hybridrl.shaping import ShapingOptions
-from hybridrl.testing import raw_request as send
 
 PROMPTS = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hi.", "Count to three."]
 RESPONSES = ["Paris is the capital.", "Blue.", "It is 4", "hi 7", "one two three"]

@@ -9,8 +9,7 @@ import time
 
 import pytest
 from hybridrl_reward_python import process_tree
-
-from hybridrl.testing import alive
+from hybridrl_testing import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is Linux's")
 

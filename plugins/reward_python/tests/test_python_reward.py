@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 import torch
+from hybridrl_testing import alive
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
 from hybridrl.config import RewardConfig, load_config
 from hybridrl.errors import ConfigError, StageError
 from hybridrl.rewards import Rewards
-from hybridrl.testing import alive
 
 VERL_ROW = {
     "data_source": "openai/gsm8k",

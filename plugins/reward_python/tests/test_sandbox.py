@@ -14,8 +14,7 @@ import pytest
 from hybridrl_reward_python import sandbox, sandbox_child, scratch
 from hybridrl_reward_python.sandbox import Limits, SandboxUnavailable, WasmSandbox
 from hybridrl_reward_python.tool import PythonTool
-
-from hybridrl.testing import alive
+from hybridrl_testing import alive
 
 TRAINER = os.getpid()
 

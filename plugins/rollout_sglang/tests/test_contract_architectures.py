@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hybridrl.testing import SevensPlugin
-from hybridrl.testing_models import ARCHITECTURES, build_checkpoint, two_grpo_steps
+from hybridrl_testing import SevensPlugin
+from hybridrl_testing.models import ARCHITECTURES, build_checkpoint, two_grpo_steps
 
 # every family full and with merged LoRA weights; the adapter alone through SGLang's LoRA where it serves one
 MERGED_ONLY = ("qwen3_moe", "mixtral", "gpt2")

@@ -7,9 +7,10 @@ and the learnable reward are real.
 
 import json
 
+from hybridrl_testing import SevensPlugin
+
 from hybridrl.config import load_config
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 

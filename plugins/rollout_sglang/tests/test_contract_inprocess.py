@@ -360,7 +360,7 @@ def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_mod
     """Contract test: the fake, as SGLang with its default --sampling-defaults model, takes every
     field a request leaves out from generation_config.json (top_k 5, min_p 0.2,
     repetition_penalty 1.8, temperature 0.3); the plugin leaves none out."""
-    from hybridrl.testing import SAMPLING_GENERATION_CONFIG, sampler_check
+    from hybridrl_testing import SAMPLING_GENERATION_CONFIG, sampler_check
 
     diff, distinct = sampler_check(make_engine(), tiny_model)
     assert diff < 1e-4
@@ -405,7 +405,7 @@ def test_cuda_graphs_cover_the_batch_the_trainer_sends(sglang_module, tmp_path):
 
 def test_multi_turn_trajectories_keep_the_engines_tokens(make_engine, sglang_module, tiny_model):
     """Contract test: the agent loop on the SGLang plugin, each turn seeded on its own."""
-    from hybridrl.testing import agent_check
+    from hybridrl_testing import agent_check
 
     engine = make_engine(per_request_seed=True, skip_tokenizer_init=False)
     diff, holes, turns = agent_check(engine, tiny_model, "sglang")

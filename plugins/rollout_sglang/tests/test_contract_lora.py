@@ -9,10 +9,10 @@ The trainer, peft's adapters, GRPO and the sync check are real.
 import json
 
 import pytest
+from hybridrl_testing import SevensPlugin
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("peft", reason="peft is not installed: pip install 'hybridrl[lora]'")

@@ -151,7 +151,7 @@ def test_api_key_is_sent_as_a_bearer_token(make_engine, sglang_server):
 
 def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_server, tiny_model):
     """Contract test: the server takes unset fields from generation_config.json; the plugin sets them all."""
-    from hybridrl.testing import SAMPLING_GENERATION_CONFIG, sampler_check
+    from hybridrl_testing import SAMPLING_GENERATION_CONFIG, sampler_check
 
     diff, distinct = sampler_check(make_engine(base_url=sglang_server.url), tiny_model)
     assert diff < 1e-4

@@ -2,8 +2,7 @@
 attention needs a head size it has kernels for), built once per test module."""
 
 import pytest
-
-from hybridrl.testing import build_tiny_model
+from hybridrl_testing import build_tiny_model
 
 
 @pytest.fixture(scope="module")

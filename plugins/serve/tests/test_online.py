@@ -22,12 +22,12 @@ from hybridrl_http.server import ALLOWED_HOSTS_ENV
 from hybridrl_serve.api import make_server
 from hybridrl_serve.learner import baseline_advantages, baselines, prompt_groups
 from hybridrl_serve.server import Server
+from hybridrl_testing import raw_request as send
 
 from hybridrl import plugins
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
 from hybridrl.hookspecs import hookimpl
-from hybridrl.testing import raw_request as send
 
 spec = importlib.util.spec_from_file_location("online_user", Path(__file__).parent / "online_user.py")
 online_user = importlib.util.module_from_spec(spec)

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 tinker = pytest.importorskip("tinker")
+from hybridrl_testing import build_tiny_model  # noqa: E402
 from tinker import types  # noqa: E402
-
-from hybridrl.testing import build_tiny_model  # noqa: E402
 
 TOKEN = "tml-test-token-vllm-0123456789"
 

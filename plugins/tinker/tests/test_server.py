@@ -280,11 +280,11 @@ def test_other_families_train_sample_and_resume_exactly(arch, tmp_path):
     GPT-2's Conv1D layers and tied output layer, a Qwen3 MoE, Gemma-2 (soft-capped logits). The
     engine samples with the client's adapter (merged for the hf engine on the CPU): its logprobs
     equal the trainer's; a state saved and loaded repeats the next loss exactly."""
+    from hybridrl_testing.models import build_checkpoint
     from hybridrl_tinker.server import make_server
     from hybridrl_tinker.service import TinkerService
 
     from hybridrl.run import build_run
-    from hybridrl.testing_models import build_checkpoint
 
     model = build_checkpoint(tmp_path / arch, arch)
     cfg = load_config(data=config(model, tmp_path / "run") | {"tinker": {"model_names": []}})

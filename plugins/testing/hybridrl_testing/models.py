@@ -4,7 +4,7 @@
 bfloat16 safetensors, the ``config.json`` keys of the family's first releases (``rope_scaling``
 beside ``rope_theta``, as Llama-3.1, Phi-3 and Qwen2 ship them, not transformers 5's
 ``rope_parameters``), a ``generation_config.json`` with sampling settings and two end ids, and the
-character-level tokenizer with a ChatML template with tools of :func:`hybridrl.testing.build_tiny_model`.
+character-level tokenizer with a ChatML template with tools of :func:`hybridrl_testing.build_tiny_model`.
 
 Every model has 2 layers, attention heads of 32 (the smallest vLLM's CPU attention runs) and the
 feature that sets its family apart: Llama-3's rope scaling, Phi-3's longrope (long factors far
@@ -102,7 +102,7 @@ def build_checkpoint(path, arch: str, seed: int = 0) -> str:
     ship (see the module's docstring); returns the folder."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from hybridrl.testing import SAMPLING_GENERATION_CONFIG, save_chat_tokenizer
+    from hybridrl_testing import SAMPLING_GENERATION_CONFIG, save_chat_tokenizer
 
     folder = Path(path)
     tokenizer = save_chat_tokenizer(folder)
@@ -139,7 +139,7 @@ def two_grpo_steps(
     **rollout,
 ):
     """Train ``model`` for two GRPO steps (``prompts`` x 4 samples of up to 24 tokens, packed passes,
-    the reward ``sevens`` of :class:`hybridrl.testing.SevensPlugin`, which the caller registers),
+    the reward ``sevens`` of :class:`hybridrl_testing.SevensPlugin`, which the caller registers),
     checking the sync after each; returns the rows of its metrics.jsonl. ``data`` replaces the
     prompts (reasoning-gym's chain_sum), ``sharding`` adds to the strategy's options; ``lora``: True, or
     the ``model.lora.sync`` to train adapters with."""

@@ -1,4 +1,4 @@
-"""Pytest fixtures for hybridrl and its plugins: ``pytest_plugins = ["hybridrl.testing"]``.
+"""Pytest fixtures for hybridrl and its plugins: ``pytest_plugins = ["hybridrl_testing"]``.
 
 - ``tiny_model``: a randomly initialised Llama with a character-level tokenizer, saved the way
   real chat checkpoints are shipped (bfloat16 weights, a chat template with tools, sampling
