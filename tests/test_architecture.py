@@ -69,7 +69,8 @@ def test_distributed_holds_collectives_only():
     assert core_graph()["hybridrl.distributed"] == set()
 
 
-FACES = {"serve", "tinker"}  # plugins that drive whole runs: they build a Run and use the loop's public methods
+# plugins that drive whole runs: they build a Run and use the loop's public methods (testing: the tests' runs)
+FACES = {"serve", "tinker", "testing"}
 
 
 def test_components_import_shared_modules_not_the_loop():

@@ -124,6 +124,13 @@ class RolloutConfig(Section, Sampling):
         "updates old (needs an engine apart from training: a server, rollout.base_url); each response records "
         "the policy_version that sampled it, and the algorithm's rollout_correction covers the staleness. 0: off.",
     )
+    stream: bool = Field(
+        False,
+        description="With rollout.async k and an engine that takes syncs in flight: each prompt's group is an engine "
+        "call of its own, (k + 1) x prompts_per_step groups are always started and not yet trained, and a step "
+        "trains the first groups to finish; a group whose oldest token is over k updates old is dropped "
+        "(rollout/stale_groups). docs/async.md.",
+    )
     sync_check: float = Field(
         0.3,
         ge=0,

@@ -20,7 +20,6 @@ token gets then depend on timing; the bound stays: a token is at most k updates 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import sys
 
 import torch
 
@@ -81,6 +80,8 @@ class Prefetcher:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("stream"):
+            raise ValueError("the checkpoint's rollout was streamed: resume with rollout.stream: true.")
         if "updates" in state:  # written before the engine session kept the count
             self.session.load_state_dict(state)
         self.done = {int(s): (unpack(v["rollout"]), unpack(v["kept"]), v["metrics"]) for s, v in state["steps"].items()}
@@ -107,27 +108,3 @@ def staleness(rollout: Batch, updates: int) -> dict[str, float]:
         "rollout/staleness_max": stale.max().item() if stale.numel() else 0.0,
         "rollout/mixed_versions": mixed.mean().item(),
     }
-
-
-def make_prefetcher(config, session, collect, main: bool) -> Prefetcher | None:
-    """The prefetcher of ``rollout.async`` (None when it is 0, or when the engine shares the trainer's
-    device and process, which it says once)."""
-    from hybridrl import distributed
-    from hybridrl.errors import ConfigError
-
-    depth = config.rollout.async_
-    if not depth:
-        return None
-    if distributed.world_size() > 1:
-        raise ConfigError("rollout.async runs on one process for now; under torchrun set rollout.async: 0.")
-    if not session.runs_apart():
-        if main:
-            print(
-                f"note: rollout.async={depth}, but rollout engine '{config.rollout.engine}' generates on the "
-                "trainer's own device and process, so it cannot generate while the policy trains: running "
-                "synchronously. Use a server (rollout.base_url) or an engine on other devices.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return None
-    return Prefetcher(collect, depth, config.trainer.steps, session)

@@ -42,28 +42,19 @@ class RolloutStage:
         the batch, text columns included, groups numbered from 0. Evaluation answers its sets so too;
         a training call (``train``) may be answered with groups of earlier rows (late rewards)."""
         cfg, n = self.config, sampling.n
-        prompt_ids, prompt_texts = zip(*(encode_prompt(row, cfg.data, self.tokenizer, self.tools) for row in rows))
-        chats = [prompt_messages(row, cfg.data) for row in rows]
-        if self.agent is not None:  # each trajectory has its prompt (an agent harness writes its own)
-            out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling, train)
-            if any(t.row is not None for t in trajectories):  # groups an environment held for their rewards
-                rows = [t.row if t.row is not None else rows[t.index // n] for t in trajectories[::n]]
-                prompt_texts = [encode_prompt(row, cfg.data, self.tokenizer, self.tools)[1] for row in rows]
-                chats = [prompt_messages(row, cfg.data) for row in rows]
-            rollout = Batch.from_rollout([t.prompt for t in trajectories], out, 1, self.tokenizer.pad_token_id)
-            rollout["group_ids"] = torch.arange(len(rollout)) // n
-        else:
-            out = self.session.generate(list(prompt_ids), sampling)
-            rollout = Batch.from_rollout(list(prompt_ids), out, n, self.tokenizer.pad_token_id)
-        rollout["prompt_text"] = [prompt_texts[i // n] for i in range(len(rollout))]
-        answers = [row_answer(row, cfg.data) for row in rows]
-        rollout["answer"] = [answers[i // n] for i in range(len(rollout))]
-        rollout["metadata"] = [rows[i // n].get("metadata") for i in range(len(rollout))]
-        rollout["row"] = [rows[i // n] for i in range(len(rollout))]  # every field, for rewards that want them
-        rollout["messages"] = [chats[i // n] for i in range(len(rollout))]
+        prompt_ids, prompt_texts = self.encode(rows)
         if self.agent is None:
-            rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-            return rollout
+            return self.answered(rows, prompt_ids, prompt_texts, self.session.generate(prompt_ids, sampling), n)
+        chats = [prompt_messages(row, cfg.data) for row in rows]
+        # each trajectory has its prompt (an agent harness writes its own)
+        out, trajectories = self.agent.run(list(prompt_ids), rows, chats, sampling, train)
+        if any(t.row is not None for t in trajectories):  # groups an environment held for their rewards
+            rows = [t.row if t.row is not None else rows[t.index // n] for t in trajectories[::n]]
+            prompt_texts = [encode_prompt(row, cfg.data, self.tokenizer, self.tools)[1] for row in rows]
+            chats = [prompt_messages(row, cfg.data) for row in rows]
+        rollout = Batch.from_rollout([t.prompt for t in trajectories], out, 1, self.pad_id)
+        rollout["group_ids"] = torch.arange(len(rollout)) // n
+        rollout = self.assemble(rows, prompt_texts, rollout, n)
         # rewards read the final answer; the whole exchange is there for those that want it
         rollout["response_text"] = [t.last_text for t in trajectories]
         drives = self.agent.drives  # an agent harness's messages are its own, not the prompt's
@@ -75,3 +66,31 @@ class RolloutStage:
             rollout["episode"] = [t.state for t in trajectories]
             rollout["branches"] = [t.branches for t in trajectories]  # rows of their own when trained
         return rollout
+
+    def encode(self, rows: list[dict]) -> tuple[list[list[int]], list[str]]:
+        """The prompts of ``rows`` as the config's data section builds them: their ids and texts."""
+        encoded = [encode_prompt(row, self.config.data, self.tokenizer, self.tools) for row in rows]
+        return [ids for ids, _ in encoded], [text for _, text in encoded]
+
+    def answered(self, rows, prompt_ids, prompt_texts, out, n: int) -> Batch:
+        """The batch of the engine's answer ``out`` (``n`` responses a prompt) to single-turn ``rows``."""
+        rollout = self.assemble(rows, prompt_texts, Batch.from_rollout(prompt_ids, out, n, self.pad_id), n)
+        rollout["response_text"] = self.tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
+        return rollout
+
+    def assemble(self, rows: list[dict], prompt_texts: list[str], rollout: Batch, n: int) -> Batch:
+        """``rollout`` (``n`` rows a prompt of ``rows``) with the columns rewards read of each row's prompt."""
+        answers = [row_answer(row, self.config.data) for row in rows]
+        for key, values in (
+            ("prompt_text", prompt_texts),
+            ("answer", answers),
+            ("metadata", [row.get("metadata") for row in rows]),
+            ("row", rows),  # every field, for rewards that want them
+            ("messages", [prompt_messages(row, self.config.data) for row in rows]),
+        ):
+            rollout[key] = [values[i // n] for i in range(len(rollout))]
+        return rollout
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id

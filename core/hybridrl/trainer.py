@@ -32,10 +32,10 @@ from hybridrl.metrics import (
     update_throughput,
 )
 from hybridrl.models import is_checkpointing
-from hybridrl.prefetch import make_prefetcher
 from hybridrl.probes import StepProbes
 from hybridrl.run import Run
 from hybridrl.signals import StopSignals
+from hybridrl.stream import make_prefetcher
 from hybridrl.update import mini_batch_rows, run_update
 
 
@@ -55,7 +55,7 @@ class Trainer:
         lora_options = run.config.model.lora
         if lora_options and lora_options.path and not run.session.adapters:  # the engine holds the bare base
             self.sync(update=False)
-        self.prefetch = make_prefetcher(run.config, run.session, self.collect, run.ctx.is_main)
+        self.prefetch = make_prefetcher(run, self.collect)
 
     @property
     def config(self):
@@ -263,11 +263,13 @@ class Trainer:
         self.run.session.before_training()  # the update comes next: the session puts the engine to sleep
         return out
 
-    def collect(self, step: int, timer: Timer) -> tuple[Batch, Batch, dict[str, float]]:
+    def collect(self, step: int, timer: Timer, generate=None) -> tuple[Batch, Batch, dict[str, float]]:
         """Rollout and reward rounds, then the algorithm's filter: one round, or with
         rollout.refill_rounds more until every rank keeps its share of groups. Returns the rollouts
         of every round, the groups kept, and the metrics, the filter's last call's among them (they
-        travel with the batch: rollout.async runs this on the prefetch thread, steps ahead)."""
+        travel with the batch: rollout.async runs this on the prefetch thread, steps ahead).
+        ``generate(step, round_)``: a round's groups (the rollout stage's; rollout.stream's)."""
+        generate = generate or self.run.rollout.generate
         refill, share = (
             self.config.rollout.refill_rounds,
             self.config.trainer.prompts_per_step // self.run.ctx.world_size,
@@ -275,7 +277,7 @@ class Trainer:
         rounds, round_metrics = [], defaultdict(list)
         for round_ in range(1 + refill):
             with timer("rollout"):
-                rounds.append(self.run.rollout.generate(step, round_))
+                rounds.append(generate(step, round_))
             with timer("reward"):
                 for k, v in self.run.rewards.score(rounds[-1]).items():  # each round is scored as it comes
                     round_metrics[k].append(v)

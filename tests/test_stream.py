@@ -1,0 +1,189 @@
+"""rollout.stream through the real trainer, with the hf engine behind a stand-in for a server that
+takes syncs in flight: each prompt's group is a call of its own, a step trains the first groups to
+finish, the engine never holds more than (k + 1) x prompts_per_step of them, and across a checkpoint
+every group is trained once. The run with a real vLLM server is in
+plugins/rollout_vllm/tests/test_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from hybridrl_testing import SevensPlugin
+
+from hybridrl.checkpoint import latest_checkpoint
+from hybridrl.checkpoint_files import read_pt
+from hybridrl.components import RewardFunction, RolloutEngine
+from hybridrl.config import load_config
+from hybridrl.errors import ConfigError, Interrupted, StageError
+from hybridrl.hookspecs import hookimpl
+from hybridrl.run import build_run
+from hybridrl.session import rollout_seed
+from hybridrl.trainer import Trainer
+
+N, PROMPTS, DEPTH = 2, 2, 1
+
+
+class Streaming(RolloutEngine):
+    """The hf engine as a server that takes syncs in flight would answer: calls from many threads at
+    once (one decoding at a time), each token labelled with the syncs the engine had taken when it was
+    sampled. The group of the run's first prompt waits for the first sync before it decodes."""
+
+    weight_format = "transformers"
+    fails = -1  # the draw whose request fails, as a server that dies would
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        from hybridrl.builtin.rollout_hf import HFEngine
+
+        self.hf, self.lock, self.syncs = HFEngine(HFEngine.Options(), ctx), threading.Lock(), 0
+        self.counting = threading.Lock()  # apart from the decoding's: a call counts as running as it comes in
+        self.synced, self.running, self.most = threading.Event(), 0, 0
+
+    draws: dict[tuple[int, ...], int] = {}  # a prompt's ids -> the draw that asked for it, over the runs of a test
+
+    def runs_apart(self):
+        return True
+
+    def updates_in_flight(self):
+        return True
+
+    def generate(self, prompts, sampling):
+        draw = (sampling.seed - rollout_seed(0, 0)) // sampling.n  # the stream seeds draw d as prompt d of step 0
+        probe = draw >= 1000  # the sync check's probe: the first prompt, in a round of its own
+        with self.counting:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            if not probe:
+                self.draws[tuple(prompts[0])] = draw
+        if draw == 0 and not self.synced.wait(60):
+            raise TimeoutError("no sync")
+        if draw == self.fails:
+            raise ConnectionError("the server closed the connection mid-request")
+        with self.lock:
+            out = self.hf.generate(prompts, sampling)
+            out.token_versions = [[self.syncs] * len(ids) for ids in out.token_ids]
+        with self.counting:
+            self.running -= 1
+        return out
+
+    def update_weights(self, named_tensors):
+        with self.lock:
+            self.hf.update_weights(named_tensors)
+            self.syncs += 1
+        self.synced.set()
+
+    def close(self):
+        self.hf.close()
+
+
+class Draws(RewardFunction):
+    """The sevens reward, recording the draws of the groups each step trains (through the engine's map)."""
+
+    trained: list[list[int]] = []
+
+    def score(self, batch):
+        ids = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+        self.trained.append(sorted({Streaming.draws[i] for i in ids}))
+        return [float(str(t).count("7")) for t in batch["response_text"]]
+
+
+class Plugin:
+    @hookimpl
+    def register_rollout_engines(self, register):
+        register("streaming", Streaming)
+
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("draws", Draws)
+
+
+def config(model, run_dir, steps, **rollout):
+    return {
+        "model": {"path": model},
+        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 64, "shuffle": False},
+        "rollout": {"engine": "streaming", "n": N, "max_tokens": 6, "async": DEPTH, "stream": True} | rollout,
+        "rewards": [{"function": "draws"}],
+        "algorithm": {"name": "grpo", "rollout_correction": "token"},
+        "trainer": {"steps": steps, "prompts_per_step": PROMPTS, "lr": 1e-2, "seed": 0, "threads": 1}
+        | {"run_dir": str(run_dir), "save_every": 2},
+        "logging": {"loggers": ["jsonl"]},
+    }
+
+
+def train(cfg) -> tuple[Trainer, list[dict]]:
+    Draws.trained = []
+    trainer = Trainer(build_run(load_config(data=cfg)))
+    trainer.train()
+    rows = [json.loads(x) for x in (trainer.run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return trainer, rows
+
+
+@pytest.fixture
+def registered(register_plugin):
+    Streaming.draws.clear()
+    register_plugin(Plugin(), name="streaming")
+    register_plugin(SevensPlugin(), name="sevens")
+
+
+def test_a_step_trains_the_first_groups_to_finish_and_the_engine_stays_full(tiny_model, tmp_path, registered):
+    trainer, rows = train(config(tiny_model, tmp_path / "run", 4))
+    trained = Draws.trained
+    assert len(trained) == 4 and all(len(t) == PROMPTS for t in trained)  # one scoring a step: no refill
+    # the run's first prompt waited for the first sync: step 1 trained the two that finished first
+    assert 0 not in trained[0] and 0 in sum(trained[1:], [])
+    flat = sum(trained, [])
+    assert len(flat) == len(set(flat))  # no group trained twice
+    engine = trainer.run.engine
+    assert engine.most <= (DEPTH + 1) * PROMPTS and engine.most >= PROMPTS + 1  # full, never over the bound
+    assert all(r["rollout/groups_in_flight"] <= (DEPTH + 1) * PROMPTS for r in rows)
+    # the first prompt's tokens came after the first sync; each token at most k updates old
+    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows) and sum(r["rollout/stale_groups"] for r in rows) == 0
+    assert max(Streaming.draws.values()) < 4 * PROMPTS + (DEPTH + 1) * PROMPTS  # nothing started past the bound
+
+
+def test_a_checkpoint_keeps_the_groups_finished_and_in_flight_and_each_trains_once(
+    tiny_model, tmp_path, registered, register_plugin
+):
+    class StopAfter2:  # as SIGTERM after step 2 would: the checkpoint holds the groups not yet trained
+        trainer = None
+
+        @hookimpl
+        def on_step_end(self, step):
+            if step == 2:
+                self.trainer.signals.name = "SIGTERM"
+
+    run_dir = tmp_path / "run"
+    stop = register_plugin(StopAfter2(), name="stop-after-2")
+    stop.trainer = Trainer(build_run(load_config(data=config(tiny_model, run_dir, 4))))
+    Draws.trained = []
+    with pytest.raises(Interrupted):
+        stop.trainer.train()
+    before = sum(Draws.trained, [])
+    saved = read_pt(latest_checkpoint(run_dir) / "state.pt")["components"]["prefetch"]
+    held = [d for d, _ in saved["finished"]] + [d for d, _ in saved["flying"]]
+    # after step 2 took its groups: the k x prompts_per_step left (their replacements start with step 3)
+    assert len(held) == DEPTH * PROMPTS and not set(held) & set(before)
+    stop.trainer = None
+    cfg = config(tiny_model, run_dir, 4)
+    cfg["trainer"]["resume"] = True
+    train(cfg)
+    after = sum(Draws.trained, [])
+    # the resumed run trained the held groups (the finished ones as saved, the prompts in flight started
+    # again with their seeds) and new ones, none trained twice over the two runs
+    assert set(held) <= set(after) and len(after) == len(set(after)) == 2 * PROMPTS and not set(after) & set(before)
+    assert set(before) | set(after) == set(range(4 * PROMPTS))  # the first prompts, every one trained once
+
+
+def test_stream_needs_async_and_an_engine_that_takes_syncs_in_flight(tiny_model, tmp_path, registered):
+    with pytest.raises(ConfigError, match=r"rollout.async >= 1 \(it is 0\)"):
+        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, **{"async": 0}))))
+    with pytest.raises(ConfigError, match="rollout engine 'hf' does not"):
+        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, engine="hf"))))
+
+
+def test_a_group_whose_request_fails_fails_the_step_naming_the_engine(tiny_model, tmp_path, registered, monkeypatch):
+    monkeypatch.setattr(Streaming, "fails", 3)
+    with pytest.raises(StageError, match=r"rollout engine 'streaming'.*closed the connection mid-request"):
+        train(config(tiny_model, tmp_path / "run", 4))
