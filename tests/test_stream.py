@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from hybridrl_testing import SevensPlugin
@@ -32,6 +33,7 @@ class Streaming(RolloutEngine):
 
     weight_format = "transformers"
     fails = -1  # the draw whose request fails, as a server that dies would
+    outlives: dict[int, int] = {}  # draw -> syncs it waits for, its first token labelled as it started
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
@@ -57,13 +59,18 @@ class Streaming(RolloutEngine):
             self.most = max(self.most, self.running)
             if not probe:
                 self.draws[tuple(prompts[0])] = draw
+        started = self.syncs
         if draw == 0 and not self.synced.wait(60):
             raise TimeoutError("no sync")
+        while self.syncs < self.outlives.get(draw, 0):
+            time.sleep(0.01)
         if draw == self.fails:
             raise ConnectionError("the server closed the connection mid-request")
         with self.lock:
             out = self.hf.generate(prompts, sampling)
             out.token_versions = [[self.syncs] * len(ids) for ids in out.token_ids]
+            if draw in self.outlives:  # a response that started before the syncs it waited for
+                out.token_versions = [[started] + v[1:] for v in out.token_versions]
         with self.counting:
             self.running -= 1
         return out
@@ -187,3 +194,17 @@ def test_a_group_whose_request_fails_fails_the_step_naming_the_engine(tiny_model
     monkeypatch.setattr(Streaming, "fails", 3)
     with pytest.raises(StageError, match=r"rollout engine 'streaming'.*closed the connection mid-request"):
         train(config(tiny_model, tmp_path / "run", 4))
+
+
+def test_a_group_that_outlived_k_syncs_is_dropped_and_another_prompt_takes_its_place(
+    tiny_model, tmp_path, registered, monkeypatch
+):
+    """The run's fourth prompt (draw 3) starts at step 1 and answers only after the sync of step 2: its
+    first token is of the initial weights, older than those of step 2's start, which a batch of
+    rollout.async 1 trained at step 3 may hold at the oldest."""
+    monkeypatch.setattr(Streaming, "outlives", {3: 2})
+    _, rows = train(config(tiny_model, tmp_path / "run", 4))
+    trained = sum(Draws.trained, [])
+    assert sum(r["rollout/stale_groups"] for r in rows) == 1
+    assert 3 not in trained and len(trained) == len(set(trained)) == 4 * PROMPTS
+    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)  # nothing older was trained on

@@ -128,7 +128,7 @@ class RolloutConfig(Section, Sampling):
         False,
         description="With rollout.async k and an engine that takes syncs in flight: each prompt's group is an engine "
         "call of its own, (k + 1) x prompts_per_step groups are always started and not yet trained, and a step "
-        "trains the first groups to finish; a group whose oldest token is over k updates old is dropped "
+        "trains the first groups to finish; a group with a token older than the weights of k steps back is dropped "
         "(rollout/stale_groups). docs/async.md.",
     )
     sync_check: float = Field(

@@ -12,9 +12,11 @@ than k updates old unless its response outlived k syncs. The rules that keep it 
   its samples do not depend on when it runs;
 - a step takes groups in the order they finish, ``prompts_per_step`` at a time, through the same
   rewards, filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
-- a group whose oldest token is more than k updates older than the policy that would train on it
-  is dropped, counted in ``rollout/stale_groups``; the step starts a prompt in its place and takes
-  the next group to finish (so does a refill round, for the groups the filter dropped);
+- a group whose oldest token is older than the weights the engine held when the step k steps
+  back started (what a batch of ``rollout.async`` may hold: k updates, or with a server that reloads
+  every m updates k + m - 1) is dropped, counted in ``rollout/stale_groups``; the step starts a
+  prompt in its place and takes the next group to finish (so does a refill round, for the groups
+  the filter dropped). Weights that never change (a frozen server) drop nothing;
 - a checkpoint keeps the groups finished and not yet trained whole, and the prompts of the groups
   in flight, which a resumed run starts again with their own seeds (their partial responses are
   not kept): every group is trained exactly once.
@@ -47,12 +49,14 @@ class Streamer:
         self.finished: list[tuple[int, Batch]] = []  # finished, not yet trained: received or restored
         self.restart: list[tuple[int, int]] = []  # (draw, row index) in flight at the checkpoint resumed from
         self.draws, self.dropped, self.budget = 0, 0, 0  # budget: the prompts the step may still start
+        self.step, self.held = 0, {}  # step -> the engine's version as it started
 
     # -- the trainer's side -------------------------------------------------------------------
 
     def take(self, step: int) -> tuple[Batch, Batch, dict[str, float]]:
         """Step ``step``'s rollout, kept groups and metrics, from the first groups to finish."""
-        timer, self.dropped = Timer(), 0
+        timer, self.dropped, self.step = Timer(), 0, step
+        self.held = {s: v for s, v in self.held.items() if s >= step - self.depth} | {step: self.session.version}
         self.budget = (self.depth + 1) * self.size - len(self.flying) - len(self.finished)
         rollout, kept, metrics = self.collect(step, timer, self.groups)
         metrics |= {f"async/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward")}
@@ -122,10 +126,10 @@ class Streamer:
         return self.finished.pop(0)[1]
 
     def _too_stale(self, group: Batch) -> bool:
+        floor = self.held.get(self.step - self.depth)
         versions = group["token_versions"] if "token_versions" in group else group["policy_version"][:, None]
         mask = group["response_mask"].bool() if "token_versions" in group else torch.ones_like(versions, dtype=bool)
-        oldest = versions[mask].min().item() if mask.any() else self.session.updates
-        return self.session.updates - oldest > self.depth
+        return floor is not None and mask.any().item() and versions[mask].min().item() < floor
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -138,6 +142,7 @@ class Streamer:
             "draws": self.draws,
             "finished": [(draw, pack(group)) for draw, group in self.finished],
             "flying": [(draw, index) for draw, (index, _, _) in sorted(self.flying.items())],
+            "held": dict(self.held),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,7 +152,7 @@ class Streamer:
                 "with the setting it was saved with."
             )
         self.draws, self.finished = state["draws"], [(d, unpack(g)) for d, g in state["finished"]]
-        self.restart = [tuple(x) for x in state["flying"]]
+        self.restart, self.held = [tuple(x) for x in state["flying"]], dict(state["held"])
 
     def close(self) -> None:
         """The groups still in flight are left to finish on their own (their threads end with the run)."""
