@@ -145,6 +145,8 @@ def test_a_step_trains_the_first_groups_to_finish_and_the_engine_stays_full(tiny
     engine = trainer.run.engine
     assert engine.most <= (DEPTH + 1) * PROMPTS and engine.most >= PROMPTS + 1  # full, never over the bound
     assert all(r["rollout/groups_in_flight"] <= (DEPTH + 1) * PROMPTS for r in rows)
+    # generation time is the step's tokens at the engine's rate, not the wait for them (about none)
+    assert all(0 < r["async/rollout_s"] and r["throughput/rollout_tokens_per_s"] < 1e5 for r in rows)
     # the first prompt's tokens came after the first sync; each token at most k updates old
     assert all(r["rollout/staleness_max"] <= DEPTH for r in rows) and sum(r["rollout/stale_groups"] for r in rows) == 0
     assert max(Streaming.draws.values()) < 4 * PROMPTS + (DEPTH + 1) * PROMPTS  # nothing started past the bound

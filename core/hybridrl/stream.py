@@ -27,6 +27,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ class Streamer:
         self.restart: list[tuple[int, int]] = []  # (draw, row index) in flight at the checkpoint resumed from
         self.draws, self.dropped, self.budget = 0, 0, 0  # budget: the prompts the step may still start
         self.step, self.held = 0, {}  # step -> the engine's version as it started
+        self.window = [0, None]  # response tokens finished since the last step took its groups, and since when
 
     # -- the trainer's side -------------------------------------------------------------------
 
@@ -59,9 +61,19 @@ class Streamer:
         self.held = {s: v for s, v in self.held.items() if s >= step - self.depth} | {step: self.session.version}
         self.budget = (self.depth + 1) * self.size - len(self.flying) - len(self.finished)
         rollout, kept, metrics = self.collect(step, timer, self.groups)
-        metrics |= {f"async/{k}_s": timer.times.get(k, 0.0) for k in ("rollout", "reward")}
+        metrics |= {"async/reward_s": timer.times.get("reward", 0.0), "async/rollout_s": self._engine_seconds(rollout)}
         metrics |= {"rollout/stale_groups": float(self.dropped), "rollout/groups_in_flight": float(len(self.flying))}
         return rollout, kept, metrics | staleness(rollout, self.session.updates)
+
+    def _engine_seconds(self, rollout: Batch) -> float:
+        """The seconds the step's tokens took at the rate the engine finished tokens since the last step
+        (its groups overlap others: no one call's time is theirs)."""
+        while self._receive(block=False):
+            pass
+        now, (tokens, since) = time.perf_counter(), self.window
+        self.window = [0, now]
+        rate = tokens / (now - since) if tokens and since is not None and now > since else 0.0
+        return float(rollout["response_mask"].sum()) / rate if rate else 0.0
 
     def groups(self, step: int, round_: int = 0) -> Batch:
         """The next ``prompts_per_step`` groups to finish that are fresh enough, numbered by ``round_``."""
@@ -86,6 +98,7 @@ class Streamer:
     def _fill(self, step: int, wanted: int) -> None:
         """Start the prompts this step may start (``budget``), as many as the rest of the run can use."""
         needed = (self.last_step - step) * self.size + wanted
+        self.window[1] = self.window[1] or time.perf_counter()
         while self.budget > 0 and len(self.flying) + len(self.finished) < needed:
             draw, index = self.restart.pop(0) if self.restart else (self.draws, self.stage.order.take(1)[0])
             self.draws, self.budget = max(self.draws, draw + 1), self.budget - 1
@@ -115,6 +128,7 @@ class Streamer:
         if isinstance(out, BaseException):
             raise out
         index, ids, text = self.flying.pop(draw)
+        self.window[0] += sum(map(len, out.token_ids))
         group = self.stage.answered([self.stage.data[index]], [ids], [text], out, len(out.token_ids))
         group["policy_version"] = torch.full((len(group),), out.policy_version, dtype=torch.long)
         self.finished.append((draw, group))
