@@ -210,3 +210,33 @@ def test_a_group_that_outlived_k_syncs_is_dropped_and_another_prompt_takes_its_p
     assert sum(r["rollout/stale_groups"] for r in rows) == 1
     assert 3 not in trained and len(trained) == len(set(trained)) == 4 * PROMPTS
     assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)  # nothing older was trained on
+
+
+class OddsTie(Draws):
+    """Draws' record, with every response of an odd draw scored the same: dynamic sampling drops those."""
+
+    def score(self, batch):
+        super().score(batch)
+        ids = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
+        return [1.0 if Streaming.draws[i] % 2 else float(j % N) for j, i in enumerate(ids)]
+
+
+def test_refill_rounds_take_the_next_groups_to_finish_for_those_the_filter_dropped(
+    tiny_model, tmp_path, registered, register_plugin
+):
+    class Plugin:
+        @hookimpl
+        def register_reward_functions(self, register):
+            register("odds_tie", OddsTie)
+
+    register_plugin(Plugin(), name="odds-tie")
+    cfg = config(tiny_model, tmp_path / "run", 3, refill_rounds=4)
+    cfg["rewards"] = [{"function": "odds_tie"}]
+    cfg["algorithm"]["dynamic_sampling"] = True
+    _, rows = train(cfg)
+    # every step kept its prompts_per_step groups, all of even draws, after rounds of the next to finish
+    assert all(r["dynamic_sampling/kept_groups"] >= PROMPTS for r in rows)
+    assert any(r["rollout/rounds"] > 1 for r in rows)
+    scored = sum(Draws.trained, [])
+    assert len(scored) == len(set(scored))  # a group is scored once, in the round that took it
+    assert sum(1 for d in scored if d % 2 == 0) >= 3 * PROMPTS
