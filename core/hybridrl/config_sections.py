@@ -53,6 +53,11 @@ class LoraOptions(Strict):
         "merged weights; auto: the adapter where the engine takes adapters and generates on a GPU or in a server, "
         "else merged (said at setup, with why).",
     )
+    quantize: Literal["none", "4bit", "8bit"] = Field(
+        "none",
+        description="The frozen base in 4-bit NF4 or 8-bit (bitsandbytes: QLoRA); the adapters train in float32 over "
+        "it and every sync sends them alone, to an engine that loads the same quantized base (hf). docs/lora.md.",
+    )
 
 
 class EvalSet(Section):

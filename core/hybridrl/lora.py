@@ -65,7 +65,7 @@ def apply_lora(model: torch.nn.Module, options) -> torch.nn.Module:
             f"{named} {targets!r} match no layer of {type(model).__name__}. Its "
             f"linear layers are named: {', '.join(linear)} (or use 'all-linear')."
         ) from None
-    adapted_layers(wrapped)
+    _ = adapted_layers(wrapped) if options.quantize == "none" else None  # the merge is checked; none into bits
     if saved:
         load_folder(wrapped, options.path, saved)
     return wrapped
@@ -322,7 +322,7 @@ def base_name(name: str) -> str:
 def describe(model: torch.nn.Module, options, others=()) -> str:
     """What trains, for the run's start: the adapters and the AdamW state they keep, and the other
     models an algorithm trains (``others``: its Trainables), which LoRA does not touch."""
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(getattr(getattr(p, "quant_state", None), "shape", p.shape).numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state, full = trained * 8 / 2**20, total * 8 / 2**20  # AdamW's two float32 moments
     lines = [

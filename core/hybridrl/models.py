@@ -171,13 +171,17 @@ def load_causal_lm(
     device: torch.device,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    quantize: str = "none",
 ):
-    """``path``'s causal LM in ``dtype`` on ``device``; ``attn_implementation``: model.attn_implementation."""
+    """``path``'s causal LM in ``dtype`` on ``device``; ``attn_implementation``: model.attn_implementation;
+    ``quantize``: its linear layers in 4 or 8 bits (model.lora.quantize), computing in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     from hybridrl.errors import ConfigError
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if quantize != "none":  # quantized as loaded, on the device that computes with them
+        attention |= {"quantization_config": bits_config(quantize, dtype), "device_map": {"": device}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, **attention
@@ -202,7 +206,49 @@ def load_causal_lm(
     if capped and not attn_implementation:
         model.set_attn_implementation("eager")  # transformers' default, sdpa, leaves the soft-cap out
     pin_long_rope(model)
-    return model.to(device)
+    if quantize == "none":
+        return model.to(device)
+    for module in model.modules():  # bitsandbytes repacks 4-bit weights for CPU inference, after which they
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # get no gradient: one layout for every pass
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def bits_config(quantize: str, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for ``model.lora.quantize``: NF4 (QLoRA's) or 8-bit weights."""
+    from hybridrl.errors import ConfigError
+
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as e:
+        raise ConfigError(
+            f"model.lora.quantize '{quantize}' needs bitsandbytes ({e}). Install it with: pip install 'hybridrl[qlora]'"
+        ) from e
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def check_quantized_base(options, engine, engine_name: str, sharding: str) -> None:
+    """A quantized base (``model.lora.quantize``) trains where the engine samples from that same base:
+    the adapters alone are synced (nothing merges into 4 or 8 bits), on one process. ``engine``: None
+    before it is built (the config alone is checked)."""
+    from hybridrl.errors import ConfigError
+
+    said = f"model.lora.quantize is '{options.quantize}'"
+    if options.sync == "merged":
+        raise ConfigError(
+            f"{said}, but model.lora.sync is 'merged': adapters cannot be merged into a quantized base without "
+            "changing it. Set model.lora.sync: auto (the adapter alone)."
+        )
+    if sharding != "single":
+        raise ConfigError(f"{said}: sharding.strategy '{sharding}' does not shard a quantized base; use single.")
+    if engine is not None and not getattr(engine, "serves_quantized_base", False):
+        raise ConfigError(
+            f"{said}, but rollout engine '{engine_name}' would sample from the full-precision base, not the quantized "
+            "one the policy trains over. Use rollout.engine: hf, which loads the same quantized base."
+        )
 
 
 def soft_capped_attention(config) -> float | None:

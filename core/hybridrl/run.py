@@ -36,7 +36,7 @@ from hybridrl.config import RunConfig
 from hybridrl.config_files import write_config
 from hybridrl.errors import ConfigError
 from hybridrl.memory import MicroBatches
-from hybridrl.models import disable_dropout, end_token_ids, load_causal_lm
+from hybridrl.models import check_quantized_base, disable_dropout, end_token_ids, load_causal_lm
 from hybridrl.passes import Planner, Runner
 from hybridrl.prompts import PromptOrder
 from hybridrl.rewards import Rewards
@@ -143,9 +143,11 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
     if train:
         follow_engine_positions(engine, parts, checked.model_config, config, ctx.is_main)
     if train and config.model.lora:
-        session.adapters, said = lora.choose_sync(
-            config.model.lora, engine, parts["policy"], config.rollout.engine, ctx.device
-        )
+        options = config.model.lora
+        if options.quantize != "none":  # the adapter alone, wherever the engine generates
+            check_quantized_base(options, engine, config.rollout.engine, config.sharding.strategy)
+            options = options.model_copy(update={"sync": "adapter"})
+        session.adapters, said = lora.choose_sync(options, engine, parts["policy"], config.rollout.engine, ctx.device)
         if ctx.is_main:
             print(said, flush=True)
         if session.adapters:  # the adapter as it starts (lora_B zero: the base), so that one the engine cannot serve
@@ -201,8 +203,13 @@ def models(config: RunConfig, model_path: str, ctx: RunContext, strategy, algori
     optimizer and its schedule, placed by the sharding strategy."""
     m, t = config.model, config.trainer
 
+    quantize = m.lora.quantize if m.lora else "none"  # a quantized base loads on its device, where it computes
+    if quantize != "none":
+        check_quantized_base(m.lora, None, config.rollout.engine, config.sharding.strategy)
+
     def load(adapters=None):
-        model = load_causal_lm(model_path, ctx.dtype, torch.device("cpu"), m.trust_remote_code, m.attn_implementation)
+        device = ctx.device if quantize != "none" else torch.device("cpu")
+        model = load_causal_lm(model_path, ctx.dtype, device, m.trust_remote_code, m.attn_implementation, quantize)
         model = lora.apply_lora(model, adapters) if adapters else model
         return model if m.dropout else disable_dropout(model)
 

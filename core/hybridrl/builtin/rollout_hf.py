@@ -79,19 +79,25 @@ class HFEngine(RolloutEngine):
 
     Options = HFEngineOptions
 
+    serves_quantized_base = True  # it loads the policy's quantized base (model.lora.quantize) as the policy does
+
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
         o, cuda = options, ctx.device.type == "cuda"
-        self.static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
+        quantize = ctx.lora.quantize if ctx.lora else "none"
+        # bitsandbytes' layers decode on the default path: the fast path's fused and captured steps take plain weights
+        static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
+        self.static = static and quantize == "none"
         self.compile = self.static and compile_pays(o.compile, ctx)
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
-        self.model = load_causal_lm(ctx.model_path, dtype, ctx.device, ctx.trust_remote_code).eval()
+        dtype = ctx.dtype if quantize != "none" else dtype  # the policy's compute dtype over the same quantized base
+        self.model = load_causal_lm(ctx.model_path, dtype, ctx.device, ctx.trust_remote_code, quantize=quantize).eval()
         self.model.requires_grad_(False)
         self.tokenizer = ctx.tokenizer
         # what the fast path changed in the engine's copy, for tests and logs
         self.grouped_attention = self.static and use_grouped_decode_attention(self.model)
-        fuse = o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static)
+        fuse = quantize == "none" and (o.fuse_projections == "on" or (o.fuse_projections == "auto" and self.static))
         self.fused_groups = fuse_projections(self.model) if fuse else 0
         self.eos_ids = end_token_ids(ctx.model_path, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
