@@ -432,3 +432,13 @@ def raw_request(url: str, method: str, path: str, body: bytes | None = None, hea
     reply = json.loads(response.read())
     conn.close()
     return response.status, reply, response.headers
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], rel: float = 1e-5, abs: float = 1e-6) -> None:
+    """Two runs' metrics.jsonl rows agree step for step, timings and throughputs aside (a resumed run
+    against the one that was not interrupted)."""
+    assert len(got) == len(want), ([r["step"] for r in got], [r["step"] for r in want])
+    for g, w in zip(got, want, strict=True):
+        for key in w:
+            if not key.startswith(("timing/", "throughput/", "time")):
+                assert g[key] == pytest.approx(w[key], rel=rel, abs=abs), (g["step"], key)
