@@ -77,7 +77,11 @@ def test_grpo_trains_an_unmodified_command_agent_on_its_posted_rewards(tiny_mode
 
 FORKING = textwrap.dedent(
     """
+    import itertools
+
     import openai
+
+    EPISODES = itertools.count()  # the episodes of a call, numbered as they post: 3 of 0-5 differ mod 3
 
     def solve(task):  # each call rewrites the history: the episode forks, and both branches train
         client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
@@ -85,7 +89,7 @@ FORKING = textwrap.dedent(
         said = first.choices[0].message.content
         retry = [{"role": "user", "content": f"{task.prompt} You said {len(said)} characters. Again?"}]
         text = client.chat.completions.create(model="p", messages=retry).choices[0].message.content
-        client.post(task.reward_url, body={"reward": (len(said) + len(text)) % 3}, cast_to=object)
+        client.post(task.reward_url, body={"reward": next(EPISODES) % 3}, cast_to=object)
         return text
     """
 )
