@@ -86,13 +86,18 @@ class Streaming(RolloutEngine):
 
 
 class Draws(RewardFunction):
-    """The sevens reward, recording the draws of the groups each step trains (through the engine's map)."""
+    """The sevens reward, recording the draws of the groups each step trains (through the engine's map)
+    and each group's response tokens."""
 
     trained: list[list[int]] = []
+    tokens: list[list[int]] = []
 
     def score(self, batch):
         ids = [tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"], strict=True)]
         self.trained.append(sorted({Streaming.draws[i] for i in ids}))
+        self.tokens.append(
+            [int(batch["response_mask"][batch["group_ids"] == g].sum()) for g in batch["group_ids"].unique()]
+        )
         return [float(str(t).count("7")) for t in batch["response_text"]]
 
 
@@ -120,7 +125,7 @@ def config(model, run_dir, steps, **rollout):
 
 
 def train(cfg) -> tuple[Trainer, list[dict]]:
-    Draws.trained = []
+    Draws.trained, Draws.tokens = [], []
     trainer = Trainer(build_run(load_config(data=cfg)))
     trainer.train()
     rows = [json.loads(x) for x in (trainer.run.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -183,6 +188,21 @@ def test_a_checkpoint_keeps_the_groups_finished_and_in_flight_and_each_trains_on
     # again with their seeds) and new ones, none trained twice over the two runs
     assert set(held) <= set(after) and len(after) == len(set(after)) == 2 * PROMPTS and not set(after) & set(before)
     assert set(before) | set(after) == set(range(4 * PROMPTS))  # the first prompts, every one trained once
+
+
+def test_a_step_of_tokens_takes_the_first_groups_that_hold_them(tiny_model, tmp_path, registered):
+    """rollout.step_tokens 30 with groups of two responses of up to 6 tokens: a step takes three groups
+    at least (more than prompts_per_step, 2), and more where responses ended early."""
+    trainer, rows = train(config(tiny_model, tmp_path / "run", 4, step_tokens=30))
+    for tokens in Draws.tokens:  # each step: the fewest first groups that hold 30 tokens
+        assert sum(tokens) >= 30 and sum(tokens[:-1]) < 30
+    assert [r["rollout/groups"] for r in rows] == [len(t) for t in Draws.tokens]
+    flat = sum(Draws.trained, [])
+    assert len(flat) == len(set(flat)) and trainer.run.engine.most <= (DEPTH + 1) * PROMPTS
+    with pytest.raises(ConfigError, match=r"needs rollout.stream \(it is off\)"):
+        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, stream=False, step_tokens=20))))
+    with pytest.raises(ConfigError, match=r"rollout.refill_rounds is 2"):
+        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, step_tokens=20, refill_rounds=2))))
 
 
 def test_stream_needs_async_and_an_engine_that_takes_syncs_in_flight(tiny_model, tmp_path, registered):

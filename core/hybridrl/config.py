@@ -131,6 +131,13 @@ class RolloutConfig(Section, Sampling):
         "trains the first groups to finish; a group with a token older than the weights of k steps back is dropped "
         "(rollout/stale_groups). docs/async.md.",
     )
+    step_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="With rollout.stream: a step trains the first groups to finish until their responses hold at "
+        "least this many tokens (whole groups, one at least), so a step's size is its tokens whatever their "
+        "lengths; trainer.prompts_per_step then sizes what stays in flight. null: prompts_per_step groups a step.",
+    )
     sync_check: float = Field(
         0.3,
         ge=0,

@@ -10,8 +10,9 @@ than k updates old unless its response outlived k syncs. The rules that keep it 
 
 - the d-th prompt the run draws is seeded as prompt d of step 0 (:func:`hybridrl.session.rollout_seed`):
   its samples do not depend on when it runs;
-- a step takes groups in the order they finish, ``prompts_per_step`` at a time, through the same
-  rewards, filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
+- a step takes groups in the order they finish, ``prompts_per_step`` at a time (with
+  ``rollout.step_tokens``, until their responses hold that many tokens), through the same rewards,
+  filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
 - a group whose oldest token is older than the weights the engine held when the step k steps
   back started (what a batch of ``rollout.async`` may hold: k updates, or with a server that reloads
   every m updates k + m - 1) is dropped, counted in ``rollout/stale_groups``; the step starts a
@@ -44,7 +45,7 @@ class Streamer:
 
     def __init__(self, collect, depth: int, last_step: int, stage, prompts_per_step: int, seed: int):
         self.collect, self.depth, self.last_step, self.stage, self.seed = collect, depth, last_step, stage, seed
-        self.session, self.size = stage.session, prompts_per_step
+        self.session, self.size, self.tokens = stage.session, prompts_per_step, stage.config.rollout.step_tokens
         self.done: queue.Queue = queue.Queue()  # (draw, answer or the error raised) as groups finish
         self.flying: dict[int, tuple[int, list[int], str]] = {}  # draw -> (row index, prompt ids, prompt text)
         self.finished: list[tuple[int, Batch]] = []  # finished, not yet trained: received or restored
@@ -63,6 +64,7 @@ class Streamer:
         rollout, kept, metrics = self.collect(step, timer, self.groups)
         metrics |= {"async/reward_s": timer.times.get("reward", 0.0), "async/rollout_s": self._engine_seconds(rollout)}
         metrics |= {"rollout/stale_groups": float(self.dropped), "rollout/groups_in_flight": float(len(self.flying))}
+        metrics["rollout/groups"] = float(rollout.groups())
         return rollout, kept, metrics | staleness(rollout, self.session.updates)
 
     def _engine_seconds(self, rollout: Batch) -> float:
@@ -76,11 +78,14 @@ class Streamer:
         return float(rollout["response_mask"].sum()) / rate if rate else 0.0
 
     def groups(self, step: int, round_: int = 0) -> Batch:
-        """The next ``prompts_per_step`` groups to finish that are fresh enough, numbered by ``round_``."""
+        """The next groups to finish that are fresh enough, ``prompts_per_step`` of them or those that make
+        ``rollout.step_tokens``, numbered by ``round_``."""
         taken: list[Batch] = []
         self.budget += self.size if round_ else 0  # a refill round: the groups the filter dropped
-        while len(taken) < self.size:
-            self._fill(step, self.size - len(taken))
+        while not self._full(taken):
+            if not self.flying and not self.finished:  # a step of tokens that outgrew the groups started
+                self.budget = max(self.budget, 1)
+            self._fill(step, max(1, self.size - len(taken)))
             group = self._next()
             if self._too_stale(group):
                 self.dropped, self.budget = self.dropped + 1, self.budget + 1
@@ -89,6 +94,11 @@ class Streamer:
         batch = Batch.cat(taken, self.stage.pad_id)
         batch["group_ids"] = torch.arange(len(batch)) // self.stage.config.rollout.n + round_ * self.size
         return batch
+
+    def _full(self, taken: list[Batch]) -> bool:
+        if self.tokens is None:
+            return len(taken) >= self.size
+        return sum(int(group["response_mask"].sum()) for group in taken) >= self.tokens
 
     def before_sync(self) -> None:
         """Nothing waits: the groups in flight go on under the new weights."""
@@ -184,6 +194,12 @@ def make_prefetcher(run, collect) -> Prefetcher | None:
             f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm server with "
             "in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
             f"{'set' if config.rollout.agent is not None else 'unset'})."
+        )
+    if config.rollout.step_tokens and not stream or config.rollout.step_tokens and config.rollout.refill_rounds:
+        raise ConfigError(
+            "rollout.step_tokens sizes a streamed step by its tokens: it needs rollout.stream (it is "
+            f"{'on' if stream else 'off'}) and no refill rounds (rollout.refill_rounds is "
+            f"{config.rollout.refill_rounds}: they keep groups by count)."
         )
     if not depth:
         return None
