@@ -3,6 +3,7 @@
 
     python benchmarks/gpu_lora.py --mode lora                 # adapters r 16 on every linear layer
     python benchmarks/gpu_lora.py --mode lora --r 32 --sync merged   # the merged weights each sync
+    python benchmarks/gpu_lora.py --mode lora --r 32 --quantize 4bit   # over a 4-bit base (QLoRA)
     python benchmarks/gpu_lora.py --mode full                 # the same run training every weight
     python benchmarks/gpu_lora.py --mode full --kl 0 --sharding '{"activation_checkpointing": true}'
     python benchmarks/gpu_lora.py --smoke --mode lora         # CPU check of the script (tiny model)
@@ -17,6 +18,8 @@ reference is the base model with the adapters off, without LoRA a second model. 
 in its own process; an out-of-memory failure is a result (recorded with the stage and the memory
 in use), not a crash. ``--engine vllm``: an in-process vLLM engine (bf16, sleep level 1) instead
 of hf. ``--sync``: what each sync sends (``model.lora.sync``; auto on a GPU: the adapter alone).
+``--quantize 4bit|8bit``: the frozen base through bitsandbytes (``model.lora.quantize``; the hf
+engine, the adapter alone each sync).
 Per step: step, rollout, update and weight-sync seconds and the peak GPU memory; after setup the
 memory the models hold. Writes ``$OUT/lora_<mode>_<engine>[_<sync>].json``.
 """
@@ -62,7 +65,8 @@ R: dict = {"errors": [], "steps": []}
 
 def out_path(args) -> Path:
     sync = f"_{args.sync}" if args.mode == "lora" and args.sync != "auto" else ""
-    return common.out_path(args.out, f"lora_{args.mode}_{args.engine}{sync}.json")
+    quantized = f"_{args.quantize}" if args.quantize != "none" else ""
+    return common.out_path(args.out, f"lora_{args.mode}_{args.engine}{sync}{quantized}.json")
 
 
 def build_model(folder: Path, shape: dict, cuda: bool) -> str:
@@ -90,6 +94,7 @@ def config(args, model_dir: str, workdir: Path) -> dict:
     model = {"path": model_dir}
     if args.mode == "lora":
         model["lora"] = {"r": args.r, "alpha": 2 * args.r, "target_modules": "all-linear", "sync": args.sync}
+        model["lora"]["quantize"] = args.quantize
     return {
         "model": model,
         "data": {"source": "bench_sums", "size": 4096},
@@ -148,6 +153,7 @@ def main(args) -> None:
     plugins = ("algo_grpo", "rollout_vllm") if args.engine == "vllm" else ("algo_grpo",)
     common.start_grpo(R, "gpu_lora", cuda, plugins, engine="peft")
     R["mode"], R["shape"], R["sync"] = args.mode, "tiny" if args.smoke else "qwen2.5-7b", args.sync
+    R["quantize"] = args.quantize
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "hybridrl-bench-lora").absolute()
     t = time.perf_counter()
     model_dir = build_model(workdir / R["shape"], common.TINY if args.smoke else QWEN7B, cuda)
@@ -188,6 +194,7 @@ def main(args) -> None:
     R["summary"] = {
         "mode": args.mode,
         "sync": args.sync if args.mode == "lora" else None,
+        "quantize": args.quantize,
         "trained_parameters": R.get("trained_parameters"),
         "allocated_after_setup_gib": R.get("allocated_after_setup_gib"),
         "out_of_memory": R.get("out_of_memory"),
@@ -214,6 +221,7 @@ def parse_args(argv=None):
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha is 2r)")
     p.add_argument("--engine-options", default=None, help='JSON of engine options, e.g. {"fuse_projections": false}')
     p.add_argument("--sync", choices=("auto", "adapter", "merged"), default="auto", help="model.lora.sync")
+    p.add_argument("--quantize", choices=("none", "4bit", "8bit"), default="none", help="model.lora.quantize")
     p.add_argument("--kl", type=float, default=0.04, help="algorithm.kl_coef (0: no reference model)")
     p.add_argument("--lr", type=float, default=None, help="default: 1e-4 with LoRA, 1e-6 without")
     p.add_argument("--sharding", default="{}", help="JSON of sharding options")
