@@ -15,14 +15,15 @@ demo: install
 
 # two workers, a test file each at a time (its module fixtures set up once), then the tests that start
 # torchrun ranks one at a time (two processes each already fill the 2 cores): 15 minutes on 2 cores where
-# one process took 23; WORKERS=0 runs the whole suite in this process
+# one process took 23; WORKERS=0 runs the whole suite in this process. Each part ends with its 15
+# slowest tests, where the suite's time goes
 WORKERS ?= 2
 test: install-test
 ifeq ($(WORKERS),0)
 	$(PY) -m pytest
 else
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not torchrun"; first=$$?; \
-	$(PY) -m pytest -m torchrun; exit $$(( first || $$? ))
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not torchrun" --durations=15; first=$$?; \
+	$(PY) -m pytest -m torchrun --durations=15; exit $$(( first || $$? ))
 endif
 
 $(PY):
