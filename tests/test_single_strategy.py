@@ -149,11 +149,15 @@ def test_bfloat16_without_autocast_is_refused_before_the_model_loads(tiny_model,
     ],
 )
 def test_compile_auto_compiles_on_a_gpu_when_the_run_trains_enough_tokens(
-    tiny_model, tmp_path, capsys, device, steps, want
+    tiny_model, tmp_path, capsys, monkeypatch, device, steps, want
 ):
     import dataclasses
 
+    from hybridrl import compile as compile_module
     from hybridrl.builtin.sharding_single import COMPILE_PAYS_TOKENS, compiles
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # cold, and nothing left behind
+    monkeypatch.setattr(compile_module, "_pending", {})
 
     ctx = RunContext(tiny_model, None, torch.device(device), torch.float32, 0, tmp_path)
     ctx = dataclasses.replace(ctx, steps=steps, responses_per_call=32, prompt_tokens=100, response_tokens=256)
@@ -164,6 +168,49 @@ def test_compile_auto_compiles_on_a_gpu_when_the_run_trains_enough_tokens(
     assert ("sharding.compile auto: on, as the run" in said) is (device == "cuda" and want)  # and when it compiles
     assert compiles("on", ctx) and not compiles("off", ctx)
     assert 300 * 32 * 356 < COMPILE_PAYS_TOKENS < 1000 * 32 * 356
+
+
+def test_compile_auto_compiles_shorter_runs_once_the_compile_cache_holds_the_model(
+    tiny_model, tmp_path, capsys, monkeypatch
+):
+    """A first step that compiled marks the compile cache warm for the run's model shape, dtype, GPU and
+    torch; a later run of the same pays back compiling after WARM_SHARE of the tokens, another does not."""
+    import dataclasses
+    import json
+    import shutil
+
+    from hybridrl import compile as compile_module
+    from hybridrl.builtin.sharding_single import COMPILE_PAYS_TOKENS, compiles
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_module, "_pending", {})
+    ctx = RunContext(tiny_model, None, torch.device("cuda"), torch.float32, 0, tmp_path)
+    # 300 x 32 x (100 + 256) = 3.4M tokens: under the 4M that pay back a cold compile, over 0.3 of them
+    short = dataclasses.replace(ctx, steps=300, responses_per_call=32, prompt_tokens=100, response_tokens=256)
+    assert 300 * 32 * 356 < COMPILE_PAYS_TOKENS and 300 * 32 * 356 > compile_module.WARM_SHARE * COMPILE_PAYS_TOKENS
+    assert not compiles("auto", short)
+    assert compiles("auto", dataclasses.replace(short, steps=None))  # a run without end compiles
+    monkeypatch.setattr(compile_module, "compile_seconds", lambda: 0.0)
+    compile_module.remember_compiled()  # its first step compiled nothing: nothing is marked
+    assert not compiles("auto", short)
+    assert compiles("on", short)
+    monkeypatch.setattr(compile_module, "compile_seconds", lambda: 31.5)
+    compile_module.remember_compiled()
+    (marker,) = (tmp_path / "cache" / "hybridrl-compiled").iterdir()
+    assert json.loads(marker.read_text())["option"] == "sharding.compile"
+    capsys.readouterr()
+    assert compiles("auto", short)
+    said = capsys.readouterr().out
+    assert "sharding.compile auto: on" in said and "holds what an earlier run of this model compiled" in said
+    assert not compiles("auto", dataclasses.replace(short, steps=100))  # 1.1M tokens: under 0.3 x 4M
+    assert not compiles("auto", dataclasses.replace(short, dtype=torch.bfloat16))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
+    assert not compiles("auto", dataclasses.replace(short, model_path=str(other)))
+    monkeypatch.setattr(torch, "__version__", "9.9.0")
+    assert not compiles("auto", short)
 
 
 def test_compiled_strategy_keeps_packed_rows_one_width_and_at_least_two(tiny_model, tmp_path):

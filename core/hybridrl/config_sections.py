@@ -223,7 +223,8 @@ class TrainerConfig(Strict):
         description="Folder of torch.compile's caches (compiled graphs, Triton kernels), kept across runs: a run of "
         "a model shape compiled before loads its graphs (torch keys them by torch, shapes, dtypes and settings). "
         "auto: TORCHINDUCTOR_CACHE_DIR where set, else <HYBRIDRL_CACHE or ~/.cache/hybridrl>/torch-compile; "
-        "null: torch's default, a folder of /tmp.",
+        "null: torch's default, a folder of /tmp. With it warm for the model, compile: auto compiles shorter runs "
+        "(docs/performance.md).",
     )
     cudnn_attention: bool = Field(
         False,

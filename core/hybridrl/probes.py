@@ -6,7 +6,7 @@ after the first step (:mod:`hybridrl.compile`), said on the console where they s
 
 from __future__ import annotations
 
-from hybridrl.compile import compile_seconds, recompile_reasons, recompiled
+from hybridrl.compile import compile_seconds, recompile_reasons, recompiled, remember_compiled
 from hybridrl.heap import Collector
 
 
@@ -26,7 +26,9 @@ class StepProbes:
         self.collector.freeze()
 
     def after_first_step(self) -> None:
-        """What the first step compiled and captured stays alive to the end too (frozen)."""
+        """What the first step compiled and captured stays alive to the end too (frozen), and the compile
+        cache it wrote is marked warm for the next run of this shape."""
+        remember_compiled()
         if self.collector is not None:
             self.collector.freeze()
 
