@@ -1,19 +1,22 @@
 """rollout.stream through the real trainer, with the hf engine behind a stand-in for a server that
 takes syncs in flight: each prompt's group is a call of its own, a step trains the first groups to
 finish, the engine never holds more than (k + 1) x prompts_per_step of them, and across a checkpoint
-every group is trained once. The run with a real vLLM server is in
+every group is trained once, also through a chain of SIGKILLs. The run with a real vLLM server is in
 plugins/rollout_vllm/tests/test_server.py."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+import yaml
 from hybridrl_testing import SevensPlugin
 
-from hybridrl.checkpoint import latest_checkpoint
+from hybridrl.checkpoint import latest_checkpoint, list_checkpoints
 from hybridrl.checkpoint_files import read_pt
 from hybridrl.components import RewardFunction, RolloutEngine
 from hybridrl.config import load_config
@@ -260,3 +263,82 @@ def test_refill_rounds_take_the_next_groups_to_finish_for_those_the_filter_dropp
     scored = sum(Draws.trained, [])
     assert len(scored) == len(set(scored))  # a group is scored once, in the round that took it
     assert sum(1 for d in scored if d % 2 == 0) >= 3 * PROMPTS
+
+
+# A run of this file's engine that SIGKILLs itself at one point: in a step's rollout (its groups taken
+# and scored), in the weight sync after a step's update, in the checkpoint written after a step (the
+# stream's state taken, the files not all written), or in on_step_end. Each scoring is logged first
+# with the step and the prompts of its groups.
+KILLER = """
+import importlib.util, json, os, signal, sys
+from hybridrl import plugins, stream
+from hybridrl.cli import main
+from hybridrl.hookspecs import hookimpl
+
+spec = importlib.util.spec_from_file_location("stream_tests", sys.argv[1])
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+where, at, log, now = sys.argv[2], int(sys.argv[3]), sys.argv[4], [0]
+
+def kill(point, step):
+    if point == where and step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+class Logged(tests.Draws):
+    def score(self, batch):
+        prompts = sorted({tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"])})
+        with open(log, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "step": now[0], "prompts": prompts}) + "\\n")
+        kill("rollout", now[0])
+        return [0.0] * len(batch)
+
+class Killer:
+    @hookimpl
+    def register_reward_functions(self, register):
+        register("logged", Logged)
+
+    @hookimpl
+    def on_train_start(self, start_step):
+        now[0] = start_step + 1
+
+    @hookimpl
+    def on_step_end(self, step):
+        kill("step_end", step)
+        now[0] = step + 1
+
+sync, state = tests.Streaming.update_weights, stream.Streamer.state_dict
+tests.Streaming.update_weights = lambda self, named: (kill("sync", now[0]), sync(self, named))[1]
+stream.Streamer.state_dict = lambda self: (state(self), kill("checkpoint", now[0] - 1))[0]
+plugins.get_plugin_manager().register(tests.Plugin(), name="streaming")
+plugins.get_plugin_manager().register(Killer(), name="killer")
+sys.exit(main(["train", sys.argv[5], "--resume"]))
+"""
+KILLS = [("rollout", 1), ("sync", 2), ("checkpoint", 2), ("step_end", 3)]
+KILLS += [("rollout", 4), ("sync", 5), ("checkpoint", 6), ("step_end", 7)]
+
+
+def test_killed_at_eight_points_each_resume_trains_every_group_once(tiny_model, tmp_path):
+    """Eight SIGKILLs in one run of 8 steps (checkpoints every 2), each resumed from the last intact
+    checkpoint: the steps the run kept (the last process to train each) trained 2 groups each, none
+    twice, and no prompt drawn was lost; what a killed process trained after its last checkpoint is
+    trained again after the resume, by the run's rule (the checkpoint's finished groups as saved, its
+    prompts in flight started again with their own seeds)."""
+    cfg = config(tiny_model, tmp_path / "run", 8)
+    cfg["rewards"], cfg["trainer"]["save_every"] = [{"function": "logged"}], 2
+    path, log = tmp_path / "cfg.yaml", tmp_path / "trained.jsonl"
+    path.write_text(yaml.safe_dump(cfg))
+    for where, at in [*KILLS, ("nowhere", 0)]:
+        args = [sys.executable, "-c", KILLER, __file__, where, str(at), str(log), str(path)]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert out.returncode == (0 if where == "nowhere" else -9), (where, at, out.stderr[-3000:])
+    scored = [json.loads(line) for line in log.read_text().splitlines()]
+    kept = {e["step"]: e["prompts"] for e in scored}  # a later process's step replaces a killed one's
+    assert sorted(kept) == list(range(1, 9)) and len(scored) > 8  # some steps were trained again
+    trained = [tuple(p) for step in sorted(kept) for p in kept[step]]
+    assert len(trained) == len(set(trained)) == 8 * PROMPTS  # every kept group once
+    # nothing started was lost: at each checkpoint kept, every prompt drawn was trained or is held, and
+    # the run ends with none left (the last steps start only the prompts they need)
+    for checkpoint in list_checkpoints(tmp_path / "run"):
+        saved = read_pt(checkpoint / "state.pt")["components"]["prefetch"]
+        step, held = int(checkpoint.name.split("-")[1]), len(saved["finished"]) + len(saved["flying"])
+        assert saved["draws"] == step * PROMPTS + held and held == (0 if step == 8 else DEPTH * PROMPTS)
