@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from hybridrl import __version__, plugins
+from hybridrl import __version__, distributed, plugins
 from hybridrl.config import ConfigError, load_config
 from hybridrl.errors import did_you_mean
 
@@ -90,6 +90,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, overrides)
     trainer = Trainer(build_run(cfg, name=Path(args.config).stem))
     run_dir, main_rank = trainer.run.run_dir, trainer.run.ctx.is_main  # under torchrun, rank 0 speaks
+    ranks = trainer.run.ctx.world_size
     if main_rank:
         print(f"hybridrl {__version__}: run directory {run_dir}", flush=True)
     metrics = trainer.train()
@@ -98,7 +99,7 @@ def cmd_train(args) -> int:
             f"done: {cfg.trainer.steps} steps, final reward {metrics.get('reward/mean', float('nan')):.3f}; "
             f"metrics in {run_dir / 'metrics.jsonl'}"
         )
-    return 0
+    return distributed.end_rank(ranks, 0)  # a finished torchrun rank skips the teardown that may abort it
 
 
 def cmd_eval(args) -> int:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 _owned = False  # whether setup() created the process group (and teardown() should destroy it)
+_keeps_teardown = False  # keep_teardown(): the process must not skip the interpreter's teardown
 
 
 # -- the process group ----------------------------------------------------------------------
@@ -76,6 +77,21 @@ def teardown(together: bool = False) -> None:
             barrier()
         dist.destroy_process_group()
     _owned = False
+
+
+def keep_teardown() -> None:
+    """This process holds what the interpreter's teardown must release (an in-process vLLM engine's
+    shared memory): its rank ends normally, never through :func:`exit_rank`."""
+    global _keeps_teardown
+    _keeps_teardown = True
+
+
+def end_rank(ranks: int, code: int) -> int:
+    """A finished run's exit ``code``; under torchrun (``ranks`` > 1), unless :func:`keep_teardown`
+    was called, the process ends here through :func:`exit_rank`."""
+    if ranks > 1 and not _keeps_teardown:
+        exit_rank(code)
+    return code
 
 
 def exit_rank(code: int) -> NoReturn:

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from hybridrl import distributed
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl.engines import stays_awake, tensor_bytes, weight_buckets
 from hybridrl_rollout_vllm.adapters import Adapters, lora_kwargs, refusal
@@ -68,6 +69,7 @@ class LocalEngine:
         # under torchrun the engine's ranks are the training processes (vLLM's external launcher):
         # an engine per rank, or one over each group of tensor_parallel_size consecutive ranks
         self.torchrun = ctx.world_size > 1
+        distributed.keep_teardown()  # vLLM frees its shared memory (/dev/shm) in the interpreter's teardown
         multiprocess = o.tensor_parallel_size > 1 and not self.torchrun
         if self.torchrun:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the external launcher requires it
