@@ -191,8 +191,8 @@ def make_prefetcher(run, collect) -> Prefetcher | None:
         raise ConfigError(
             "rollout.stream starts each prompt's group as others finish, while the policy trains and syncs: it needs "
             f"rollout.async >= 1 (it is {depth}) and an engine that takes syncs in flight (rollout engine "
-            f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm server with "
-            "in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
+            f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm or sglang "
+            "server with in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
             f"{'set' if config.rollout.agent is not None else 'unset'})."
         )
     if config.rollout.step_tokens and not stream or config.rollout.step_tokens and config.rollout.refill_rounds:

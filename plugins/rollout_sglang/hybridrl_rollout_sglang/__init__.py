@@ -40,6 +40,7 @@ SERVER_ONLY = (
     "weights_dir",
     "server_weights_dir",
     "release_memory_on_sleep",
+    "in_flight",
 )
 
 
@@ -136,6 +137,16 @@ class SGLangEngine(RolloutEngine):
             description="Ask the server to release its GPU memory while the policy trains (a server on the "
             "training GPUs, started with --enable-memory-saver).",
         )
+        in_flight: Literal["auto", "on", "off"] = Field(
+            "auto",
+            description="A sync lands while requests run (rollout.async does not wait for the batches generated "
+            "ahead): the server retracts its running requests between two decoding steps (/pause_generation, mode "
+            "retract), loads the new weights and goes on (/continue_generation), prefilling each request's prompt "
+            "and tokens so far again under them; nothing is aborted. SGLang does not say which weights sampled "
+            "each token, so a response counts at the version it started with, its oldest. 'auto': where the server "
+            "has those calls (SGLang 0.5) and the run syncs full weights (else syncs wait, saying why once); 'on': "
+            "required; 'off': syncs wait.",
+        )
 
         @field_validator(*IN_PROCESS_ONLY, *SERVER_ONLY)
         @classmethod
@@ -205,6 +216,9 @@ class SGLangEngine(RolloutEngine):
 
     def runs_apart(self) -> bool:
         return bool(self.options.base_url)
+
+    def updates_in_flight(self) -> bool:
+        return self.backend.in_flight
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         o = self.options

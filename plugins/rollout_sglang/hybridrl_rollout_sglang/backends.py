@@ -41,6 +41,8 @@ class SGLangUnavailableError(RuntimeError):
 class Backend:
     """Release/resume bookkeeping shared by both modes; subclasses provide the SGLang calls."""
 
+    in_flight = False  # a sync may land while requests run (a server's in_flight)
+
     def __init__(self, options):
         self.can_release = False  # set by the subclass from its options
         self.release_weights = options.release_weights
@@ -333,7 +335,10 @@ class InProcess(Backend):
 
 
 class Server(Backend):
-    """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``)."""
+    """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``).
+    With ``in_flight`` a sync retracts the running requests (``/pause_generation``, mode ``retract``:
+    back to the queue with the tokens they have), loads, and lets them go on (``/continue_generation``),
+    their prompts and tokens prefilled again under the new weights."""
 
     def __init__(self, options, ctx):
         super().__init__(options)
@@ -355,6 +360,34 @@ class Server(Backend):
             ) from None
         if isinstance(info, dict) and info.get("is_generation") is False:
             raise ServiceError(f"{self.component}: the server runs an embedding/reward model, not a generator.")
+        self.in_flight = self._check_in_flight(ctx)
+
+    def _check_in_flight(self, ctx) -> bool:
+        """Whether syncs land while requests run (``in_flight``); 'auto' says once why not, 'on' fails."""
+        if self.options.in_flight == "off":
+            return False
+        why = self._in_flight_refusal(ctx)
+        if why and self.options.in_flight == "on":
+            raise ServiceError(
+                f"{self.component}: rollout.in_flight is 'on', but {why}; or set rollout.in_flight: auto."
+            )
+        if why and ctx.rank == 0:
+            print(f"note: {self.component}: weight syncs wait for the requests in flight: {why}.", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return not why
+
+    def _in_flight_refusal(self, ctx) -> str | None:
+        if self.can_release:
+            return "release_memory_on_sleep frees the memory that requests in flight hold"
+        if ctx.lora is not None:
+            return "model.lora is set, and an adapter sync unloads the adapter that requests in flight use"
+        try:
+            self._post("/continue_generation", {})  # nothing to continue: a server that has it answers 200
+        except ServiceError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            return f"{self.url} has no /pause_generation and /continue_generation (SGLang 0.5 has them)"
+        return None
 
     def _http(self, timeout=None):
         o = self.options
@@ -397,13 +430,19 @@ class Server(Backend):
         seen_by_server = folder
         if self.options.server_weights_dir:
             seen_by_server = Path(self.options.server_weights_dir) / folder.name
+        payload = {"model_path": str(seen_by_server)} | ({"weight_version": str(version)} if self.in_flight else {})
+        if self.in_flight:  # the running requests back to the queue, their tokens kept
+            self._post("/pause_generation", {"mode": "retract"})
         try:
-            ret = self._post("/update_weights_from_disk", {"model_path": str(seen_by_server)})
+            ret = self._post("/update_weights_from_disk", payload)
         except ServiceError as e:
             raise ServiceError(
                 f"{e} The server must see {seen_by_server} (a shared file system; set "
                 "rollout.server_weights_dir when it mounts rollout.weights_dir elsewhere)."
             ) from None
+        finally:
+            if self.in_flight:
+                self._post("/continue_generation", {})
         if isinstance(ret, dict) and ret.get("success") is False:
             raise ServiceError(f"{self.component}: update_weights_from_disk failed: {ret.get('message')}")
         if self.current is not None and self.current != folder:

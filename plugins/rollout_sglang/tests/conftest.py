@@ -7,9 +7,11 @@ temperature-scaled probability) and answers in SGLang's output format. Two faces
 
 - ``sglang_server``: an HTTP server on 127.0.0.1 with the subset of SGLang's native API the
   plugin uses (``/generate``, ``/get_model_info``, ``/health``, ``/update_weights_from_disk``,
-  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``, and LoRA's
-  ``/get_server_info``, ``/load_lora_adapter``, ``/unload_lora_adapter``), status codes and bodies
-  as in ``sglang/srt/entrypoints/http_server.py``;
+  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``, LoRA's
+  ``/get_server_info``, ``/load_lora_adapter``, ``/unload_lora_adapter``, and for syncs in flight
+  ``/pause_generation`` in mode ``retract`` (running requests wait between two decoding steps, their
+  tokens kept, and are prefilled again where the weights changed) and ``/continue_generation``),
+  status codes and bodies as in ``sglang/srt/entrypoints/http_server.py``;
 - ``sglang_module``: a stand-in ``sglang`` module whose ``Engine`` has the signatures of
   ``sglang.Engine`` (``generate``, ``update_weights_from_tensor``, ``update_weights_from_disk``,
   ``release_memory_occupation``, ``resume_memory_occupation``, ``shutdown``, and LoRA's
@@ -89,6 +91,10 @@ class ContractSGLang:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path) if with_tokenizer else None
         self.generator = torch.Generator().manual_seed(seed)
         self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # a paused generation waits on it, the lock released
+        self.paused = False  # /pause_generation (mode retract) until /continue_generation
+        self.weights_version = 0  # weights loaded since the start
+        self.step_hook = None  # called with this object between two decoding steps, the lock held (tests)
         self.released: set[str] = set()
         self.cpu_backup = cpu_backup  # enable_weights_cpu_backup: released weights come back on resume
         self.backup: dict[str, torch.Tensor] | None = None
@@ -121,6 +127,8 @@ class ContractSGLang:
         if name is not None and name not in self.adapters:
             raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
         with self.lock:
+            while self.paused:  # a new request waits in the queue
+                self.cond.wait()
             if self.released & {"kv_cache", "weights"}:
                 raise RuntimeError(f"generate with released memory {sorted(self.released)}")
             self.calls.append(("generate", len(rows)) + ((name,) if name else ()))
@@ -202,6 +210,7 @@ class ContractSGLang:
             ids[i, P - len(r) :] = torch.tensor(r)
             mask[i, P - len(r) :] = 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+        version, fed = self.weights_version, []
         while True:
             logits, past = out.logits[:, -1].float(), out.past_key_values
             step = [0] * B  # finished rows are fed a padding token their mask hides
@@ -219,8 +228,14 @@ class ContractSGLang:
                 break
             live = torch.tensor([[int(f is None)] for f in finish])
             mask = torch.cat([mask, live], dim=1)
+            fed.append(torch.tensor(step)[:, None])
+            if self._retracted(version):  # new weights: the prompts and tokens so far prefilled again
+                version = self.weights_version
+                full = torch.cat([ids, *fed], dim=1)
+                out = self.model(input_ids=full, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+                continue
             out = self.model(
-                input_ids=torch.tensor(step)[:, None],
+                input_ids=fed[-1],
                 attention_mask=mask,
                 position_ids=mask.sum(-1, keepdim=True) - 1,
                 past_key_values=past,
@@ -250,6 +265,31 @@ class ContractSGLang:
                 item = {"text": text, **item}
             out.append(item)
         return out
+
+    def _retracted(self, version: int) -> bool:
+        """Between two decoding steps: while generation is paused (mode retract) the request waits
+        in the queue with its tokens, the lock released; True where the weights changed meanwhile (its
+        KV cache is then computed again, as SGLang prefills a retracted request)."""
+        if self.step_hook is not None:
+            self.step_hook(self)
+        if self.paused:
+            self.calls.append(("retracted",))
+        while self.paused:
+            self.cond.wait()
+        return self.weights_version != version
+
+    def pause(self, mode: str) -> None:
+        if mode != "retract":
+            raise NotImplementedError("the contract fake pauses in mode retract")
+        with self.cond:
+            self.paused = True
+            self.calls.append(("pause_generation", mode))
+
+    def go_on(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.calls.append(("continue_generation",))
+            self.cond.notify_all()
 
     @staticmethod
     def _draw(probs, top_k, top_p, generator) -> int:
@@ -287,6 +327,7 @@ class ContractSGLang:
                     return False, f"Failed to update weights: unknown parameter {name!r}."
                 self.checkpoint[name] = tensor.detach().to(torch.float32).clone()
             self._load_layers({layer_of(name) for name, _ in named_tensors})
+            self.weights_version += 1
         return True, "Success"
 
     def _load_layers(self, layers: set[str]) -> None:
@@ -437,6 +478,7 @@ class ContractServer(ThreadingHTTPServer):
         self.core = core
         self.fails_left = 0
         self.api_key: str | None = None  # like --api-key: other bearer tokens get 401
+        self.pauses = True  # False: no /pause_generation and /continue_generation (before SGLang 0.5)
         self.requests: list[tuple[str, dict | None]] = []  # (path, body) of every call
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -519,6 +561,12 @@ class ContractHandler(BaseHTTPRequestHandler):
                 else:
                     result = core.unload_adapter(body["lora_name"])
                 self._send(200 if result["success"] else 400, result)
+            elif self.path in ("/pause_generation", "/continue_generation") and self.server.pauses:
+                if self.path == "/pause_generation":
+                    core.pause((body or {}).get("mode", "abort"))
+                else:
+                    core.go_on()
+                self._send(200, {"success": True})
             elif self.path == "/update_weights_from_disk":
                 ok, message = core.load_from_disk(body["model_path"])
                 self._send(200 if ok else 400, {"success": ok, "message": message, "num_paused_requests": 0})

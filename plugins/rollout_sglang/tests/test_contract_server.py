@@ -156,3 +156,73 @@ def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_ser
     diff, distinct = sampler_check(make_engine(base_url=sglang_server.url), tiny_model)
     assert diff < 1e-4
     assert distinct > SAMPLING_GENERATION_CONFIG["top_k"]
+
+
+def test_a_sync_lands_while_a_request_runs_and_it_goes_on_under_the_new_weights(
+    make_engine, sglang_server, prompts, tiny_model, tmp_path
+):
+    """Contract test (in_flight): a sync that comes while a response is half decoded retracts it
+    (/pause_generation, mode retract), loads, and lets it go on (/continue_generation): none of its
+    tokens is lost, those before the sync are the old weights' samples, those after the new ones'."""
+    import threading
+
+    from hybridrl.passes import response_logprobs
+
+    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"))
+    assert engine.updates_in_flight()  # its setup asked /continue_generation: the server has it
+    core, reached, steps = sglang_server.core, threading.Event(), []
+
+    def hook(core):  # the sixth token is sampled: hold the request there until the sync paused it
+        steps.append(1)
+        if len(steps) == 6:
+            reached.set()
+            while not core.paused and core.weights_version == 0:  # (or paused, loaded and went on)
+                core.cond.wait(0.01)
+
+    core.step_hook = hook
+    original = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    policy = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    result = {}
+    sampling = SamplingParams(n=1, max_tokens=16, temperature=1.0, ignore_eos=True)
+
+    def generate():
+        try:
+            result["out"] = engine.generate(prompts[:1], sampling)
+        except Exception as e:  # noqa: BLE001 - the test names it
+            result["error"] = e
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert reached.wait(60)
+    engine.update_weights(policy.state_dict().items())
+    thread.join(60)
+    assert "out" in result, result
+    (ids,), (lps,) = result["out"].token_ids, result["out"].logprobs
+    assert len(ids) == 16  # nothing aborted, no token thrown away
+    flow = [c[0] for c in core.calls if c[0] in ("pause_generation", "update_weights_from_disk", "continue_generation")]
+    assert flow == ["continue_generation"] + ["pause_generation", "update_weights_from_disk", "continue_generation"]
+    update = [b for p, b in sglang_server.requests if p == "/update_weights_from_disk"][-1]
+    assert update["weight_version"] == "1" and ("/pause_generation", {"mode": "retract"}) in sglang_server.requests
+    sequence = torch.tensor([prompts[0] + ids])
+    mask, got = torch.ones_like(sequence), torch.tensor(lps)
+    with torch.no_grad():
+        old = response_logprobs(original, sequence, mask, 16, 1.0)[0][0]
+        new = response_logprobs(policy, sequence, mask, 16, 1.0)[0][0]
+    assert (got[:6] - old[:6]).abs().max() < 1e-4 and (got[6:] - new[6:]).abs().max() < 1e-4
+    assert (got[6:] - old[6:]).abs().max() > 0.1  # the tokens after the sync are the new weights'
+
+
+def test_syncs_in_flight_need_a_server_that_pauses(make_engine, sglang_server, capsys):
+    """Contract test: a server without /pause_generation (before SGLang 0.5): 'on' stops with the reason,
+    'auto' syncs between generations and says why once; memory release and adapters keep syncs out of flight."""
+    sglang_server.pauses = False
+    with pytest.raises(ServiceError, match=r"in_flight is 'on', but .* has no /pause_generation"):
+        make_engine(base_url=sglang_server.url, in_flight="on")
+    assert not make_engine(base_url=sglang_server.url).updates_in_flight()
+    assert "weight syncs wait for the requests in flight" in capsys.readouterr().err
+    sglang_server.pauses = True
+    assert not make_engine(base_url=sglang_server.url, release_memory_on_sleep=True).updates_in_flight()
+    assert not make_engine(base_url=sglang_server.url, in_flight="off").updates_in_flight()
