@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin, torchrun
+from hybridrl_testing import SevensPlugin, metrics_rows, torchrun
 from hybridrl_testing.models import ARCHITECTURES, MOE, build_checkpoint, two_grpo_steps
 
 from hybridrl.distributed import exit_rank
@@ -286,7 +286,7 @@ def test_a_convention_error_is_not_blamed_on_the_sync_and_keeps_step_1s_metrics(
     with pytest.raises(StageError, match="before the first update") as e:
         two_grpo_steps(checkpoints["qwen2"], tmp_path / "run", engine="hf_offset")
     assert "The weights are the same on both sides" in str(e.value) and "0.5" in str(e.value)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["rollout/sync_check_baseline"] == pytest.approx(0.5, abs=1e-3)
 
@@ -306,7 +306,7 @@ def test_two_grpo_steps_under_fsdp_on_two_ranks_keep_engine_and_trainer_equal(ar
     run = tmp_path / "run"
     proc = torchrun([__file__, "fsdp", checkpoints[arch], str(run), str(lora)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < LOGPROB_TOL, (arch, lora, r["step"], r["rollout/logprob_diff_max"])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.config import load_config
 from hybridrl.hookspecs import hookimpl
@@ -59,7 +59,7 @@ def test_grpo_learns_a_simple_reward(tiny_model, tmp_path, register_plugin):
     cfg = load_config(data=tiny_config(tiny_model, tmp_path / "run"))
     Trainer(build_run(cfg)).train()
 
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     rewards = [r["reward/mean"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, 13))
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -104,7 +104,7 @@ def test_the_run_freezes_its_heap_at_start_and_after_step_1_and_logs_each_steps_
     assert first > 10_000  # torch, transformers, the models: frozen when the run starts
     assert second > first and all(n <= second for n in later)  # and what step 1 made, once (frozen ones may die)
     assert gc.get_freeze_count() == 0  # and given back when the run ends
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     for row in rows:
         assert 0.0 <= row["timing/gc_longest"] <= row["timing/gc"] < row["timing/step"]
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin, torchrun
+from hybridrl_testing import SevensPlugin, metrics_rows, torchrun
 
 from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.cli import main
@@ -47,17 +47,13 @@ def config(model, run_dir, eval_sets=(), **trainer):
     }
 
 
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def training(run_dir) -> list[dict]:
     """The training rows of metrics.jsonl, without what measures time (or the sync check, which runs at a
     resume's first step)."""
     skip = ("timing/", "throughput/", "time", "async/", "rollout/sync_check")
     return [
         {k: v for k, v in r.items() if not k.startswith(skip)}
-        for r in rows(run_dir)
+        for r in metrics_rows(run_dir)
         if not any(k.startswith("eval/") for k in r)
     ]
 
@@ -192,7 +188,7 @@ def test_eval_is_logged_at_its_steps_saves_its_samples_and_changes_no_training(
     Trainer(build_run(load_config(data=config(tiny_model, run, [HELD_OUT, SAMPLED], eval_every=2)))).train()
 
     assert training(run) == training(plain)  # bit for bit: no random state, seed or engine figure moved
-    evals = [r for r in rows(run) if "eval/held/mean@1" in r]
+    evals = [r for r in metrics_rows(run) if "eval/held/mean@1" in r]
     assert [r["step"] for r in evals] == [0, 2, 3]  # before training, every 2 steps, after the last
     for r in evals:
         assert set(r) >= {"eval/held/score", "eval/held/response_length/mean", "eval/held/response_length/clip_ratio"}
@@ -223,9 +219,9 @@ def test_a_resumed_run_with_eval_is_the_uninterrupted_one(tiny_model, tmp_path, 
 
     assert training(resumed) == training(straight)
     # the interrupted run evaluated after its last step (2) as well; the resumed one did not evaluate again
-    at = lambda run: [r["step"] for r in rows(run) if "eval/held/score" in r]  # noqa: E731
+    at = lambda run: [r["step"] for r in metrics_rows(run) if "eval/held/score" in r]  # noqa: E731
     assert at(straight) == [0, 3, 4] and at(resumed) == [0, 2, 3, 4]
-    same = lambda run: {r["step"]: r["eval/held/score"] for r in rows(run) if "eval/held/score" in r}  # noqa: E731
+    same = lambda run: {r["step"]: r["eval/held/score"] for r in metrics_rows(run) if "eval/held/score" in r}  # noqa: E731
     assert {s: v for s, v in same(resumed).items() if s != 2} == same(straight)
 
 
@@ -254,7 +250,7 @@ def test_with_rollout_async_eval_changes_no_queued_batch(tiny_model, tmp_path, s
         runs[name] = training(tmp_path / name)
     assert runs["eval"] == runs["plain"]
     assert [r["rollout/staleness_max"] for r in runs["eval"]] == [0.0, 1.0, 1.0, 1.0]
-    assert [r["step"] for r in rows(tmp_path / "eval") if "eval/held/score" in r] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in metrics_rows(tmp_path / "eval") if "eval/held/score" in r] == [0, 1, 2, 3, 4]
 
 
 # -- hybridrl eval --------------------------------------------------------------------------------
@@ -268,7 +264,7 @@ def test_the_eval_command_reports_a_checkpoint_the_base_model_and_a_folder(tiny_
     path = tmp_path / "cfg.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     Trainer(build_run(load_config(path))).train()
-    trained = [r for r in rows(tmp_path / "run") if r["step"] == 1 and "eval/held/score" in r][0]
+    trained = [r for r in metrics_rows(tmp_path / "run") if r["step"] == 1 and "eval/held/score" in r][0]
 
     def cli(*args):
         assert main(["eval", str(path), *args]) == 0
@@ -298,7 +294,7 @@ def test_the_eval_command_reports_a_checkpoint_the_base_model_and_a_folder(tiny_
     assert "eval/mixed/a/mean@1" in trained and report["sets"]["mixed"]["settings"]["max_tokens"] == 3
 
     cli("--model", tiny_model, "-o", str(tmp_path / "base.json"))
-    before = [r for r in rows(tmp_path / "run") if r["step"] == 0][0]
+    before = [r for r in metrics_rows(tmp_path / "run") if r["step"] == 0][0]
     base_report = json.loads((tmp_path / "base.json").read_text())
     assert base_report["sets"]["held"]["metrics"]["score"] == before["eval/held/score"]
 

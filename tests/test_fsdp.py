@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybridrl_testing import assert_same_metrics, fixed_batch, small_model, torchrun
+from hybridrl_testing import assert_same_metrics, fixed_batch, metrics_rows, small_model, torchrun
 from safetensors.torch import load_file
 
 from hybridrl import devices, distributed
@@ -166,10 +166,6 @@ def test_metrics_of_two_ranks_take_max_min_and_token_weights(tmp_path):
     got = torch.load(out)
     assert got["step"] == {"rollout/logprob_diff_max": 0.3, "response_length/min": 2.0, "reward/mean": 1.5}
     assert got["weighted"] == {"actor/entropy": pytest.approx((3 * 1.0 + 1 * 2.0) / 4), "rollout/logprob_diff_max": 0.5}
-
-
-def metrics_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grpo_under_torchrun_logs_once_checkpoints_and_resumes_exactly(tiny_model, tmp_path):

@@ -13,6 +13,7 @@ from hybridrl_testing import (
     build_tiny_model,
     fixed_batch,
     hf_greedy,
+    metrics_rows,
     policy_greedy,
     small_model,
 )
@@ -40,10 +41,6 @@ def config(model, run_dir, **trainer):
         "trainer": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), **trainer},
         "logging": {"loggers": ["jsonl"]},
     }
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_only_adapters_train_and_the_reference_is_the_base(tiny_model, tmp_path, register_plugin):
@@ -189,7 +186,7 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(sync, tiny_model,
     assert check.trainer.run.session.adapters == (sync == "adapter")
     check.trainer.train()
     assert check.got == check.want
-    rows = metrics(straight)
+    rows = metrics_rows(straight)
     assert rows[-1]["rollout/logprob_diff_max"] < 1e-4  # the engine sampled with the trained adapters
 
     resumed = tmp_path / "resumed"
@@ -197,7 +194,7 @@ def test_the_engine_follows_the_adapters_and_a_resume_is_exact(sync, tiny_model,
     checkpoint = resumed / "checkpoints" / "step-000002" / "policy"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
     Trainer(build_run(load_config(data=config(tiny_model, resumed, steps=3, resume=True)))).train()
-    assert_same_metrics(metrics(resumed), rows)
+    assert_same_metrics(metrics_rows(resumed), rows)
 
 
 def test_an_adapter_sync_sends_the_adapter_alone_over_the_engines_own_base(tiny_model, tmp_path, register_plugin):
@@ -279,7 +276,7 @@ def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(sync, tiny_gpt2, tmp_
     moved = [p.abs().max().item() for n, p in trainer.run.policy.named_parameters() if ".lora_B." in n]
     assert len(moved) == 8 and min(moved) > 1e-3  # c_attn, c_proj, c_fc, mlp.c_proj of 2 layers trained
     assert check.got == check.want
-    assert metrics(tmp_path / "run")[-1]["rollout/logprob_diff_max"] < 1e-4  # sampled with the trained adapters
+    assert metrics_rows(tmp_path / "run")[-1]["rollout/logprob_diff_max"] < 1e-4  # sampled with the trained adapters
 
 
 def test_export_writes_the_adapter_and_with_merged_the_whole_model(tiny_model, tmp_path, register_plugin):
@@ -347,7 +344,7 @@ def test_a_run_starts_from_a_peft_adapter_folder_as_peft_loads_it(arch, sync, ti
     assert (got[mask] - base[mask]).abs().max() > 1e-3  # the folder's adapter is in, not a fresh one
     assert lora.adapter_config(t.run.policy)["r"] == 8
     t.train()  # and it trains on from there, the engine sampling with the folder's adapter from the first step
-    first, last = metrics(tmp_path / "run")[0], metrics(tmp_path / "run")[-1]
+    first, last = metrics_rows(tmp_path / "run")[0], metrics_rows(tmp_path / "run")[-1]
     assert last["step"] == 2 and first["rollout/logprob_diff_max"] < 1e-4
 
 

@@ -2,11 +2,9 @@
 QLoRA), synced alone to the hf engine, which loads the same quantized base, so that its logprobs are
 the trainer's; a resume is exact; what cannot serve or shard such a base stops the run at setup."""
 
-import json
-
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin, assert_same_metrics
+from hybridrl_testing import SevensPlugin, assert_same_metrics, metrics_rows
 
 from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.config import ConfigError, load_config
@@ -30,10 +28,6 @@ def config(model, run_dir, lora=None, **trainer):
         "trainer": {"steps": 3, "prompts_per_step": 2, "lr": 1e-2, "seed": 0, "run_dir": str(run_dir), **trainer},
         "logging": {"loggers": ["jsonl"]},
     }
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def lora_gradients(policy, ids, after_inference=False) -> torch.Tensor:
@@ -65,7 +59,7 @@ def test_adapters_train_over_a_4bit_base_and_the_engine_samples_with_that_base(
     ids = torch.randint(3, 60, (2, 16))
     assert torch.equal(lora_gradients(policy, ids), lora_gradients(policy, ids, after_inference=True))
     trainer.train()
-    rows = metrics(straight)
+    rows = metrics_rows(straight)
     # the engine's logprobs are the trainer's, over the same quantized base, before and after each sync
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)
     assert all(r["rollout/sync_check_diff_max"] < 1e-4 for r in rows)
@@ -76,7 +70,7 @@ def test_adapters_train_over_a_4bit_base_and_the_engine_samples_with_that_base(
     checkpoint = resumed / "checkpoints" / "step-000002" / "policy"
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
     Trainer(build_run(load_config(data=config(tiny_model, resumed, steps=3, resume=True)))).train()
-    assert_same_metrics(metrics(resumed), rows)
+    assert_same_metrics(metrics_rows(resumed), rows)
 
 
 @pytest.mark.parametrize(

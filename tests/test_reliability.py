@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import yaml
+from hybridrl_testing import metrics_rows
 
 from hybridrl import checkpoint as ckpt
 from hybridrl.builtin.rollout_hf import HFEngine
@@ -39,10 +40,6 @@ def config(model, run_dir, **trainer):
         },
         "logging": {"loggers": ["jsonl"]},
     }
-
-
-def rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def comparable(row):
@@ -85,7 +82,7 @@ def test_kill_and_resume_gives_the_same_metrics(tiny_model, tmp_path):
     assert marker.exists(), "the run never reached step 5"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]  # step 4 logged, checkpoint only at 3
+    assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3, 4]  # step 4 logged, checkpoint only at 3
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-000003"]
 
     out = subprocess.run(
@@ -97,7 +94,7 @@ def test_kill_and_resume_gives_the_same_metrics(tiny_model, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout and "step-000003" in out.stdout
 
-    resumed, expected = rows(run), rows(reference)
+    resumed, expected = metrics_rows(run), metrics_rows(reference)
     assert [r["step"] for r in resumed] == list(range(1, 7))
     for got, want in zip(resumed, expected, strict=True):
         got, want = comparable(got), comparable(want)
@@ -183,12 +180,12 @@ def test_the_final_checkpoint_can_keep_the_weights_alone_or_be_left_out(tiny_mod
     # a longer run resumes from it: the policy's weights, a fresh optimizer, said once
     resumed = Trainer(build_run(load_config(data=config(tiny_model, run, steps=3, resume=True, save_final="weights"))))
     resumed.train()
-    assert resumed.start_step == 2 and [r["step"] for r in rows(run)] == [1, 2, 3]
+    assert resumed.start_step == 2 and [r["step"] for r in metrics_rows(run)] == [1, 2, 3]
     assert "holds the policy's weights without the optimizer's state" in capfd.readouterr().err
 
     off = tmp_path / "off"
     Trainer(build_run(load_config(data=config(tiny_model, off, steps=2, save_final=False)))).train()
-    assert ckpt.list_checkpoints(off) == [] and len(rows(off)) == 2
+    assert ckpt.list_checkpoints(off) == [] and len(metrics_rows(off)) == 2
 
 
 def test_existing_run_is_not_overwritten_without_resume(tiny_model, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import sys
 import threading
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.components import RolloutEngine, RolloutOutput, RunContext, SamplingParams
 from hybridrl.config import RolloutConfig, load_config
@@ -233,7 +232,7 @@ def config(model, run_dir, engine, **trainer):
 def training(run_dir) -> list[dict]:
     """metrics.jsonl's rows without what measures time or the sync check (which runs at a resume's first step)."""
     skip = ("timing/", "throughput/", "time", "async/", "rollout/sync_check")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
 
 

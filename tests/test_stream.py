@@ -14,7 +14,7 @@ import time
 
 import pytest
 import yaml
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.checkpoint import latest_checkpoint, list_checkpoints
 from hybridrl.checkpoint_files import read_pt
@@ -131,7 +131,7 @@ def train(cfg) -> tuple[Trainer, list[dict]]:
     Draws.trained, Draws.tokens = [], []
     trainer = Trainer(build_run(load_config(data=cfg)))
     trainer.train()
-    rows = [json.loads(x) for x in (trainer.run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(trainer.run.run_dir)
     return trainer, rows
 
 

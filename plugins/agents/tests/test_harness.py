@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 from hybridrl_agents.harness import HarnessEnvironment
-from hybridrl_testing import alive
+from hybridrl_testing import alive, metrics_rows
 
 from hybridrl import plugins
 from hybridrl.agents import AgentLoop
@@ -421,5 +421,5 @@ def test_after_a_sigkill_resume_runs_each_finished_episode_once(tiny_model, tmp_
     done = [line[1:] for line in lines if line[0] == "done"]
     assert len(done) == len(set(done)) == 8  # every episode of both steps finished exactly once
     assert len([line for line in lines if line[0] == "start"]) == 9  # only the killed one ran twice
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_rows(run_dir)
     assert [m["step"] for m in metrics if "agent/calls_mean" in m] == [1, 2]

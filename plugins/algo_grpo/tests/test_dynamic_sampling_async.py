@@ -2,7 +2,7 @@
 of the update, and its ``dynamic_sampling/*`` metrics must still be logged with the step whose
 batch they describe (they travel with the batch, as ``filter_batch``'s second result)."""
 
-import json
+from hybridrl_testing import metrics_rows
 
 from hybridrl.builtin.rollout_hf import HFEngine
 from hybridrl.components import RewardFunction
@@ -60,7 +60,7 @@ def test_kept_groups_are_logged_with_the_step_that_trains_on_them(tiny_model, tm
         "logging": {"loggers": ["jsonl"]},
     }
     Trainer(build_run(load_config(data=cfg))).train()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
 
     assert all("rollout/staleness_max" in r for r in rows)  # the batches came from the prefetcher
     assert [r["dynamic_sampling/kept_groups"] for r in rows] == [1.0, 2.0, 3.0, 4.0]

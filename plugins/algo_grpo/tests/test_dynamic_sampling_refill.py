@@ -1,7 +1,7 @@
 """DAPO dynamic sampling with refill (``rollout.refill_rounds``): the trainer draws more prompts
 until ``prompts_per_step`` groups survive the filter, and trains on exactly that many."""
 
-import json
+from hybridrl_testing import metrics_rows
 
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
@@ -37,7 +37,7 @@ def run(tiny_model, run_dir, refill_rounds: int) -> list[dict]:
         "logging": {"loggers": ["jsonl"]},
     }
     Trainer(build_run(load_config(data=cfg))).train()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run_dir)
 
 
 def trained_responses(row) -> int:

@@ -8,12 +8,11 @@ token's ratio pi_old / pi_rollout is then the probability mass of the nucleus it
 below 1, and in bfloat16 it also scatters both ways around 1, as a bfloat16 vLLM does.
 """
 
-import json
 import math
 
 import pytest
 import torch
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl import plugins
 from hybridrl.batch import Batch
@@ -147,7 +146,7 @@ def train(tiny_model, tmp_path, algorithm, rollout, **trainer):
     run_dir = tmp_path / "run"
     cfg = load_config(data=config(tiny_model, run_dir, algorithm, rollout, **trainer))
     Trainer(build_run(cfg)).train()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run_dir)
 
 
 def rises(rows):

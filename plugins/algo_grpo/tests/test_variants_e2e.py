@@ -5,10 +5,8 @@ the test (the fraction of '7' characters in the response, which a tiny model lea
 few steps at a high learning rate). Plain GRPO is covered by the core's tests/test_e2e.py.
 """
 
-import json
-
 import pytest
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.config import load_config
 from hybridrl.run import build_run
@@ -53,7 +51,7 @@ def test_variant_learns(variant, tiny_model, tmp_path, register_plugin):
     }
     Trainer(build_run(load_config(data=cfg))).train()
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert len(rows) == STEPS

@@ -8,7 +8,7 @@ one that does not explains none.
 
 import json
 
-from hybridrl_testing import SevensReward
+from hybridrl_testing import SevensReward, metrics_rows
 
 from hybridrl.components import RewardFunction
 from hybridrl.config import load_config
@@ -43,10 +43,6 @@ def config(model, run_dir, algorithm, steps, **data):
     }
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_critic_learns_and_adaptive_kl_moves(tiny_model, tmp_path, register_plugin):
     register_plugin(Rewards(), name="rewards")
     data = tmp_path / "prompts.jsonl"
@@ -73,7 +69,7 @@ def test_critic_learns_and_adaptive_kl_moves(tiny_model, tmp_path, register_plug
     trainer = Trainer(build_run(load_config(data=cfg)))
     trainer.train()
 
-    rows = metrics(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     ev = [r["critic/explained_var"] for r in rows]
     loss = [r["critic/value_loss"] for r in rows]
     assert abs(ev[0]) < 0.05, ev  # the zero-initialised head predicts 0 everywhere
@@ -93,7 +89,7 @@ def test_critic_free_ppo_learns(tiny_model, tmp_path, register_plugin):
     trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run", algorithm, 8))))
     trainer.train()
 
-    rows = metrics(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, f"reward did not rise: {rewards}"
     assert rows[-1]["actor/kl_loss"] > 0

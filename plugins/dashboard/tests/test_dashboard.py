@@ -23,6 +23,7 @@ import pytest
 import yaml
 from hybridrl_dashboard.server import JsonlTail
 from hybridrl_http.server import ALLOWED_HOSTS_ENV, HostCheck
+from hybridrl_testing import metrics_rows
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config_files import dump_config, is_secret
@@ -406,7 +407,7 @@ def chart(page, chart_id: str, trace_name: str, axis: str = "x"):
 def test_dashboard_in_a_browser_shows_a_real_run_and_follows_it(chromium, real_run_dir, dashboard, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    metrics = [json.loads(line) for line in (real_run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_rows(real_run_dir)
     samples = [json.loads(line) for line in (real_run_dir / "samples.jsonl").read_text().splitlines()]
     url = dashboard(real_run_dir, "--poll", "0.5")
     requested = []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from hybridrl_migrate import translate
+from hybridrl_testing import metrics_rows
 
 from hybridrl import cli, plugins
 from hybridrl.batch import Batch
@@ -85,7 +86,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, log=
 
 def run(config: dict, tmp_path: Path) -> list[dict]:
     Trainer(build_run(load_config(data=config))).train()
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(tmp_path / "run")
 
 
 def base_config(model, tmp_path, data: dict, rewards: list[dict]) -> dict:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybridrl_testing import metrics_rows
 
 from hybridrl.config import load_config
 from hybridrl.run import build_run
@@ -38,7 +39,7 @@ def test_grpo_with_a_rule_and_a_model_reward(tiny_model, minilm, tmp_path, make_
     )
     Trainer(build_run(cfg)).train()
 
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:  # each reward logged on its own, the total combined with the weights
         assert row["reward/mean"] == pytest.approx(row["reward/format/mean"] + 0.5 * row["reward/similarity/mean"])

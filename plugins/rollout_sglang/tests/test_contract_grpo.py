@@ -5,9 +5,7 @@ in server mode, and as the ``sglang`` module in-process. The trainer, GRPO, the 
 and the learnable reward are real.
 """
 
-import json
-
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.config import load_config
 from hybridrl.run import build_run
@@ -33,10 +31,6 @@ def config(model, run_dir, rollout, steps):
     }
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_grpo_learns_against_an_sglang_server(tiny_model, tmp_path, sglang_server, register_plugin):
     """Contract test: server mode end to end; the reward rises and every step syncs the weights."""
     register_plugin(SevensPlugin(), name="sevens")
@@ -44,7 +38,7 @@ def test_grpo_learns_against_an_sglang_server(tiny_model, tmp_path, sglang_serve
     cfg = load_config(data=config(tiny_model, run, {"base_url": sglang_server.url, "batch_size": 16}, steps=12))
     Trainer(build_run(cfg)).train()
 
-    rows = metrics(run)
+    rows = metrics_rows(run)
     rewards = [r["reward/mean"] for r in rows]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, f"reward did not rise: {rewards}"
@@ -64,7 +58,7 @@ def test_grpo_in_process_releases_and_reloads_around_training(tiny_model, tmp_pa
     data = config(tiny_model, run, {"update_bucket_mb": 0.1, "sync_check_every": 1}, steps=3)
     Trainer(build_run(load_config(data=data))).train()
 
-    rows = metrics(run)
+    rows = metrics_rows(run)
     assert len(rows) == 3 and max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     engine = sglang_module.Engine.last
     calls = [c[0] if c[0] in ("generate", "update_weights_from_tensor") else (c[0], *c[1]) for c in engine.core.calls]

@@ -6,10 +6,8 @@ SGLang is the contract fake (conftest.py): its LoRA API as SGLang 0.5.x has it, 
 The trainer, peft's adapters, GRPO and the sync check are real.
 """
 
-import json
-
 import pytest
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.run import build_run
@@ -39,10 +37,6 @@ def config(model, run_dir, rollout, sync="adapter", steps=2):
     }
 
 
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("from_tensors", [True, False], ids=["tensors", "folder"])
 def test_in_process_sglang_serves_the_adapter_alone_and_stays_on_policy(
     from_tensors, tiny_model, tmp_path, sglang_module, register_plugin, capsys, monkeypatch
@@ -68,7 +62,7 @@ def test_in_process_sglang_serves_the_adapter_alone_and_stays_on_policy(
     # every generate after the setup asks for the adapter loaded last
     served = [c[2] if len(c) > 2 else None for c in calls if c[0] == "generate"]
     assert all(s is not None for s in served)
-    for r in metrics(run):  # the engine samples with the trainer's weights, before and after each sync
+    for r in metrics_rows(run):  # the engine samples with the trainer's weights, before and after each sync
         assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4
 
 
@@ -85,7 +79,7 @@ def test_an_sglang_server_with_lora_takes_the_adapter_alone(tiny_model, tmp_path
     assert last["lora_path"] == ["policy-v2-3"] * len(last["input_ids"]) and sglang_server.core.adapters.keys() == {
         "policy-v2-3"}  # fmt: skip
     assert sorted(p.name for p in (run / "sglang_weights" / "adapters").iterdir()) == ["policy-v2-3"]
-    for r in metrics(run):
+    for r in metrics_rows(run):
         assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4
 
 

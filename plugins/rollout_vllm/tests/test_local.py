@@ -6,7 +6,6 @@ Llama of hybridrl_testing built with hidden=128 (4 heads of 32) instead of the 6
 (``plain_engine``) the tests of weight_sync: load_weights.
 """
 
-import json
 import logging
 import sys
 
@@ -17,6 +16,7 @@ from hybridrl_testing import (
     SevensPlugin,
     build_tiny_model,
     hf_greedy,
+    metrics_rows,
     perturbed,
     policy_greedy,
     sampler_check,
@@ -374,7 +374,7 @@ def test_grpo_with_vllm_learns_and_engine_follows_the_policy(model_dir, tmp_path
         }
     )
     Trainer(build_run(cfg)).train()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     rewards = [r["reward/mean"] for r in rows]
     assert len(rows) == 12
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -465,7 +465,7 @@ def test_lora_policy_syncs_its_adapter_or_merged_weights_into_vllm(sync, model_d
     check.trainer = Trainer(build_run(load_config(data=data)))
     assert check.trainer.run.session.adapters == (sync == "adapter")
     check.trainer.train()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     assert check.got == check.want
     if sync == "adapter":  # a new adapter each sync, the one before removed; no merged weights sent

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hybridrl_rollout_vllm.testing import cpu_server
-from hybridrl_testing import SevensPlugin
+from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl import lora, plugins
 from hybridrl.batch import Batch
@@ -76,7 +76,7 @@ def test_a_lora_server_gets_the_adapter_alone_and_the_run_stays_on_policy(
     assert trainer.run.session.adapters
     assert "LoRA sync: the adapter alone" in capsys.readouterr().out
     trainer.train()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert all(r["vllm/adapter_mib"] > 0 and "vllm/server_reload_s" not in r for r in rows)  # no full weights sent
     diffs = [r["rollout/logprob_diff_max"] for r in rows]  # lr 5e-2 moves the adapter a lot every step
     assert max(diffs) < 1e-4, diffs

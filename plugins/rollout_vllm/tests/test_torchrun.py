@@ -22,7 +22,7 @@ import yaml
 
 pytest.importorskip("vllm", reason="vllm is not installed: pip install 'hybridrl-rollout-vllm[cpu]'")
 
-from hybridrl_testing import SevensPlugin, hf_greedy, torchrun  # noqa: E402
+from hybridrl_testing import SevensPlugin, hf_greedy, metrics_rows, torchrun  # noqa: E402
 
 from hybridrl.hookspecs import hookimpl  # noqa: E402
 
@@ -50,10 +50,6 @@ def config(model: str, run_dir: Path, **sections) -> dict:
 def write_config(path: Path, data: dict) -> str:
     path.write_text(yaml.safe_dump(data))
     return str(path)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -166,7 +162,7 @@ def test_fsdp_step_with_an_engine_per_rank_equals_one_process(model_dir, tmp_pat
     proc, out = launch(tmp_path, "two", config(model_dir, tmp_path / "two", trainer={"lr": 0.5}), "train-sgd")
     assert proc.returncode == 0, proc.stderr[-4000:]
 
-    a, b = metrics(tmp_path / "one")[0], metrics(tmp_path / "two")[0]
+    a, b = metrics_rows(tmp_path / "one")[0], metrics_rows(tmp_path / "two")[0]
     assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
     want, got = final_weights(tmp_path / "one", 1), final_weights(tmp_path / "two", 1)
     initial = final_weights_of(model_dir)
@@ -188,7 +184,7 @@ def test_ten_fsdp_steps_with_vllm_raise_the_reward_and_stay_on_policy(model_dir,
     data = config(model_dir, tmp_path / "run", trainer={"steps": 10, "sample_every": 5})
     proc, out = launch(tmp_path, "run", data)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = metrics(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3  # each rank's engine had the new weights
@@ -207,7 +203,7 @@ def test_a_tensor_parallel_engine_spans_two_ranks(model_dir, tmp_path):
     data = config(model_dir, tmp_path / "tp", rollout={"tensor_parallel_size": 2}, trainer={"steps": 3})
     proc, out = launch(tmp_path, "tp", data)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = metrics(tmp_path / "tp")
+    rows = metrics_rows(tmp_path / "tp")
     assert len(rows) == 3 and max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     for rank in (0, 1):
         check = json.loads((out / f"engine-rank{rank}.json").read_text())
@@ -220,10 +216,10 @@ def test_killed_at_step_3_and_resumed_gives_the_same_metrics(model_dir, tmp_path
     assert proc.returncode == 0, proc.stderr[-4000:]
     data["trainer"]["run_dir"] = str(tmp_path / "killed")
     proc, _ = launch(tmp_path, "killed", data, "die-after-3")
-    assert proc.returncode != 0 and [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2]
+    assert proc.returncode != 0 and [r["step"] for r in metrics_rows(tmp_path / "killed")] == [1, 2]
     proc, _ = launch(tmp_path, "resumed", data, "train", "trainer.resume=true")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "killed")
+    straight, resumed = metrics_rows(tmp_path / "straight"), metrics_rows(tmp_path / "killed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for got, want in zip(resumed, straight, strict=True):
         for key in want:

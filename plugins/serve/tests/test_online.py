@@ -22,6 +22,7 @@ from hybridrl_http.server import ALLOWED_HOSTS_ENV
 from hybridrl_serve.api import make_server
 from hybridrl_serve.learner import baseline_advantages, baselines, prompt_groups
 from hybridrl_serve.server import Server
+from hybridrl_testing import metrics_rows
 from hybridrl_testing import raw_request as send
 
 from hybridrl import plugins
@@ -273,7 +274,7 @@ def test_the_learner_updates_after_enough_ratings_while_answers_keep_flowing(ser
     status = get(s.url, "/v1/status")
     assert status["policy_version"] == 1 and status["untrained_ratings"] == 0 and status["learner_error"] is None
     assert ask(s.url)["policy_version"] == 1
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_rows(tmp_path / "run")
     assert metrics[0]["step"] == 1 and metrics[0]["online/ratings"] == 8 and "actor/pg_loss" in metrics[0]
     assert metrics[0]["reward/mean"] == pytest.approx(0.5)
     assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()

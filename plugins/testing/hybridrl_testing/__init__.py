@@ -31,11 +31,13 @@ Plain helpers, imported by the tests that need them:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import string
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -423,6 +425,11 @@ def raw_request(url: str, method: str, path: str, body: bytes | None = None, hea
     reply = json.loads(response.read())
     conn.close()
     return response.status, reply, response.headers
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    """A run's ``metrics.jsonl``, a dict a row (a logged step)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_metrics(got: list[dict], want: list[dict], rel: float = 1e-5, abs: float = 1e-6) -> None:

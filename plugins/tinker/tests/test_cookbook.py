@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hybridrl_testing import metrics_rows
 
 pytest.importorskip("tinker_cookbook")
 
@@ -70,7 +71,7 @@ def run_recipe(name: str, hub: Path, served, log_path: Path, **options) -> list[
     cmd = [sys.executable, "-m", f"tinker_cookbook.recipes.{name}", *[f"{k}={v}" for k, v in args.items()]]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(log_path)
 
 
 def test_the_cookbooks_sl_loop_learns(tinker_server, hub, tmp_path):
