@@ -420,12 +420,16 @@ def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
-def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path):
+def test_compile_auto_compiles_where_the_run_pays_it_back(tmp_path, monkeypatch):
     """On CUDA, compile auto compiles decoding when the run plans two million response tokens or
     more: a 40-step run of 256 responses of up to 32 tokens (328k) stays eager, as measured faster
     end to end on an H200 (BENCHMARKS.md), and so do 200 such steps (1.6M); 300 (2.5M), or a run
-    with no planned end, compile."""
+    with no planned end, compile (a cold compile cache: a warm one is in test_single_strategy.py)."""
+    from hybridrl import compile as compile_module
     from hybridrl.builtin.hf_fast_path import compile_pays
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_module, "_pending", {})
 
     def ctx(steps):
         return RunContext("", None, torch.device("cuda"), torch.float32, 0, tmp_path, response_tokens=32,

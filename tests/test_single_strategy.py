@@ -195,6 +195,10 @@ def test_compile_auto_compiles_shorter_runs_once_the_compile_cache_holds_the_mod
     assert not compiles("auto", short)
     assert compiles("on", short)
     monkeypatch.setattr(compile_module, "compile_seconds", lambda: 31.5)
+    compile_module.use_cache("auto")  # another run starts before this one's first step: nothing is marked
+    compile_module.remember_compiled()
+    assert not (tmp_path / "cache" / "hybridrl-compiled").exists()
+    assert compiles("on", short)
     compile_module.remember_compiled()
     (marker,) = (tmp_path / "cache" / "hybridrl-compiled").iterdir()
     assert json.loads(marker.read_text())["option"] == "sharding.compile"

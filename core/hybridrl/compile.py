@@ -91,6 +91,7 @@ def use_cache(choice: str | None) -> Path | None:
     ``TORCHINDUCTOR_CACHE_DIR`` where set, else hybridrl's cache folder; None leaves torch's default."""
     from hybridrl.models import cache_dir
 
+    _pending.clear()  # a new run: what an earlier one was to mark is not this one's
     if choice is None:
         return None
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if choice == "auto" else None

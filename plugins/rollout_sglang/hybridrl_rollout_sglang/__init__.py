@@ -17,7 +17,8 @@ from hybridrl.engines import weight_buckets
 from hybridrl.hookspecs import hookimpl
 from hybridrl.options import Secret
 from hybridrl_rollout_sglang import backends, protocol
-from hybridrl_rollout_sglang.backends import InProcess, Server, original_logprob_env
+from hybridrl_rollout_sglang.backends import InProcess, original_logprob_env
+from hybridrl_rollout_sglang.server import Server
 
 __version__ = "0.1.0"
 
