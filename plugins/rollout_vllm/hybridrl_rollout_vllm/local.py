@@ -242,6 +242,8 @@ class LocalEngine:
         return refusal(config, self.llm.llm_engine.vllm_config.lora_config.max_lora_rank)
 
     def update_adapter(self, adapter) -> None:
+        if "weights" in self.asleep:  # vLLM's LoRA slots are in the weights' memory, which sleep unmapped
+            self._wake(["weights"])
         with self.threads():
             self.adapters.load(adapter)
         self.stats |= self.adapters.stats

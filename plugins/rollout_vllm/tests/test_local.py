@@ -530,3 +530,25 @@ def test_a_max_model_len_shorter_than_the_runs_sequences_is_one_error_line_befor
         assert err.count("\n") == 1, err
         assert err.startswith("error: rollout engine 'vllm': rollout.max_model_len=32 is shorter than the run's ")
         assert "rollout.max_tokens=16. Set rollout.max_model_len to at least " in err
+
+
+def test_an_adapter_sync_while_vllm_sleeps_maps_the_weights_memory_first():
+    """Contract of vLLM's sleep mode on a GPU (none on the CPU): sleep_level 1 unmaps the weights' memory,
+    where vLLM keeps its LoRA slots too; an adapter loaded into them before the weights woke failed with
+    'CUDA error: invalid argument' in set_lora (a 7B shape, one H200, vLLM 0.26). The weights wake first,
+    the KV cache at the next generate, as for a full sync."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from hybridrl_rollout_vllm.local import LocalEngine
+
+    calls = []
+    engine = LocalEngine.__new__(LocalEngine)  # the state a sleeping GPU engine is in, without vLLM
+    engine.asleep, engine.stats = {"weights", "kv_cache"}, {}
+    engine.llm = SimpleNamespace(wake_up=lambda tags: calls.append(("wake_up", tags)))
+    engine.adapters = SimpleNamespace(load=lambda adapter: calls.append(("load", adapter)), stats={})
+    engine.threads = contextlib.nullcontext
+    engine.update_adapter("adapter v1")
+    assert calls == [("wake_up", ["weights"]), ("load", "adapter v1")] and engine.asleep == {"kv_cache"}
+    engine.update_adapter("adapter v2")  # awake weights: loaded as they are
+    assert calls[-1] == ("load", "adapter v2") and len(calls) == 3
