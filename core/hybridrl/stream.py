@@ -195,7 +195,7 @@ def make_prefetcher(run, collect) -> Prefetcher | None:
             "server with in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
             f"{'set' if config.rollout.agent is not None else 'unset'})."
         )
-    if config.rollout.step_tokens and not stream or config.rollout.step_tokens and config.rollout.refill_rounds:
+    if config.rollout.step_tokens and (not stream or config.rollout.refill_rounds):
         raise ConfigError(
             "rollout.step_tokens sizes a streamed step by its tokens: it needs rollout.stream (it is "
             f"{'on' if stream else 'off'}) and no refill rounds (rollout.refill_rounds is "
