@@ -8,6 +8,9 @@ place after every step, and frees its GPU memory while the policy trains.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -144,9 +147,10 @@ class SGLangEngine(RolloutEngine):
             "ahead): the server retracts its running requests between two decoding steps (/pause_generation, mode "
             "retract), loads the new weights and goes on (/continue_generation), prefilling each request's prompt "
             "and tokens so far again under them; nothing is aborted. SGLang does not say which weights sampled "
-            "each token, so a response counts at the version it started with, its oldest. 'auto': where the server "
-            "has those calls (SGLang 0.5) and the run syncs full weights (else syncs wait, saying why once); 'on': "
-            "required; 'off': syncs wait.",
+            "each token, so a response counts at the version it started with, its oldest. An adapter sync (model.lora) "
+            "needs no pause: the new adapter loads beside those requests in flight use. 'auto': where the server has "
+            "those calls (SGLang 0.5) (else full-weight syncs wait, saying why once); 'on': required; 'off': syncs "
+            "wait.",
         )
 
         @field_validator(*IN_PROCESS_ONLY, *SERVER_ONLY)
@@ -182,8 +186,11 @@ class SGLangEngine(RolloutEngine):
             )
         self.backend = Server(options, ctx) if options.base_url else InProcess(options, ctx)
         self.version = 0
-        self.adapter: str | None = None  # the name the policy's adapter is served under (model.lora.sync)
-        self.adapter_loads = 0
+        self.adapter: str | None = None  # the newest adapter's name (model.lora.sync): new requests ask for it
+        self.adapter_loads = 0  # adapter syncs: each response's token_versions
+        self.loaded: dict[str, int] = {}  # adapters loaded, oldest first -> the sync that loaded each
+        self.in_use: Counter[str] = Counter()  # generate calls running on each adapter: not unloaded
+        self.adapter_lock = threading.Lock()
 
     @classmethod
     def check_launch(cls, options, ctx) -> None:
@@ -219,6 +226,10 @@ class SGLangEngine(RolloutEngine):
         return bool(self.options.base_url)
 
     def updates_in_flight(self) -> bool:
+        """Full weights: where the server pauses its requests (its ``in_flight``). Adapters, on a server:
+        a new one loads beside those that requests in flight use, unloaded once nothing uses them."""
+        if self.adapter is not None and self.options.base_url:
+            return self.options.in_flight != "off"
         return self.backend.in_flight
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
@@ -233,11 +244,30 @@ class SGLangEngine(RolloutEngine):
             prompts, sampling, self.stop_ids, stop_in_engine=o.stop_in_engine, per_request_seed=o.per_request_seed
         )
         requests = protocol.split_request(request, o.batch_size)
-        for r in requests if self.adapter else ():  # every prompt asks for the policy's adapter
-            r["lora_path"] = [self.adapter] * len(r["input_ids"])
-        items = self.backend.generate_many(requests)
+        with self._adapter_in_use() as (name, label):
+            for r in requests if name else ():  # every prompt of the call asks for the newest adapter
+                r["lora_path"] = [name] * len(r["input_ids"])
+            items = self.backend.generate_many(requests)
         decode = self.ctx.tokenizer.decode if sampling.stop else None
-        return protocol.to_rollout_output(items, len(request["input_ids"]), sampling.stop, decode)
+        out = protocol.to_rollout_output(items, len(request["input_ids"]), sampling.stop, decode)
+        if name is not None:  # the adapter's weights sampled every token, whatever synced meanwhile
+            out.token_versions = [[label] * len(ids) for ids in out.token_ids]
+        return out
+
+    @contextlib.contextmanager
+    def _adapter_in_use(self):
+        """The newest adapter's name (None: none yet) and the sync that loaded it, kept loaded while
+        the call runs."""
+        with self.adapter_lock:
+            name = self.adapter
+            self.in_use[name] += 1
+            label = self.loaded.get(name)
+        try:
+            yield name, label
+        finally:
+            with self.adapter_lock:
+                self.in_use[name] -= 1
+            self._unload_unused()
 
     def update_weights(self, named_tensors) -> None:
         self.version += 1
@@ -252,7 +282,18 @@ class SGLangEngine(RolloutEngine):
         self.adapter_loads += 1  # a new name each sync: SGLang caches an adapter by its name
         name = f"{adapter.name}-v{adapter.version}-{self.adapter_loads}"
         self.backend.update_adapter(adapter, name)
-        self.adapter = name
+        with self.adapter_lock:
+            self.adapter, self.loaded[name] = name, self.adapter_loads
+        self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        """Unload the adapters before the newest that no call in flight uses (in this process: all of them)."""
+        with self.adapter_lock:
+            old = [a for a in self.loaded if a != self.adapter and not self.in_use[a]]
+            for a in old:
+                del self.loaded[a]
+        for a in old:
+            self.backend.unload_adapter(a)
 
     def sleep(self) -> None:
         self.backend.sleep()

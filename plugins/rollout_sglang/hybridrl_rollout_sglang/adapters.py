@@ -15,7 +15,6 @@ says why. Before the first sync no adapter is asked for: the base, which is the 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -68,10 +67,10 @@ def checked(ret, component: str, call: str) -> None:
         raise RuntimeError(f"{component}: {call} failed: {message}")
 
 
-def load_in_process(engine, adapter, name: str, before: str | None, folder: Path | None) -> Path | None:
+def load_in_process(engine, adapter, name: str, folder: Path | None) -> Path | None:
     """``adapter`` into an ``sglang.Engine`` under ``name`` (from tensors where SGLang has
     ``load_lora_adapter_from_tensors``, else peft's folder under ``folder``, made in /dev/shm where
-    there is one), then ``before`` unloaded; the folder used."""
+    there is one); the folder used."""
     if hasattr(engine, "load_lora_adapter_from_tensors"):
         tensors = {n: t.detach().to("cpu", copy=True) for n, t in adapter.tensors}  # SGLang's scheduler reads them
         ret = engine.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors, config_dict=adapter.config)
@@ -80,8 +79,4 @@ def load_in_process(engine, adapter, name: str, before: str | None, folder: Path
         folder = folder or Path(tempfile.mkdtemp(prefix="hybridrl-sglang-adapters-", dir=shm))
         ret = engine.load_lora_adapter(lora_name=name, lora_path=str(adapter.save(folder / name)))
     checked(ret, COMPONENT, f"loading adapter {name}")
-    if before is not None:
-        checked(engine.unload_lora_adapter(lora_name=before), COMPONENT, f"unloading adapter {before}")
-        if folder is not None:
-            shutil.rmtree(folder / before, ignore_errors=True)
     return folder

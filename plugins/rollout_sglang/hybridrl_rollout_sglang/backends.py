@@ -24,7 +24,7 @@ import torch
 
 from hybridrl.engines import stays_awake
 from hybridrl.models import load_model_config
-from hybridrl_rollout_sglang.adapters import load_in_process, lora_kwargs, refusal
+from hybridrl_rollout_sglang.adapters import checked, load_in_process, lora_kwargs, refusal
 from hybridrl_rollout_sglang.protocol import COMPONENT
 
 ALL_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
@@ -101,13 +101,17 @@ class Backend:
         self.weights_lost = False
 
     def update_adapter(self, adapter, name: str) -> None:
-        """Serve ``adapter`` (:class:`hybridrl.lora.Adapter`) under ``name`` from now on, the one before unloaded."""
+        """Load ``adapter`` (:class:`hybridrl.lora.Adapter`) under ``name``, beside those loaded before
+        (the engine unloads them with :meth:`unload_adapter` once nothing in flight uses them)."""
         if "weights" in self.released:  # kept (weights_cpu_backup) or never released: adapters need the base
             self._resume(["weights"])
             self.released.discard("weights")
         self._load_adapter(adapter, name)
 
     def _load_adapter(self, adapter, name: str) -> None:
+        raise NotImplementedError
+
+    def unload_adapter(self, name: str) -> None:
         raise NotImplementedError
 
     def adapter_refusal(self, config: dict) -> str | None:
@@ -262,7 +266,6 @@ class InProcess(Backend):
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(options.dtype)
         self.gc_frozen = False
         self.lora, self.lora_why = kwargs, lora_kwargs(ctx)[1]
-        self.adapter: str | None = None  # the name SGLang serves the policy's adapter under
         self.folder: Path | None = None  # adapters as peft folders, where SGLang cannot take tensors
 
     def adapter_refusal(self, config):
@@ -274,8 +277,12 @@ class InProcess(Backend):
         return refusal(config, self.lora.get("max_lora_rank"), self.lora.get("lora_target_modules"))
 
     def _load_adapter(self, adapter, name):
-        self.folder = load_in_process(self.engine, adapter, name, self.adapter, self.folder)
-        self.adapter = name
+        self.folder = load_in_process(self.engine, adapter, name, self.folder)
+
+    def unload_adapter(self, name):
+        checked(self.engine.unload_lora_adapter(lora_name=name), COMPONENT, f"unloading adapter {name}")
+        if self.folder is not None:
+            shutil.rmtree(self.folder / name, ignore_errors=True)
 
     def _generate(self, request):
         out = self.engine.generate(**request)

@@ -19,7 +19,8 @@ class Server(Backend):
     """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``).
     With ``in_flight`` a sync retracts the running requests (``/pause_generation``, mode ``retract``:
     back to the queue with the tokens they have), loads, and lets them go on (``/continue_generation``),
-    their prompts and tokens prefilled again under the new weights."""
+    their prompts and tokens prefilled again under the new weights. An adapter sync needs no pause: the
+    new adapter loads beside the ones requests in flight use (the engine unloads those once unused)."""
 
     def __init__(self, options, ctx):
         super().__init__(options)
@@ -30,7 +31,6 @@ class Server(Backend):
         self.model_path = ctx.model_path
         self.weights_dir = Path(options.weights_dir or ctx.run_dir / "sglang_weights").absolute()
         self.current: Path | None = None
-        self.adapter: str | None = None  # the name the server serves the policy's adapter under
         try:
             info = get_json(f"{self.url}/get_model_info", **self._http())
         except ServiceError as e:
@@ -60,8 +60,6 @@ class Server(Backend):
     def _in_flight_refusal(self, ctx) -> str | None:
         if self.can_release:
             return "release_memory_on_sleep frees the memory that requests in flight hold"
-        if ctx.lora is not None:
-            return "model.lora is set, and an adapter sync unloads the adapter that requests in flight use"
         try:
             self._post("/continue_generation", {})  # nothing to continue: a server that has it answers 200
         except ServiceError as e:
@@ -136,15 +134,15 @@ class Server(Backend):
         return server_refusal(get_json(f"{self.url}/get_server_info", **self._http()), config)
 
     def _load_adapter(self, adapter, name):
-        """peft's folder under weights_dir/adapters, loaded by the server under ``name``; the one before unloaded."""
+        """peft's folder under weights_dir/adapters, loaded by the server under ``name``."""
         folder = adapter.save(self.weights_dir / "adapters" / name)
         seen = Path(self.options.server_weights_dir) / "adapters" / name if self.options.server_weights_dir else folder
         checked(self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(seen)}), self.component,
                 f"loading adapter {name} from {seen}")  # fmt: skip
-        if self.adapter is not None:
-            self._post("/unload_lora_adapter", {"lora_name": self.adapter})
-            shutil.rmtree(self.weights_dir / "adapters" / self.adapter, ignore_errors=True)
-        self.adapter = name
+
+    def unload_adapter(self, name):
+        checked(self._post("/unload_lora_adapter", {"lora_name": name}), self.component, f"unloading adapter {name}")
+        shutil.rmtree(self.weights_dir / "adapters" / name, ignore_errors=True)
 
     def _release(self, tags):
         self._post("/release_memory_occupation", {} if tags is None else {"tags": tags})

@@ -30,6 +30,7 @@ is an error, where the real engine would crash.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -101,6 +102,7 @@ class ContractSGLang:
         self.calls: list[tuple] = []  # (name, detail) of every call, in order
         self.lora: dict = {}  # enable_lora, max_lora_rank, lora_target_modules as the engine started
         self.adapters: dict[str, tuple[dict, dict]] = {}  # name -> (peft config, tensors)
+        self.serving: collections.Counter[str] = collections.Counter()  # generate calls running on each adapter
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, input_ids, sampling_params=None, return_logprob=False, lora_path=None) -> list[dict] | dict:
@@ -132,8 +134,13 @@ class ContractSGLang:
             if self.released & {"kv_cache", "weights"}:
                 raise RuntimeError(f"generate with released memory {sorted(self.released)}")
             self.calls.append(("generate", len(rows)) + ((name,) if name else ()))
-            with self._adapted(name):
-                out = self._generate([list(r) for r in rows], params, return_logprob)
+            self.serving[name] += 1
+            try:
+                with self._adapted(name):
+                    out = self._generate([list(r) for r in rows], params, return_logprob)
+            finally:
+                self.serving[name] -= 1
+                self.cond.notify_all()
         return out[0] if single else out
 
     # -- LoRA (sglang/srt/lora, 0.5.x) -------------------------------------------------------
@@ -156,7 +163,10 @@ class ContractSGLang:
         return self._lora_result(True, "")
 
     def unload_adapter(self, name: str) -> dict:
+        """SGLang's LoRA registry unregisters the name, then waits until no running request uses it."""
         with self.lock:
+            while self.serving[name]:
+                self.cond.wait()
             if self.adapters.pop(name, None) is None:
                 return self._lora_result(False, f"LoRA adapter {name} is not loaded.")
             self.calls.append(("unload_lora_adapter", name))

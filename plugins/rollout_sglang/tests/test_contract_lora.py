@@ -106,3 +106,80 @@ def test_a_server_that_cannot_serve_the_adapter_gets_merged_weights_or_stops_the
     with pytest.raises(ConfigError, match=f"model.lora.sync is 'adapter', but rollout engine 'sglang' cannot take "
                                           f"adapters: {why}"):  # fmt: skip
         build_run(load_config(data=config(tiny_model, tmp_path / "run2", {"base_url": sglang_server.url})))
+
+
+def seeded_adapter(model_path, seed: int, version: int):
+    """The policy's adapter (r 4 on q_proj and v_proj) with seeded factors (peft starts B at 0), and the
+    model it makes."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hybridrl import lora
+    from hybridrl.models import load_causal_lm
+
+    model = get_peft_model(
+        load_causal_lm(model_path, torch.float32, torch.device("cpu")),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    single = SimpleNamespace(full_tensors=lambda m, keep: ((n, t) for n, t in m.state_dict().items() if keep(n)))
+    return lora.adapter(single, model, version), model.eval()
+
+
+def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_serves_it_to_the_end(
+    tiny_model, tmp_path, sglang_server, make_engine, prompts
+):
+    """Two adapter syncs while a request runs on a server: neither waits for it (no pause: SGLang serves
+    several adapters at once), the request is served to its end by the adapter it started on (its tokens
+    say so, and their logprobs are that adapter's), which is unloaded once it is done; the one loaded
+    between, which nothing used, goes at once."""
+    import threading
+
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.components import SamplingParams
+    from hybridrl.passes import response_logprobs
+
+    core = sglang_server.core
+    core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}
+    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"))
+    (first, policy), second, third = (seeded_adapter(tiny_model, s, v) for s, v in ((1, 1), (2, 2), (3, 3)))
+    engine.update_adapter(first)
+    assert engine.updates_in_flight()  # adapters load beside each other
+    reached, synced, steps, seen = threading.Event(), threading.Event(), [], {}
+
+    def hook(core):  # the sixth token: hold the request (the lock released) until both syncs returned
+        steps.append(1)
+        if len(steps) == 6:
+            reached.set()
+            seen["synced_in_flight"] = core.cond.wait_for(synced.is_set, timeout=30)
+
+    core.step_hook = hook
+    out = {}
+    sampling = SamplingParams(n=1, max_tokens=16, temperature=1.0, ignore_eos=True)
+    thread = threading.Thread(target=lambda: out.setdefault("out", engine.generate(prompts[:1], sampling)))
+    thread.start()
+    assert reached.wait(60)
+    engine.update_adapter(second[0])
+    engine.update_adapter(third[0])
+    synced.set()
+    thread.join(60)
+    assert seen["synced_in_flight"]  # the syncs did not wait for the request
+    result = out["out"]
+    assert result.token_versions == [[1] * 16]  # every token served by the adapter of sync 1
+    flow = [c for c in core.calls if c[0] in ("load_lora_adapter", "unload_lora_adapter")]
+    names = [c[1] for c in flow if c[0] == "load_lora_adapter"]
+    # the second, never used, goes at the third's load; the first once its request is done
+    assert flow[-2:] == [("unload_lora_adapter", names[1]), ("unload_lora_adapter", names[0])]
+    assert core.adapters.keys() == {names[2]} and engine.loaded == {names[2]: 3}
+    batch = Batch.from_rollout(prompts[:1], result, 1, pad_id=0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, 16, 1.0)
+    assert (lp - batch["rollout_logprobs"]).abs().max().item() < 1e-4
