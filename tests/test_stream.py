@@ -18,7 +18,7 @@ from hybridrl_testing import SevensPlugin, metrics_rows
 
 from hybridrl.checkpoint import latest_checkpoint, list_checkpoints
 from hybridrl.checkpoint_files import read_pt
-from hybridrl.components import RewardFunction, RolloutEngine
+from hybridrl.components import Environment, Observation, RewardFunction, RolloutEngine
 from hybridrl.config import load_config
 from hybridrl.errors import ConfigError, Interrupted, StageError
 from hybridrl.hookspecs import hookimpl
@@ -104,6 +104,23 @@ class Draws(RewardFunction):
         return [float(str(t).count("7")) for t in batch["response_text"]]
 
 
+class Twice(Environment):
+    """Answers a trajectory's first turn with a user message and ends it at the second."""
+
+    def reset(self, row, messages):
+        return {"turn": 0}
+
+    def step(self, state, turn):
+        state["turn"] += 1
+        return Observation([{"role": "user", "content": "Once more."}], done=state["turn"] >= 2)
+
+
+class Drives(Environment):
+    """Runs its agent itself (its rollout is never reached here)."""
+
+    drives = True
+
+
 class Plugin:
     @hookimpl
     def register_rollout_engines(self, register):
@@ -112,6 +129,11 @@ class Plugin:
     @hookimpl
     def register_reward_functions(self, register):
         register("draws", Draws)
+
+    @hookimpl
+    def register_environments(self, register):
+        register("twice", Twice)
+        register("drives", Drives)
 
 
 def config(model, run_dir, steps, **rollout):
@@ -213,6 +235,23 @@ def test_stream_needs_async_and_an_engine_that_takes_syncs_in_flight(tiny_model,
         Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, **{"async": 0}))))
     with pytest.raises(ConfigError, match="rollout engine 'hf' does not"):
         Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, engine="hf"))))
+    with pytest.raises(ConfigError, match="environment 'drives' runs its agent itself, a call's episodes at once"):
+        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, agent={"environment": "drives"}))))
+
+
+def test_an_agents_groups_stream_turn_by_turn_and_each_trains_once(tiny_model, tmp_path, registered):
+    """rollout.agent with rollout.stream: each group's episodes run apart, their turns engine calls of
+    their own among the other groups'; a step trains the first groups whose episodes ended."""
+    agent = {"environment": "twice", "max_turns": 2, "max_total_tokens": 96}  # turns end at a stop string
+    trainer, rows = train(config(tiny_model, tmp_path / "run", 4, agent=agent, stop=["e", "t"], max_tokens=16))
+    trained = Draws.trained
+    assert len(trained) == 4 and all(len(t) == PROMPTS for t in trained)
+    flat = sum(trained, [])
+    assert len(flat) == len(set(flat)) and 0 not in trained[0]  # the first group waited for the first sync
+    assert all(r["agent/turns_mean"] > 1 and r["agent/observation_tokens_mean"] > 0 for r in rows)
+    assert trainer.run.engine.most <= (DEPTH + 1) * PROMPTS  # a call per group's turn, never over the bound
+    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows) and rows[0]["rollout/logprob_diff_max"] < 1e-4
+    assert all(r["rollout/groups_in_flight"] <= (DEPTH + 1) * PROMPTS for r in rows)
 
 
 def test_a_group_whose_request_fails_fails_the_step_naming_the_engine(tiny_model, tmp_path, registered, monkeypatch):

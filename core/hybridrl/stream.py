@@ -115,18 +115,31 @@ class Streamer:
             self._start(draw, index)
 
     def _start(self, draw: int, index: int) -> None:
-        (ids,), (text,) = self.stage.encode([self.stage.data[index]])  # tokenised here, not in the threads
+        row = self.stage.data[index]
+        (ids,), (text,) = self.stage.encode([row])  # tokenised here, not in the threads
         self.flying[draw] = (index, ids, text)
         sampling = self.session.sampling(0)
         sampling = sampling.model_copy(update={"seed": rollout_seed(self.seed, 0, 0, draw, sampling.n)})
-        thread = threading.Thread(target=self._generate, args=(draw, ids, sampling), name=f"hybridrl-group-{draw}")
+        work = self._episodes if self.stage.agent is not None else self._generate
+        thread = threading.Thread(target=work, args=(draw, row, ids, sampling), name=f"hybridrl-group-{draw}")
         thread.daemon = True  # a run that ends leaves the groups it has no use for
         thread.start()
 
-    def _generate(self, draw: int, ids: list[int], sampling) -> None:
+    def _generate(self, draw: int, row: dict, ids: list[int], sampling) -> None:
         try:
             self.done.put((draw, self.session.generate([ids], sampling)))
         except BaseException as e:  # raised on the trainer's thread, which takes it
+            self.done.put((draw, e))
+
+    def _episodes(self, draw: int, row: dict, ids: list[int], sampling) -> None:
+        """An agent's group: its n trajectories, turn by turn through the engine session, as a batch
+        whose version is the engine's as the group started (the oldest of its tokens')."""
+        try:
+            version = self.session.version
+            group = self.stage.respond([row], sampling, train=True)
+            group["policy_version"] = torch.full((len(group),), version, dtype=torch.long)
+            self.done.put((draw, group))
+        except BaseException as e:
             self.done.put((draw, e))
 
     def _receive(self, block: bool) -> bool:
@@ -138,9 +151,13 @@ class Streamer:
         if isinstance(out, BaseException):
             raise out
         index, ids, text = self.flying.pop(draw)
-        self.window[0] += sum(map(len, out.token_ids))
-        group = self.stage.answered([self.stage.data[index]], [ids], [text], out, len(out.token_ids))
-        group["policy_version"] = torch.full((len(group),), out.policy_version, dtype=torch.long)
+        if isinstance(out, Batch):  # an agent's group (its response_mask: the tokens the engine sampled)
+            group = out
+            self.window[0] += int(group["response_mask"].sum())
+        else:
+            self.window[0] += sum(map(len, out.token_ids))
+            group = self.stage.answered([self.stage.data[index]], [ids], [text], out, len(out.token_ids))
+            group["policy_version"] = torch.full((len(group),), out.policy_version, dtype=torch.long)
         self.finished.append((draw, group))
         return True
 
@@ -187,13 +204,19 @@ def make_prefetcher(run, collect) -> Prefetcher | None:
     device and process, which it says once), or with ``rollout.stream`` the streamer (:mod:`hybridrl.stream`)."""
     config, session = run.config, run.session
     depth, stream = config.rollout.async_, config.rollout.stream
-    if stream and not (depth and session.updates_in_flight() and config.rollout.agent is None):
+    if stream and not (depth and session.updates_in_flight()):
         raise ConfigError(
             "rollout.stream starts each prompt's group as others finish, while the policy trains and syncs: it needs "
             f"rollout.async >= 1 (it is {depth}) and an engine that takes syncs in flight (rollout engine "
             f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm or sglang "
-            "server with in_flight, docs/async.md), and streams single-turn rollouts for now (rollout.agent is "
-            f"{'set' if config.rollout.agent is not None else 'unset'})."
+            "server with in_flight, docs/async.md)."
+        )
+    agent = run.rollout.agent
+    if stream and agent is not None and agent.drives:
+        raise ConfigError(
+            f"rollout.stream runs each group's episodes apart, but {agent.env_name} runs its agent itself, a call's "
+            "episodes at once: it is not streamed yet. Set rollout.stream: false (rollout.async still generates "
+            "ahead), or use an environment whose turns the agent loop generates."
         )
     if config.rollout.step_tokens and (not stream or config.rollout.refill_rounds):
         raise ConfigError(
