@@ -141,7 +141,12 @@ class Server(Backend):
                 f"loading adapter {name} from {seen}")  # fmt: skip
 
     def unload_adapter(self, name):
-        checked(self._post("/unload_lora_adapter", {"lora_name": name}), self.component, f"unloading adapter {name}")
+        """Unload ``name``, unless the server did (its --max-loaded-loras evicts the least recently used)."""
+        try:
+            self._post("/unload_lora_adapter", {"lora_name": name})
+        except ServiceError as e:
+            if "does not exist" not in str(e):
+                raise
         shutil.rmtree(self.weights_dir / "adapters" / name, ignore_errors=True)
 
     def _release(self, tags):

@@ -160,6 +160,13 @@ class ContractSGLang:
         with self.lock:
             self.calls.append(("load_lora_adapter", name))
             self.adapters[name] = (dict(config), {k: v.detach().float().clone() for k, v in tensors.items()})
+            most = self.lora.get("max_loaded_loras")
+            while most is not None and len(self.adapters) > most:  # SGLang evicts the least recently used,
+                oldest = next(iter(self.adapters))  # once no running request uses it
+                while self.serving[oldest]:
+                    self.cond.wait()
+                self.calls.append(("evict_lora_adapter", oldest))
+                del self.adapters[oldest]
         return self._lora_result(True, "")
 
     def unload_adapter(self, name: str) -> dict:
@@ -167,8 +174,9 @@ class ContractSGLang:
         with self.lock:
             while self.serving[name]:
                 self.cond.wait()
-            if self.adapters.pop(name, None) is None:
-                return self._lora_result(False, f"LoRA adapter {name} is not loaded.")
+            if self.adapters.pop(name, None) is None:  # SGLang's registry's words
+                loaded = list(self.adapters)
+                return self._lora_result(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}")
             self.calls.append(("unload_lora_adapter", name))
         return self._lora_result(True, "")
 

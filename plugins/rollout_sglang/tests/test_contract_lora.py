@@ -132,14 +132,17 @@ def seeded_adapter(model_path, seed: int, version: int):
     return lora.adapter(single, model, version), model.eval()
 
 
+@pytest.mark.parametrize("most", [None, 2], ids=["unbounded", "max-loaded-loras-2"])
 def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_serves_it_to_the_end(
-    tiny_model, tmp_path, sglang_server, make_engine, prompts
+    most, tiny_model, tmp_path, sglang_server, make_engine, prompts
 ):
     """Two adapter syncs while a request runs on a server: neither waits for it (no pause: SGLang serves
     several adapters at once), the request is served to its end by the adapter it started on (its tokens
     say so, and their logprobs are that adapter's), which is unloaded once it is done; the one loaded
-    between, which nothing used, goes at once."""
+    between, which nothing used, goes at once. A server that holds two adapters (--max-loaded-loras 2)
+    evicts the oldest itself once its request is done: the second sync waits for that."""
     import threading
+    import time
 
     import torch
 
@@ -148,7 +151,7 @@ def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_se
     from hybridrl.passes import response_logprobs
 
     core = sglang_server.core
-    core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}
+    core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"], "max_loaded_loras": most}
     engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"))
     (first, policy), second, third = (seeded_adapter(tiny_model, s, v) for s, v in ((1, 1), (2, 2), (3, 3)))
     engine.update_adapter(first)
@@ -159,7 +162,10 @@ def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_se
         steps.append(1)
         if len(steps) == 6:
             reached.set()
-            seen["synced_in_flight"] = core.cond.wait_for(synced.is_set, timeout=30)
+            deadline = time.monotonic() + (30 if most is None else 1)
+            while not synced.is_set() and time.monotonic() < deadline:
+                core.cond.wait(0.01)  # the lock released meanwhile
+            seen["synced_in_flight"] = synced.is_set()
 
     core.step_hook = hook
     out = {}
@@ -171,13 +177,16 @@ def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_se
     engine.update_adapter(third[0])
     synced.set()
     thread.join(60)
-    assert seen["synced_in_flight"]  # the syncs did not wait for the request
+    assert seen["synced_in_flight"] is (most is None)  # the syncs did not wait for the request, where room
     result = out["out"]
     assert result.token_versions == [[1] * 16]  # every token served by the adapter of sync 1
-    flow = [c for c in core.calls if c[0] in ("load_lora_adapter", "unload_lora_adapter")]
+    flow = [c for c in core.calls if c[0] in ("load_lora_adapter", "unload_lora_adapter", "evict_lora_adapter")]
     names = [c[1] for c in flow if c[0] == "load_lora_adapter"]
-    # the second, never used, goes at the third's load; the first once its request is done
-    assert flow[-2:] == [("unload_lora_adapter", names[1]), ("unload_lora_adapter", names[0])]
+    if most is None:  # the second, never used, goes at the third's load; the first once its request is done
+        assert flow[-2:] == [("unload_lora_adapter", names[1]), ("unload_lora_adapter", names[0])]
+    else:  # the third's load evicted the first once its request was done; the engine unloads the second
+        assert flow[-3:] == [("load_lora_adapter", names[2]), ("evict_lora_adapter", names[0]),
+                             ("unload_lora_adapter", names[1])]  # fmt: skip
     assert core.adapters.keys() == {names[2]} and engine.loaded == {names[2]: 3}
     batch = Batch.from_rollout(prompts[:1], result, 1, pad_id=0)
     with torch.no_grad():
