@@ -198,6 +198,7 @@ def run_mode(args, url, mode, workdir: Path, gpu: Utilization, server_log: Path 
                 "correction_weight": m.get("rollout_corr/weight_mean", 1.0),
                 "logprob_diff_max": m.get("rollout/logprob_diff_max"),
                 "stale_groups": m.get("rollout/stale_groups", 0.0),
+                "stale_tokens": m.get("rollout/stale_tokens", 0.0),
             }
             print(f"{label} step {step}: {wall:.2f} s, {row['response_tokens']:.0f} tokens "
                   f"(mean {row['response_length_mean']:.0f}, max {row['response_length_max']:.0f}), wait "
@@ -233,6 +234,7 @@ def summary(out: dict) -> dict:
         "eval_after": out.get("eval_after"),
         "aborted": out.get("aborted"),
         "stale_groups_total": sum(r["stale_groups"] for r in rows),
+        "stale_tokens_total": sum(r["stale_tokens"] for r in rows),  # generated, never trained
     }
 
 
@@ -245,6 +247,7 @@ def print_table(result: dict) -> None:
                       ("update s", "update_s"), ("sync s", "sync_s"), ("response length", "response_length_mean"),
                       ("staleness, mean", "staleness_mean"), ("mixed versions", "mixed_versions"),
                       ("correction weight", "correction_weight"), ("stale groups", "stale_groups_total"),
+                      ("stale tokens", "stale_tokens_total"),
                       ("aborted", "aborted"), ("held-out after", "eval_after")):  # fmt: skip
         cells = [s[m].get(key) for m in modes]
         print(f"{name:<24} " + " ".join(f"{c:>10.3f}" if c is not None else f"{'-':>10}" for c in cells))

@@ -270,6 +270,7 @@ def test_a_group_that_outlived_k_syncs_is_dropped_and_another_prompt_takes_its_p
     _, rows = train(config(tiny_model, tmp_path / "run", 4))
     trained = sum(Draws.trained, [])
     assert sum(r["rollout/stale_groups"] for r in rows) == 1
+    assert 0 < sum(r["rollout/stale_tokens"] for r in rows) <= N * 6  # its two responses, generated, untrained
     assert 3 not in trained and len(trained) == len(set(trained)) == 4 * PROMPTS
     assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)  # nothing older was trained on
 

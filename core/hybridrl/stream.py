@@ -15,7 +15,8 @@ than k updates old unless its response outlived k syncs. The rules that keep it 
   filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
 - a group whose oldest token is older than the weights the engine held when the step k steps
   back started (what a batch of ``rollout.async`` may hold: k updates, or with a server that reloads
-  every m updates k + m - 1) is dropped, counted in ``rollout/stale_groups``; the step starts a
+  every m updates k + m - 1) is dropped, counted in ``rollout/stale_groups`` (its tokens in
+  ``rollout/stale_tokens``: the only tokens generated and not trained); the step starts a
   prompt in its place and takes the next group to finish (so does a refill round, for the groups
   the filter dropped). Weights that never change (a frozen server) drop nothing;
 - a checkpoint keeps the groups finished and not yet trained whole, and the prompts of the groups
@@ -50,7 +51,7 @@ class Streamer:
         self.flying: dict[int, tuple[int, list[int], str]] = {}  # draw -> (row index, prompt ids, prompt text)
         self.finished: list[tuple[int, Batch]] = []  # finished, not yet trained: received or restored
         self.restart: list[tuple[int, int]] = []  # (draw, row index) in flight at the checkpoint resumed from
-        self.draws, self.dropped, self.budget = 0, 0, 0  # budget: the prompts the step may still start
+        self.draws, self.dropped, self.budget = 0, [], 0  # dropped: the stale groups' tokens; budget: prompts to start
         self.step, self.held = 0, {}  # step -> the engine's version as it started
         self.window = [0, None]  # response tokens finished since the last step took its groups, and since when
 
@@ -58,12 +59,13 @@ class Streamer:
 
     def take(self, step: int) -> tuple[Batch, Batch, dict[str, float]]:
         """Step ``step``'s rollout, kept groups and metrics, from the first groups to finish."""
-        timer, self.dropped, self.step = Timer(), 0, step
+        timer, self.dropped, self.step = Timer(), [], step
         self.held = {s: v for s, v in self.held.items() if s >= step - self.depth} | {step: self.session.version}
         self.budget = (self.depth + 1) * self.size - len(self.flying) - len(self.finished)
         rollout, kept, metrics = self.collect(step, timer, self.groups)
         metrics |= {"async/reward_s": timer.times.get("reward", 0.0), "async/rollout_s": self._engine_seconds(rollout)}
-        metrics |= {"rollout/stale_groups": float(self.dropped), "rollout/groups_in_flight": float(len(self.flying))}
+        metrics |= {"rollout/stale_groups": float(len(self.dropped)), "rollout/stale_tokens": float(sum(self.dropped))}
+        metrics["rollout/groups_in_flight"] = float(len(self.flying))
         metrics["rollout/groups"] = float(rollout.groups())
         return rollout, kept, metrics | staleness(rollout, self.session.updates)
 
@@ -88,7 +90,8 @@ class Streamer:
             self._fill(step, max(1, self.size - len(taken)))
             group = self._next()
             if self._too_stale(group):
-                self.dropped, self.budget = self.dropped + 1, self.budget + 1
+                self.dropped.append(int(group["response_mask"].sum()))  # generated, not trained
+                self.budget += 1
                 continue
             taken.append(group)
         batch = Batch.cat(taken, self.stage.pad_id)
