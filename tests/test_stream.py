@@ -252,6 +252,7 @@ def test_an_agents_groups_stream_turn_by_turn_and_each_trains_once(tiny_model, t
     assert trainer.run.engine.most <= (DEPTH + 1) * PROMPTS  # a call per group's turn, never over the bound
     assert all(r["rollout/staleness_max"] <= DEPTH for r in rows) and rows[0]["rollout/logprob_diff_max"] < 1e-4
     assert all(r["rollout/groups_in_flight"] <= (DEPTH + 1) * PROMPTS for r in rows)
+    assert all("rollout/mixed_versions" in r for r in rows)  # each turn's tokens carry their own version
 
 
 def test_a_group_whose_request_fails_fails_the_step_naming_the_engine(tiny_model, tmp_path, registered, monkeypatch):

@@ -37,6 +37,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)  # the response: sampled turns and observations
     logprobs: list[float] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # 1 sampled, 0 observation
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token (the loop's turns)
     turns: int = 0
     last_text: str = ""
     done: bool = False
@@ -91,6 +92,8 @@ class AgentLoop:
             out.logprobs.append(t.logprobs)
             out.finish_reasons.append(t.finish)
             out.sampled_masks.append(t.sampled)
+        if not self.drives:  # each turn's tokens say which weights sampled them (observations: their turn's)
+            out.token_versions = [t.versions for t in trajectories]
         return out, trajectories
 
     @property
@@ -145,13 +148,15 @@ class AgentLoop:
         """One engine call for ``live``'s next turns; the trajectories that go on to their environment."""
         seeds = [seed + t.index + TURN_SEED_STRIDE * t.turns for t in live]
         out = self.session.generate([t.prompt + t.ids for t in live], base.model_copy(update={"seeds": seeds}))
+        versions = out.token_versions or [[out.policy_version or 0] * len(ids) for ids in out.token_ids]
         stepping = []
-        for t, ids, logprobs, finish in zip(live, out.token_ids, out.logprobs, out.finish_reasons):
+        for t, ids, logprobs, finish, v in zip(live, out.token_ids, out.logprobs, out.finish_reasons, versions):
             room = self.budget - len(t.ids)
             if len(ids) > room:  # the trajectory's token budget ends inside this turn
                 ids, logprobs, finish = ids[:room], logprobs[:room], "length"
             t.ids += ids
             t.logprobs += logprobs
+            t.versions += v[: len(ids)]
             t.sampled += [1] * len(ids)
             t.turns += 1
             t.last_text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -181,6 +186,7 @@ class AgentLoop:
         t.ids += ids
         t.logprobs += [0.0] * len(ids)
         t.sampled += [0] * len(ids)
+        t.versions += t.versions[-1:] * len(ids)  # not sampled: masked out of the versions' use
         t.messages += obs.messages
         t.info["observation_tokens"] += len(ids)
         return True
