@@ -24,8 +24,10 @@ steps: step time, generated tokens a second (the steps' response tokens over the
 GPU's idle fraction (1 - nvidia-smi's utilization, sampled every 100 ms: the share of time no kernel
 of either process ran), staleness per token, responses spanning two versions, the correction's mean
 weight, stale groups dropped, requests the server aborted (its log), and the held-out score (greedy,
-128 problems) after the same number of samples. Prints a table and writes JSON (``--out``; default
-``$OUT/in_flight.json`` when OUT is set).
+128 problems) after the same number of samples. With ``--lora R`` the policy trains a rank-R
+adapter on every linear layer, synced alone: the server starts with ``--enable-lora``, and a sync in
+flight loads the new adapter beside those the requests in flight use (no pause). Prints a table and
+writes JSON (``--out``; default ``$OUT/in_flight.json`` when OUT is set).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ MODES = (
 def config(args, url: str, mode: tuple, run_dir: Path) -> dict:
     _, depth, in_flight, stream = mode
     return {
-        "model": {"path": args.model_folder, "dtype": "float32"},
+        "model": {"path": args.model_folder, "dtype": "float32"}
+        | ({"lora": {"r": args.lora, "alpha": 2 * args.lora, "sync": "adapter"}} if args.lora else {}),
         "data": {
             "source": "hf",
             "path": args.data,
@@ -140,12 +143,16 @@ def start_server(args, log: Path) -> tuple[str, subprocess.Popen | None]:
         fake = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(fake)
         server = fake.ContractServer(fake.ContractSGLang(args.model_folder))
+        if args.lora:  # as --enable-lora --max-lora-rank R --lora-target-modules all
+            server.core.lora = {"enable_lora": True, "max_lora_rank": args.lora, "lora_target_modules": ["all"]}
         threading.Thread(target=server.serve_forever, daemon=True).start()
         return server.url, None
     port = 30123
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_folder, "--port", str(port),
            "--dtype", "float16", "--mem-fraction-static", str(args.mem_fraction), "--random-seed", "0",
            "--context-length", "2048", "--log-level", "info"]  # fmt: skip
+    if args.lora:  # adapters loaded at runtime, several at once (those requests in flight use)
+        cmd += ["--enable-lora", "--max-lora-rank", str(args.lora), "--lora-target-modules", "all"]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.server_timeout
@@ -277,6 +284,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--mem-fraction", type=float, default=0.3, help="the server's --mem-fraction-static")
+    p.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank, synced alone (0: full)")
     p.add_argument("--server-timeout", type=float, default=400)
     p.add_argument("--workdir", type=Path, default=Path("runs/gpu-in-flight"))
     p.add_argument("--smoke", action="store_true")

@@ -9,7 +9,9 @@ place after every step, and frees its GPU memory while the policy trains.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import uuid
 from collections import Counter
 from typing import Any, Literal
 
@@ -188,6 +190,8 @@ class SGLangEngine(RolloutEngine):
         self.version = 0
         self.adapter: str | None = None  # the newest adapter's name (model.lora.sync): new requests ask for it
         self.adapter_loads = 0  # adapter syncs: each response's token_versions
+        # a server outlives runs (and holds a killed run's adapters): this engine's names are its own
+        self.suffix = f"-{uuid.uuid4().hex[:8]}" if options.base_url else ""
         self.loaded: dict[str, int] = {}  # adapters loaded, oldest first -> the sync that loaded each
         self.in_use: Counter[str] = Counter()  # generate calls running on each adapter: not unloaded
         self.adapter_lock = threading.Lock()
@@ -280,7 +284,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_adapter(self, adapter) -> None:
         self.adapter_loads += 1  # a new name each sync: SGLang caches an adapter by its name
-        name = f"{adapter.name}-v{adapter.version}-{self.adapter_loads}"
+        name = f"{adapter.name}-v{adapter.version}-{self.adapter_loads}{self.suffix}"
         self.backend.update_adapter(adapter, name)
         with self.adapter_lock:
             self.adapter, self.loaded[name] = name, self.adapter_loads
@@ -302,6 +306,15 @@ class SGLangEngine(RolloutEngine):
         self.backend.wake_up()
 
     def close(self) -> None:
+        """Unload this run's adapters from a server (those requests still running use stay: SGLang evicts
+        them), then shut an engine of this process down."""
+        if self.options.base_url and self.adapter is not None:
+            with self.adapter_lock:
+                self.adapter = None
+            try:
+                self._unload_unused()
+            except Exception as e:  # noqa: BLE001 - the server may be gone first: nothing depends on it now
+                print(f"note: {protocol.COMPONENT}: could not unload the run's adapters: {e}", file=sys.stderr)
         self.backend.shutdown()
 
 

@@ -23,6 +23,7 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from hybridrl_http.client import ServiceError, get_json, post_json
 
+from hybridrl import distributed
 from hybridrl.components import NEUTRAL_SAMPLING, RolloutOutput, SamplingParams
 from hybridrl_rollout_vllm import in_flight
 from hybridrl_rollout_vllm.weights import drop_tied_head, write_hf_folder
@@ -72,6 +74,7 @@ class ServerEngine:
         self.labels: dict[str, int] = {}  # each adapter's sync count: its answers' token_versions
         self.in_use: Counter[str] = Counter()  # generate calls running on each adapter: not unloaded
         self.adapter_lock = threading.Lock()
+        self.suffix: str | None = None  # this run's adapter names' own ending (a server outlives runs)
         self.in_flight = self._check_in_flight()
 
     def _check_in_flight(self) -> bool:
@@ -233,7 +236,9 @@ class ServerEngine:
         versions before the one before are unloaded, their folders removed, once nothing uses them.
         Every sync loads one: ``sync_every`` spaces out full reloads, not these."""
         self.updates += 1
-        name = f"{Path(self.ctx.run_dir).name}-v{adapter.version}-{self.updates}"[-120:]
+        if self.suffix is None:  # every rank asks for rank 0's names: one suffix for all
+            self.suffix = distributed.broadcast_object(uuid.uuid4().hex[:8])
+        name = f"{Path(self.ctx.run_dir).name}-v{adapter.version}-{self.updates}-{self.suffix}"[-120:]
         if self.ctx.rank == 0:
             folder = adapter.save(self.weights_dir / "adapters" / name)
             body = {"lora_name": name, "lora_path": str(folder.resolve())}
@@ -245,10 +250,10 @@ class ServerEngine:
         self.stats["vllm/adapter_mib"] = adapter.nbytes() / 2**20
         self.stats["vllm/adapters_loaded"] = len(self.adapters)
 
-    def _unload_unused(self) -> None:
-        """Unload the adapters older than the latest KEPT_ADAPTERS that no request in flight uses."""
+    def _unload_unused(self, keep: int = KEPT_ADAPTERS) -> None:
+        """Unload the adapters older than the latest ``keep`` that no request in flight uses."""
         with self.adapter_lock:
-            old = [a for a in self.adapters[:-KEPT_ADAPTERS] if not self.in_use[a]]
+            old = [a for a in self.adapters[: len(self.adapters) - keep] if not self.in_use[a]]
             self.adapters = [a for a in self.adapters if a not in old]
         for name in old:
             self.labels.pop(name, None)
@@ -272,7 +277,11 @@ class ServerEngine:
         pass
 
     def close(self) -> None:
-        pass
+        """Unload this run's adapters from the server (those a request still running uses stay)."""
+        try:
+            self._unload_unused(keep=0)
+        except ServiceError as e:  # the server may be gone first: nothing of the run depends on it now
+            print(f"note: {NAME}: could not unload the run's adapters: {e}", file=sys.stderr, flush=True)
 
 
 def vocab_size(ctx) -> int | None:
