@@ -115,12 +115,6 @@ class Twice(Environment):
         return Observation([{"role": "user", "content": "Once more."}], done=state["turn"] >= 2)
 
 
-class Drives(Environment):
-    """Runs its agent itself (its rollout is never reached here)."""
-
-    drives = True
-
-
 class Plugin:
     @hookimpl
     def register_rollout_engines(self, register):
@@ -133,7 +127,6 @@ class Plugin:
     @hookimpl
     def register_environments(self, register):
         register("twice", Twice)
-        register("drives", Drives)
 
 
 def config(model, run_dir, steps, **rollout):
@@ -235,8 +228,6 @@ def test_stream_needs_async_and_an_engine_that_takes_syncs_in_flight(tiny_model,
         Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, **{"async": 0}))))
     with pytest.raises(ConfigError, match="rollout engine 'hf' does not"):
         Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, engine="hf"))))
-    with pytest.raises(ConfigError, match="environment 'drives' runs its agent itself, a call's episodes at once"):
-        Trainer(build_run(load_config(data=config(tiny_model, tmp_path, 2, agent={"environment": "drives"}))))
 
 
 def test_an_agents_groups_stream_turn_by_turn_and_each_trains_once(tiny_model, tmp_path, registered):

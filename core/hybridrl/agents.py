@@ -101,6 +101,12 @@ class AgentLoop:
         """The environment runs its agent itself (an environment need not subclass Environment)."""
         return getattr(self.env, "drives", False)
 
+    def release(self, states: list) -> None:
+        """The rewards of these episodes are in (``Environment.release``)."""
+        release = getattr(self.env, "release", None)
+        if release is not None:
+            release(states)
+
     def close(self) -> None:
         close = getattr(self.env, "close", None)
         if close is not None:

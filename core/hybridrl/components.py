@@ -417,6 +417,10 @@ class Environment(Component):
         ``loop.session``; a training call (``train``) may get fewer, or earlier rows' (docs/plugins.md)."""
         raise NotImplementedError
 
+    def release(self, states: list) -> None:
+        """The rewards of the trajectories whose states these are (a training call's, scored or dropped)
+        are in: what the environment keeps for them (an episode's working folder) may go."""
+
     def close(self) -> None:
         """Release what it started (servers, processes); the run calls it once, at its end."""
 

@@ -67,6 +67,12 @@ class RolloutStage:
             rollout["branches"] = [t.branches for t in trajectories]  # rows of their own when trained
         return rollout
 
+    def release(self, rollout: Batch) -> None:
+        """A training call's batch is scored (or dropped): its episodes' environment may let go of what
+        it kept for their rewards."""
+        if "episode" in rollout:
+            self.agent.release(rollout["episode"])
+
     def encode(self, rows: list[dict]) -> tuple[list[list[int]], list[str]]:
         """The prompts of ``rows`` as the config's data section builds them: their ids and texts."""
         encoded = [encode_prompt(row, self.config.data, self.tokenizer, self.tools) for row in rows]

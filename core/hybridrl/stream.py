@@ -91,6 +91,7 @@ class Streamer:
             group = self._next()
             if self._too_stale(group):
                 self.dropped.append(int(group["response_mask"].sum()))  # generated, not trained
+                self.stage.release(group)
                 self.budget += 1
                 continue
             taken.append(group)
@@ -213,13 +214,6 @@ def make_prefetcher(run, collect) -> Prefetcher | None:
             f"rollout.async >= 1 (it is {depth}) and an engine that takes syncs in flight (rollout engine "
             f"'{config.rollout.engine}' {'does' if session.updates_in_flight() else 'does not'}: the vllm or sglang "
             "server with in_flight, docs/async.md)."
-        )
-    agent = run.rollout.agent
-    if stream and agent is not None and agent.drives:
-        raise ConfigError(
-            f"rollout.stream runs each group's episodes apart, but {agent.env_name} runs its agent itself, a call's "
-            "episodes at once: it is not streamed yet. Set rollout.stream: false (rollout.async still generates "
-            "ahead), or use an environment whose turns the agent loop generates."
         )
     if config.rollout.step_tokens and (not stream or config.rollout.refill_rounds):
         raise ConfigError(

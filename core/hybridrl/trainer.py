@@ -286,6 +286,7 @@ class Trainer:
                 kept, filtered = kept if isinstance(kept, tuple) else (kept, {})  # a bare Batch: no metrics
             if round_ == refill or distributed.all_ranks(kept.groups() >= share):
                 break  # every rank kept its share of groups (always, when the algorithm drops none)
+        self.run.rollout.release(rollout)  # every round is scored
         metrics = {k: sum(v) / len(v) for k, v in round_metrics.items()}  # rounds are the same size
         if len(rounds) > 1:  # the statistics of all the rounds' responses together
             metrics |= self.run.rewards.stats(rollout)

@@ -89,6 +89,7 @@ class Episode:
         self.calls = self.forks = self.tool_calls = self.malformed = self.unforced = 0
         self.sampled_tokens = 0  # of every answer, every branch: those off the trained branch are not trained
         self.closed = False
+        self.sampling = None  # what its calls sample with beside their seeds (SamplingParams)
         self.reward: float | None = None
         self.final: Turn | None = None  # the last call's (first) answer: the trajectory trained on
         self.lock = threading.Lock()

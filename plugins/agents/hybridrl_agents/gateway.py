@@ -46,12 +46,10 @@ class Gateway:
         self.tokens = TokenText(self.tokenizer)
         self.episodes: dict[str, Episode] = {}
         self.lock = threading.RLock()  # the harness commits an episode and forgets it under it
-        self.sampling: SamplingParams | None = None  # the rollout call's: set by open_call
         self.token = token or secrets.token_urlsafe(32)  # the harnesses' OPENAI_API_KEY
         self.started = time.time()
-        self.pending = 0  # the rollout's episodes not finished: each may send a call, concurrency of them at once
-        callers = lambda: min(self.pending, options.concurrency)  # noqa: E731
-        self.batcher = Batcher(self._generate, options.batch_requests, options.batch_wait_s, callers)
+        self.pending = 0  # the episodes running (opened, not finished): each may send a call
+        self.batcher = Batcher(self._generate, options.batch_requests, options.batch_wait_s, lambda: self.pending)
         self.http = make_server(self)
         self.thread = threading.Thread(target=self.http.serve_forever, name="hybridrl-gateway", daemon=True)
         self.thread.start()
@@ -65,12 +63,15 @@ class Gateway:
         return f"{self.url}/episodes/{episode.id}/v1"
 
     def open(self, index: int, row: dict | None, sampling: SamplingParams) -> Episode:
-        """A new episode of the rollout call sampled with ``sampling`` (its seed seeds the episode's calls)."""
-        self.sampling = sampling
+        """A new episode of the rollout call sampled with ``sampling`` (its seed seeds the episode's calls).
+        Episodes of calls that run at once (streamed groups, an evaluation beside them) share engine calls
+        when they sample alike, and only then."""
         episode = Episode(f"ep-{index}-{uuid.uuid4().hex[:12]}", index, row)
         episode.seed = (sampling.seed or 0) + index
+        episode.sampling = sampling.model_copy(update={"n": 1, "seed": None, "seeds": None})
         with self.lock:
             self.episodes[episode.id] = episode
+            self.pending += 1  # an engine call waits for the calls of the episodes running (batch_wait_s)
         return episode
 
     def finish(self, episode: Episode) -> None:
@@ -194,7 +195,8 @@ class Gateway:
         first = episode.seed + CALL_SEED_STRIDE * episode.calls * openai_chat.MAX_N
         seeds = [first + CALL_SEED_STRIDE * i for i in range(request["n"])]
         episode.calls += 1
-        return self.batcher.submit([ctx.engine_prompt] * request["n"], seeds, min(request["max_tokens"], room))
+        prompts, most = [ctx.engine_prompt] * request["n"], min(request["max_tokens"], room)
+        return self.batcher.submit(prompts, seeds, most, settings=episode.sampling)
 
     def _message(self, text: str, tools, finish: str, episode: Episode) -> tuple[dict, str]:
         """The reply's assistant message (tool calls read by the run's parser) and finish reason."""
@@ -231,8 +233,8 @@ class Gateway:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
-        sampling = self.sampling.model_copy(update={"n": 1, "max_tokens": max_tokens, "seeds": seeds})
+    def _generate(self, prompts: list[list[int]], seeds: list[int], max_tokens: int, settings) -> list[dict]:
+        sampling = settings.model_copy(update={"max_tokens": max_tokens, "seed": seeds[0], "seeds": seeds})
         out = self.loop.session.generate(prompts, sampling)
         return [
             {"ids": ids, "logprobs": lp, "finish_reason": reason, "version": out.policy_version}

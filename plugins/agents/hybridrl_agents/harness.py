@@ -46,7 +46,7 @@ class HarnessOptions(Options):
     callable: str | None = Field(
         None, description="The agent as a Python function 'module:function' or 'file.py:function', called with a Task."
     )
-    concurrency: int = Field(8, gt=0, description="Episodes that run at once.")
+    concurrency: int = Field(8, gt=0, description="Episodes of a rollout call that run at once (streamed: of a group).")
     timeout_s: float = Field(300.0, gt=0, description="Seconds an episode may run; past them it is stopped and lost.")
     reward_wait_s: float = Field(
         0.0, ge=0, description="Seconds to wait, after the harness ends, for a reward posted to the episode."
@@ -158,16 +158,21 @@ class HarnessEnvironment(Environment):
         self.succeeded = False  # an episode of this run has ended well: a failing one is the harness's
         self.death_signal = death_signal()
         self.store = EpisodeStore(Path(ctx.run_dir) / STORE, options.keep_episodes)
-        self.folders: list[str] = []  # the previous call's working folders: kept for its rewards
+        # working folder -> made by a training call: kept until its rewards are in (release), else until the
+        # next call that is not a training call (an evaluation's)
+        self.folders: dict[str, bool] = {}
+        self.lock = threading.Lock()  # the folders; held groups handed to one call alone
         self.name = options.command or options.callable
 
     def rollout(self, rows, messages, sampling, loop, train=False) -> list[Trajectory]:
         """``sampling.n`` episodes per row; with late rewards, a training call's groups are held
         until their rewards are in, and the call is answered with the oldest groups that are."""
-        if self.gateway is None:
-            name, token = Path(self.ctx.model_path).name, self.store.token()
-            self.gateway = Gateway(loop, self.parser, self.options, name, token, self.store.post_reward)
-        self._remove_folders()
+        with self.lock:  # one gateway, also for the first calls of streamed groups
+            if self.gateway is None:
+                name, token = Path(self.ctx.model_path).name, self.store.token()
+                self.gateway = Gateway(loop, self.parser, self.options, name, token, self.store.post_reward)
+        if not train:
+            self._remove_folders(lambda made_by_training, _: not made_by_training)
         n, out, work = sampling.n, {}, []
         late = train and self.options.reward_deadline_s > 0
         groups = [episode_key(self.name, sampling.seed, -1 - i, row) if late else None for i, row in enumerate(rows)]
@@ -180,10 +185,8 @@ class HarnessEnvironment(Environment):
                 work.append((index, key))
         batcher = self.gateway.batcher
         before = batcher.calls, batcher.rows
-        with self.gateway.lock:
-            self.gateway.pending = len(work)  # an engine call waits for their calls (batch_wait_s)
         with cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="hybridrl-harness") as pool:
-            futures = {pool.submit(self._episode, i, rows[i // n], messages[i // n], sampling, loop): (i, key)
+            futures = {pool.submit(self._episode, i, rows[i // n], messages[i // n], sampling, loop, train): (i, key)
                        for i, key in work}  # fmt: skip
             for future in cf.as_completed(futures):
                 index, key = futures[future]
@@ -215,11 +218,12 @@ class HarnessEnvironment(Environment):
         those handed to this call before a resume, else the first ready, waiting for one if none is."""
         deadline, said = self.options.reward_deadline_s, False
         while not (handed := self.store.handed(call)):
-            held, now = self.store.held(), time.time()
-            ready = [g for g, ended, missing in held if not missing or now > ended + deadline][:most]
-            if ready:
-                self.store.hand(call, ready)
-            elif not said:
+            with self.lock:  # calls at once (streamed groups) never take the same group
+                held, now = self.store.held(), time.time()
+                ready = [g for g, ended, missing in held if not missing or now > ended + deadline][:most]
+                if ready:
+                    self.store.hand(call, ready)
+            if not ready and not said:
                 wait = min(ended + deadline for _, ended, _ in held) - now
                 print(f"agent harness: waiting for posted rewards: none of {len(held)} held groups has all of "
                       f"its rewards (the oldest's deadline is in {wait:.0f} s)", file=sys.stderr)  # fmt: skip
@@ -236,11 +240,12 @@ class HarnessEnvironment(Environment):
                 out.append(t)
         return out
 
-    def _episode(self, index: int, row: dict, chat: list[dict], sampling, loop) -> Trajectory:
+    def _episode(self, index: int, row: dict, chat: list[dict], sampling, loop, train: bool) -> Trajectory:
         gateway = self.gateway
         episode = gateway.open(index, row, sampling)
         folder = tempfile.mkdtemp(prefix="hybridrl-episode-")
-        self.folders.append(folder)
+        with self.lock:
+            self.folders[folder] = train
         if self.options.workdir:
             shutil.copytree(Path(self.options.workdir).expanduser(), folder, dirs_exist_ok=True)
         prompt = next((m["content"] for m in reversed(chat) if m["role"] == "user"), "")
@@ -312,10 +317,18 @@ class HarnessEnvironment(Environment):
         state["returned"] = value if isinstance(value, str) else None
         return None
 
-    def _remove_folders(self) -> None:
-        for folder in self.folders:
+    def release(self, states: list) -> None:
+        """The rewards of these episodes are in: their working folders go."""
+        mine = {s.get("workdir") for s in states if isinstance(s, dict)}
+        self._remove_folders(lambda made_by_training, folder: folder in mine)
+
+    def _remove_folders(self, which=lambda *_: True) -> None:
+        with self.lock:
+            gone = [f for f, made_by_training in self.folders.items() if which(made_by_training, f)]
+            for folder in gone:
+                del self.folders[folder]
+        for folder in gone:
             shutil.rmtree(folder, ignore_errors=True)
-        self.folders = []
 
     def close(self) -> None:
         if self.gateway is not None:

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hybridrl_testing import alive, metrics_rows
 from hybridrl import plugins
 from hybridrl.agents import AgentLoop
 from hybridrl.builtin.environments import HermesParser
-from hybridrl.components import RunContext, SamplingParams
+from hybridrl.components import RewardFunction, RolloutEngine, RunContext, SamplingParams
 from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError
 from hybridrl.models import end_token_ids, load_tokenizer
@@ -423,3 +424,109 @@ def test_after_a_sigkill_resume_runs_each_finished_episode_once(tiny_model, tmp_
     assert len([line for line in lines if line[0] == "start"]) == 9  # only the killed one ran twice
     metrics = metrics_rows(run_dir)
     assert [m["step"] for m in metrics if "agent/calls_mean" in m] == [1, 2]
+
+
+class InFlight(RolloutEngine):
+    """Contract stand-in of a server engine that takes syncs in flight (the vllm or sglang server with
+    in_flight), which a streamed run needs: the real hf engine, calls from any thread one at a time."""
+
+    weight_format = "transformers"
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        from hybridrl.builtin.rollout_hf import HFEngine
+
+        self.hf, self.lock = HFEngine(HFEngine.Options(), ctx), threading.Lock()
+
+    def runs_apart(self):
+        return True
+
+    def updates_in_flight(self):
+        return True
+
+    def generate(self, prompts, sampling):
+        with self.lock:
+            return self.hf.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors):
+        with self.lock:
+            self.hf.update_weights(named_tensors)
+
+    def close(self):
+        self.hf.close()
+
+
+STREAMED = textwrap.dedent(
+    """
+    import threading
+
+    import openai
+
+    LOCK, COUNT = threading.Lock(), {"running": 0, "most": 0}  # episodes running at once, the most of them
+
+    def solve(task):  # the answer, also written into the episode's working folder
+        with LOCK:
+            COUNT["running"] += 1
+            COUNT["most"] = max(COUNT["most"], COUNT["running"])
+        try:
+            client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+            reply = client.chat.completions.create(model="p", messages=[{"role": "user", "content": task.prompt}])
+            (task.workdir / "answer.txt").write_text(reply.choices[0].message.content)
+        finally:
+            with LOCK:
+                COUNT["running"] -= 1
+    """
+)
+
+
+class FromFolder(RewardFunction):
+    """A reward that reads what the agent left in its working folder: the folder is there when it scores."""
+
+    folders: list[str] = []  # those scored before
+    prompts: list[str] = []
+    lingering = 0  # folders scored before that were still there
+
+    def score(self, batch):
+        folders = [Path(state["workdir"]) for state in batch["episode"]]
+        FromFolder.lingering += sum(Path(f).exists() for f in self.folders)
+        self.folders.extend(map(str, folders))
+        self.prompts.extend(batch["prompt_text"][::2])
+        return [float((f / "answer.txt").read_text() == text) for f, text in zip(folders, batch["response_text"])]
+
+
+def test_streamed_harness_groups_run_at_once_and_each_folder_lasts_until_its_rewards(
+    tiny_model, tmp_path, register_plugin
+):
+    """rollout.stream with the harness: each group's episodes are a rollout call of their own, several at
+    once through one gateway; a step trains the first groups to finish, each scored once with the files
+    its agent left, whose folders go once scored."""
+    from hybridrl.hookspecs import hookimpl
+    from hybridrl.run import build_run
+    from hybridrl.trainer import Trainer
+
+    class Plugin:
+        @hookimpl
+        def register_rollout_engines(self, register):
+            register("in_flight", InFlight)
+
+        @hookimpl
+        def register_reward_functions(self, register):
+            register("from_folder", FromFolder)
+
+    register_plugin(Plugin(), name="in-flight")
+    FromFolder.folders, FromFolder.prompts, FromFolder.lingering = [], [], 0
+    (tmp_path / "streamed.py").write_text(STREAMED)
+    agent = {"environment": "harness", "callable": f"{tmp_path / 'streamed.py'}:solve", "max_total_tokens": 64}
+    cfg = run_config(tiny_model, tmp_path / "run", agent)
+    cfg["rollout"] |= {"engine": "in_flight", "async": 1, "stream": True}
+    cfg["rewards"] = [{"function": "from_folder"}]
+    cfg["trainer"]["steps"] = 3
+    trainer = Trainer(build_run(load_config(data=cfg)))
+    trainer.train()
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["rollout/groups"] for r in rows] == [2, 2, 2] and all(r["agent/lost_mean"] == 0 for r in rows)
+    assert all(r["reward/from_folder/mean"] == 1 for r in rows)  # every folder held its agent's answer
+    assert len(FromFolder.prompts) == len(set(FromFolder.prompts)) == 6  # each group scored once
+    assert trainer.run.agent.env.agent.__globals__["COUNT"]["most"] > 2  # more than one group's (n = 2) at once
+    assert FromFolder.lingering == 0 and not any(Path(f).exists() for f in FromFolder.folders)  # each went once scored
+    assert trainer.run.agent.env.gateway.pending == 0

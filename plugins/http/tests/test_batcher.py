@@ -67,3 +67,26 @@ def test_callers_that_keep_sending_are_waited_for_past_wait_s():
     staggered(batcher, [1, 2, 3], gap_s=0.6)  # 1.2 s from the first to the third; the fourth never sends
     batcher.close()
     assert calls == [[[1], [2], [3]]]
+
+
+def test_requests_of_other_settings_wait_for_a_call_of_their_own():
+    """Requests that sample with other settings (an evaluation's beside a run's streamed episodes) never
+    share a call: each call gets its requests' settings, and a request that came between is not lost."""
+    calls = []
+
+    def generate(prompts, seeds, max_tokens, settings):
+        calls.append((settings, [p[0] for p in prompts]))
+        return [{"ids": [p[0]], "logprobs": [0.0], "finish_reason": "stop"} for p in prompts]
+
+    batcher = Batcher(generate, size=8, wait_s=0.5, callers=lambda: 4)
+    answers, threads = {}, []
+    for p, settings in [(1, "train"), (2, "eval"), (3, "train"), (4, "eval")]:
+        submit = lambda p=p, s=settings: answers.update({p: batcher.submit([[p]], [p], 1, settings=s)})  # noqa: E731
+        threads.append(threading.Thread(target=submit))
+        threads[-1].start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    batcher.close()
+    assert calls == [("train", [1, 3]), ("eval", [2, 4])]
+    assert all(answers[p][0]["ids"] == [p] for p in (1, 2, 3, 4))

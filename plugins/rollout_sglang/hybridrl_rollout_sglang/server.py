@@ -53,7 +53,9 @@ class Server(Backend):
                 f"{self.component}: rollout.in_flight is 'on', but {why}; or set rollout.in_flight: auto."
             )
         if why and ctx.rank == 0:
-            print(f"note: {self.component}: weight syncs wait for the requests in flight: {why}.", file=sys.stderr,
+            adapters = ctx.lora is not None and ctx.lora.sync != "merged" and not self.can_release
+            which = "full-weight syncs (an adapter loads beside those in use)" if adapters else "weight syncs"
+            print(f"note: {self.component}: {which} wait for the requests in flight: {why}.", file=sys.stderr,
                   flush=True)  # fmt: skip
         return not why
 

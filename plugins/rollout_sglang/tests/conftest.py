@@ -635,7 +635,7 @@ def make_engine(tiny_model, tmp_path):
     from hybridrl.components import RunContext
     from hybridrl.models import load_tokenizer
 
-    def make(model_path=None, **options):
+    def make(model_path=None, lora=None, **options):
         path = model_path or tiny_model
         ctx = RunContext(
             model_path=path,
@@ -644,6 +644,7 @@ def make_engine(tiny_model, tmp_path):
             dtype=torch.float32,
             seed=0,
             run_dir=tmp_path / "run",
+            lora=lora,
         )
         return SGLangEngine(SGLangEngine.Options(**options), ctx)
 

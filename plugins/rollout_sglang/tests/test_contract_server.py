@@ -10,6 +10,7 @@ import torch
 from hybridrl_http.client import ServiceError
 
 from hybridrl.components import SamplingParams
+from hybridrl.config_sections import LoraOptions
 from hybridrl.models import load_causal_lm
 
 
@@ -222,7 +223,9 @@ def test_syncs_in_flight_need_a_server_that_pauses(make_engine, sglang_server, c
     with pytest.raises(ServiceError, match=r"in_flight is 'on', but .* has no /pause_generation"):
         make_engine(base_url=sglang_server.url, in_flight="on")
     assert not make_engine(base_url=sglang_server.url).updates_in_flight()
-    assert "weight syncs wait for the requests in flight" in capsys.readouterr().err
+    assert "): weight syncs wait for the requests in flight" in capsys.readouterr().err
+    make_engine(base_url=sglang_server.url, lora=LoraOptions(r=4))  # adapter syncs still land in flight
+    assert "full-weight syncs (an adapter loads beside those in use) wait" in capsys.readouterr().err
     sglang_server.pauses = True
     assert not make_engine(base_url=sglang_server.url, release_memory_on_sleep=True).updates_in_flight()
     assert not make_engine(base_url=sglang_server.url, in_flight="off").updates_in_flight()
