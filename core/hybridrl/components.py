@@ -326,11 +326,8 @@ class ShardingStrategy(Component):
         model.load_state_dict(state, strict=False)
 
     def save_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> bool:
-        """Write the model's and optimizer's state as shards (every rank its own) under ``path``.
-
-        Returns False when the strategy keeps no sharded state: the checkpoint then holds the
-        optimizer state in ``optimizer.pt`` and the weights in ``policy/``.
-        """
+        """Write the model's and optimizer's state as shards (every rank its own) under ``path``; False
+        where the strategy keeps none (the checkpoint then holds ``optimizer.pt`` and ``policy/``)."""
         return False
 
     def load_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -418,8 +415,7 @@ class Environment(Component):
         raise NotImplementedError
 
     def release(self, states: list) -> None:
-        """The rewards of the trajectories whose states these are (a training call's, scored or dropped)
-        are in: what the environment keeps for them (an episode's working folder) may go."""
+        """A training call's trajectories (``states``) are scored or dropped: what it keeps for them may go."""
 
     def close(self) -> None:
         """Release what it started (servers, processes); the run calls it once, at its end."""
