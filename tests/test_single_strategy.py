@@ -88,6 +88,27 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_model, tmp_pa
         assert torch.allclose(grads[n], grads2[n], rtol=1e-4, atol=1e-6), n
 
 
+def test_a_pass_that_shares_prompts_runs_the_compiled_blocks_eagerly_and_compiles_nothing(tiny_model, tmp_path):
+    """Rows with the same prompt: the pass runs the prompt once, keeping its keys and values in a cache
+    the responses read. Blocks called with that cache run eagerly; compiled, its per-layer state made a
+    graph for each layer and state (64 for SmolLM2 on a CPU, when torch stopped compiling)."""
+    plain = strategy(tiny_model, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 100, (2, 6), generator=g).repeat_interleave(2, 0)  # two prompts, two rows each
+    ids = torch.cat([prompts, torch.randint(3, 100, (4, 5), generator=g)], 1)
+    mask = torch.ones_like(ids)
+    lp, _ = response_logprobs(plain.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))), ids, mask, 5)
+    compiled = strategy(tiny_model, tmp_path, compile=True)
+    model = compiled.wrap(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")))
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    with torch.no_grad():
+        shared, _ = response_logprobs(model, ids, mask, 5, share_prompts=True)
+    assert graphs["unique_graphs"] == before  # nothing compiled for the cache's layers
+    assert torch.allclose(shared, lp, atol=1e-5)
+
+
 def bf16_run(model, run_dir, **sharding):
     from hybridrl.config import load_config
 

@@ -109,11 +109,13 @@ def compile_blocks(model: torch.nn.Module) -> None:
     again mid-run; the others stay static, as the pass runner keeps a run's packed rows one width
     (:attr:`hybridrl.components.ShardingStrategy.pack_width`): graphs of a dynamic width ran 1.6x
     slower on an H200 (BENCHMARKS.md). A pass of one row compiles a graph of its own (torch.compile
-    specialises sizes 0 and 1)."""
+    specialises sizes 0 and 1). A call that carries a KV cache (a pass that shares its prompts,
+    ``trainer.share_prompts``) runs eagerly: the cache's state, per layer, made a graph for each layer,
+    64 for SmolLM2 on a CPU, when torch stopped compiling (75 s of compiling at step 1)."""
     allow_recompiles()
     fuse_whatever_the_size()
     for block in find_blocks(model):
-        block.forward = _rows_dynamic(torch.compile(block.forward))
+        block.forward = _rows_dynamic(torch.compile(block.forward), block.forward)
 
 
 def fuse_whatever_the_size() -> None:
@@ -129,8 +131,10 @@ def fuse_whatever_the_size() -> None:
         inductor.triton.mix_order_reduction_non_strict_mode = True
 
 
-def _rows_dynamic(compiled):
+def _rows_dynamic(compiled, eager):
     def forward(*args, **kwargs):
+        if kwargs.get("past_key_values", kwargs.get("past_key_value")) is not None:
+            return eager(*args, **kwargs)
         tensors = [t for t in (*args, *kwargs.values()) for t in (t if isinstance(t, tuple) else (t,))]
         tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim()]
         rows = tensors[0].shape[0] if tensors else 0
