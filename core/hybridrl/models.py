@@ -92,9 +92,7 @@ def convert_gguf(gguf: Path) -> Path:
     The folder appears atomically (written beside, then renamed), so an interrupted
     conversion never leaves a half-written model behind.
     """
-    st = gguf.stat()
-    key = hashlib.sha1(f"{CONVERSION}:{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    out = cache_dir() / "models" / f"{gguf.stem}-{gguf_key(gguf)}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +121,18 @@ def convert_gguf(gguf: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def gguf_key(gguf: Path, edge: int = 4 << 20) -> str:
+    """What names a GGUF file's conversion: its size and the bytes of its first and last 4 MiB (the header,
+    tensor table and the last tensors), not where it lies: a copy in a new environment finds the folder
+    an earlier one converted (keyed by path and time, every fresh install converted again, 0.5 GB each)."""
+    digest = hashlib.sha1(f"{CONVERSION}:{gguf.stat().st_size}:".encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(edge))
+        f.seek(max(0, gguf.stat().st_size - edge))
+        digest.update(f.read(edge))
+    return digest.hexdigest()[:12]
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ model is pinned alike).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -121,7 +122,7 @@ def repaired_config(cfg: dict) -> dict | None:
 def loadable_folder(folder: Path, cache: Path) -> Path:
     """``folder``, or where its config needs :func:`repaired_config`, a folder under ``cache`` with
     the repaired ``config.json`` and links to every other file (made once, atomically; the
-    checkpoint itself is never written)."""
+    checkpoint itself is never written). Such folders whose checkpoint is gone are removed then."""
     try:
         text = (folder / "config.json").read_text()
         fixed = repaired_config(json.loads(text))
@@ -134,6 +135,10 @@ def loadable_folder(folder: Path, cache: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    for old in out.parent.glob("*-rope-*"):  # those of checkpoints since moved or removed: their links lead nowhere
+        with contextlib.suppress(OSError):  # another process removed it first
+            if any(f.is_symlink() and not f.exists() for f in old.iterdir()):
+                shutil.rmtree(old, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         for f in folder.resolve().iterdir():
