@@ -13,10 +13,13 @@ responses of up to ``--max-tokens`` (1024) sampled at temperature 1: most end wi
 tokens and a few run to the limit, the long tail a reasoning run has. GRPO, ``--prompts`` x ``--n``
 a step, KL k3 0.01, lr 1e-5, the token-level correction (``rollout_correction: token``).
 
-The server is started once (``python -m sglang.launch_server``, float16 weights, ``--mem-fraction-static``
-of the GPU) and every mode reaches it through ``rollout.base_url``; each mode first pushes the initial
-weights. Modes: ``sync`` (the baseline: each step generates, then trains), ``async1`` (``rollout.async:
-1``, a sync waits for the batch generated ahead: ``in_flight: off``), ``in_flight`` (the same, the
+The server (``python -m sglang.launch_server``, float16 weights, ``--mem-fraction-static`` of the GPU)
+is started twice: with its radix cache (SGLang's default, the baseline's best) for ``sync`` and
+``async1``, and with ``--disable-radix-cache`` for ``in_flight`` and ``stream`` (a sync in flight
+cannot flush that cache while requests wait, so the engine takes syncs in flight only without it).
+Every mode reaches it through ``rollout.base_url``; each mode first pushes the initial weights.
+Modes: ``sync`` (the baseline: each step generates, then trains), ``async1`` (``rollout.async: 1``, a
+sync waits for the batch generated ahead: ``in_flight: off``), ``in_flight`` (the same, the
 sync lands while that batch runs: SGLang retracts its requests, loads, prefills them again and goes
 on), ``stream`` (``rollout.stream: true`` on top: each prompt's group a request of its own, a step
 trains the first groups to finish while the server keeps the rest running). Per mode, over the timed
@@ -133,8 +136,9 @@ class Utilization:
             self.proc.terminate()
 
 
-def start_server(args, log: Path) -> tuple[str, subprocess.Popen | None]:
-    """SGLang's server on the GPU; in --smoke the contract fake of the plugin's tests, in a thread."""
+def start_server(args, log: Path, radix: bool) -> tuple[str, subprocess.Popen | None]:
+    """SGLang's server on the GPU (``radix``: with its radix cache); in --smoke the contract fake of the
+    plugin's tests, in a thread."""
     if args.smoke:
         import importlib.util
 
@@ -143,6 +147,7 @@ def start_server(args, log: Path) -> tuple[str, subprocess.Popen | None]:
         fake = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(fake)
         server = fake.ContractServer(fake.ContractSGLang(args.model_folder))
+        server.radix_cache = radix
         if args.lora:  # as --enable-lora --max-lora-rank R --lora-target-modules all
             server.core.lora = {"enable_lora": True, "max_lora_rank": args.lora, "lora_target_modules": ["all"]}
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -153,6 +158,7 @@ def start_server(args, log: Path) -> tuple[str, subprocess.Popen | None]:
            "--context-length", "2048", "--log-level", "info"]  # fmt: skip
     if args.lora:  # adapters loaded at runtime, several at once (those requests in flight use)
         cmd += ["--enable-lora", "--max-lora-rank", str(args.lora), "--lora-target-modules", "all"]
+    cmd += [] if radix else ["--disable-radix-cache"]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.server_timeout
@@ -312,15 +318,20 @@ def main() -> int:
         "summary": {},
     }
     server_log = None if args.smoke else args.workdir / "server.log"
-    t = time.perf_counter()
-    url, proc = start_server(args, server_log or args.workdir / "server.log")
-    result["server_start_s"] = time.perf_counter() - t
-    print(f"server up in {result['server_start_s']:.1f} s at {url}", flush=True)
-    gpu = Utilization()
+    gpu, proc = Utilization(), None
     try:
         for mode in MODES:
             if mode[0] not in args.modes.split(","):
                 continue
+            radix = mode[2] == "off"  # syncs in flight need the server without its radix cache
+            if proc is None or result.get("radix_cache") != radix:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(60)
+                t = time.perf_counter()
+                url, proc = start_server(args, server_log or args.workdir / "server.log", radix)
+                result[f"server_start_s_radix_{radix}"], result["radix_cache"] = time.perf_counter() - t, radix
+                print(f"server up in {time.perf_counter() - t:.1f} s at {url} (radix cache {radix})", flush=True)
             try:
                 got = run_mode(args, url, mode, args.workdir, gpu, server_log, not result["summary"])
             except Exception as e:  # noqa: BLE001 - the next modes still run; the error is in the JSON

@@ -151,8 +151,9 @@ class SGLangEngine(RolloutEngine):
             "and tokens so far again under them; nothing is aborted. SGLang does not say which weights sampled "
             "each token, so a response counts at the version it started with, its oldest. An adapter sync (model.lora) "
             "needs no pause: the new adapter loads beside those requests in flight use. 'auto': where the server has "
-            "those calls (SGLang 0.5) (else full-weight syncs wait, saying why once); 'on': required; 'off': syncs "
-            "wait.",
+            "those calls (SGLang 0.5) and runs without its radix cache (--disable-radix-cache: the prompts' keys and "
+            "values it keeps would outlive the sync) (else full-weight syncs wait, saying why once); 'on': required; "
+            "'off': syncs wait.",
         )
 
         @field_validator(*IN_PROCESS_ONLY, *SERVER_ONLY)

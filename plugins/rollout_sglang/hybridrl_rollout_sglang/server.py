@@ -17,9 +17,11 @@ from hybridrl_rollout_sglang.protocol import COMPONENT
 
 class Server(Backend):
     """A running SGLang server, through its native API (``/generate``, ``/update_weights_from_disk``).
-    With ``in_flight`` a sync retracts the running requests (``/pause_generation``, mode ``retract``:
-    back to the queue with the tokens they have), loads, and lets them go on (``/continue_generation``),
-    their prompts and tokens prefilled again under the new weights. An adapter sync needs no pause: the
+    With ``in_flight`` (a server without a radix cache) a sync retracts the running requests
+    (``/pause_generation``, mode ``retract``: back to the queue with the tokens they have, their keys and
+    values freed), loads without flushing a cache (SGLang's scheduler fails on a flush while requests
+    wait), and lets them go on (``/continue_generation``), their prompts and tokens prefilled again
+    under the new weights. An adapter sync needs no pause: the
     new adapter loads beside the ones requests in flight use (the engine unloads those once unused)."""
 
     def __init__(self, options, ctx):
@@ -68,6 +70,13 @@ class Server(Backend):
             if "HTTP 404" not in str(e):
                 raise
             return f"{self.url} has no /pause_generation and /continue_generation (SGLang 0.5 has them)"
+        info = get_json(f"{self.url}/get_server_info", **self._http())
+        if isinstance(info, dict) and not info.get("disable_radix_cache", True):
+            return (
+                f"{self.url} keeps a radix cache, whose prompts' keys and values, computed under the weights before, "
+                "requests would reuse after a sync in flight (which cannot flush it while they wait): start it with "
+                "--disable-radix-cache"
+            )
         return None
 
     def _http(self, timeout=None):
@@ -111,7 +120,9 @@ class Server(Backend):
         seen_by_server = folder
         if self.options.server_weights_dir:
             seen_by_server = Path(self.options.server_weights_dir) / folder.name
-        payload = {"model_path": str(seen_by_server)} | ({"weight_version": str(version)} if self.in_flight else {})
+        payload = {"model_path": str(seen_by_server)}
+        if self.in_flight:  # a flush with requests waiting fails SGLang's scheduler: "Cache flush failed after ..."
+            payload |= {"weight_version": str(version), "flush_cache": False}
         if self.in_flight:  # the running requests back to the queue, their tokens kept
             self._post("/pause_generation", {"mode": "retract"})
         try:

@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import types
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,6 +95,7 @@ class ContractSGLang:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # a paused generation waits on it, the lock released
         self.paused = False  # /pause_generation (mode retract) until /continue_generation
+        self.waiting = 0  # requests in the queue while paused: retracted, or come in meanwhile
         self.weights_version = 0  # weights loaded since the start
         self.step_hook = None  # called with this object between two decoding steps, the lock held (tests)
         self.released: set[str] = set()
@@ -129,8 +131,7 @@ class ContractSGLang:
         if name is not None and name not in self.adapters:
             raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
         with self.lock:
-            while self.paused:  # a new request waits in the queue
-                self.cond.wait()
+            self._wait_while_paused()  # a new request waits in the queue
             if self.released & {"kv_cache", "weights"}:
                 raise RuntimeError(f"generate with released memory {sorted(self.released)}")
             self.calls.append(("generate", len(rows)) + ((name,) if name else ()))
@@ -292,9 +293,21 @@ class ContractSGLang:
             self.step_hook(self)
         if self.paused:
             self.calls.append(("retracted",))
+        self._wait_while_paused()
+        return self.weights_version != version
+
+    def _wait_while_paused(self) -> None:
+        if not self.paused:
+            return
+        self.waiting += 1
         while self.paused:
             self.cond.wait()
-        return self.weights_version != version
+        self.waiting -= 1
+
+    def flush_cache(self) -> bool:
+        """SGLang's scheduler flushes its caches only with no request running or waiting (an update's
+        flush that cannot asserts, and the server dies: "Cache flush failed after updating weights")."""
+        return not self.waiting
 
     def pause(self, mode: str) -> None:
         if mode != "retract":
@@ -302,6 +315,10 @@ class ContractSGLang:
         with self.cond:
             self.paused = True
             self.calls.append(("pause_generation", mode))
+            self.cond.notify_all()
+            deadline = time.monotonic() + 30  # as SGLang's, it answers once the running requests are back in the queue
+            while self.waiting < sum(self.serving.values()) and time.monotonic() < deadline:
+                self.cond.wait(0.01)
 
     def go_on(self) -> None:
         with self.cond:
@@ -497,6 +514,7 @@ class ContractServer(ThreadingHTTPServer):
         self.fails_left = 0
         self.api_key: str | None = None  # like --api-key: other bearer tokens get 401
         self.pauses = True  # False: no /pause_generation and /continue_generation (before SGLang 0.5)
+        self.radix_cache = True  # SGLang's default; False: started with --disable-radix-cache
         self.requests: list[tuple[str, dict | None]] = []  # (path, body) of every call
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -543,7 +561,8 @@ class ContractHandler(BaseHTTPRequestHandler):
             self._send(200, b"")
         elif self.path == "/get_server_info":
             self._send(200, {"model_path": core.model_path, "enable_lora": False, "max_lora_rank": None,
-                             "lora_target_modules": None, **core.lora, "version": "0.5.17-contract"})  # fmt: skip
+                             "lora_target_modules": None, **core.lora, "version": "0.5.17-contract",
+                             "disable_radix_cache": not self.server.radix_cache})  # fmt: skip
         elif self.path == "/get_model_info":
             self._send(
                 200,
@@ -587,6 +606,8 @@ class ContractHandler(BaseHTTPRequestHandler):
                 self._send(200, {"success": True})
             elif self.path == "/update_weights_from_disk":
                 ok, message = core.load_from_disk(body["model_path"])
+                if ok and body.get("flush_cache", True) and not core.flush_cache():
+                    raise AssertionError("Cache flush failed after updating weights")  # the scheduler's end
                 self._send(200 if ok else 400, {"success": ok, "message": message, "num_paused_requests": 0})
             elif self.path == "/release_memory_occupation":
                 core.release((body or {}).get("tags"))

@@ -162,13 +162,16 @@ def test_sampler_is_the_config_not_the_generation_config(make_engine, sglang_ser
 def test_a_sync_lands_while_a_request_runs_and_it_goes_on_under_the_new_weights(
     make_engine, sglang_server, prompts, tiny_model, tmp_path
 ):
-    """Contract test (in_flight): a sync that comes while a response is half decoded retracts it
-    (/pause_generation, mode retract), loads, and lets it go on (/continue_generation): none of its
-    tokens is lost, those before the sync are the old weights' samples, those after the new ones'."""
+    """Contract test (in_flight, a server without a radix cache): a sync that comes while a response is
+    half decoded retracts it (/pause_generation, mode retract), loads without a flush (SGLang's scheduler
+    fails on one while the request waits: the server died so on an H100), and lets it go on
+    (/continue_generation): none of its tokens is lost, those before the sync are the old weights'
+    samples, those after the new ones'."""
     import threading
 
     from hybridrl.passes import response_logprobs
 
+    sglang_server.radix_cache = False  # --disable-radix-cache
     engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"))
     assert engine.updates_in_flight()  # its setup asked /continue_generation: the server has it
     core, reached, steps = sglang_server.core, threading.Event(), []
@@ -207,6 +210,7 @@ def test_a_sync_lands_while_a_request_runs_and_it_goes_on_under_the_new_weights(
     assert flow == ["continue_generation"] + ["pause_generation", "update_weights_from_disk", "continue_generation"]
     update = [b for p, b in sglang_server.requests if p == "/update_weights_from_disk"][-1]
     assert update["weight_version"] == "1" and ("/pause_generation", {"mode": "retract"}) in sglang_server.requests
+    assert update["flush_cache"] is False and ("retracted",) in core.calls
     sequence = torch.tensor([prompts[0] + ids])
     mask, got = torch.ones_like(sequence), torch.tensor(lps)
     with torch.no_grad():
@@ -226,6 +230,12 @@ def test_syncs_in_flight_need_a_server_that_pauses(make_engine, sglang_server, c
     assert "): weight syncs wait for the requests in flight" in capsys.readouterr().err
     make_engine(base_url=sglang_server.url, lora=LoraOptions(r=4))  # adapter syncs still land in flight
     assert "full-weight syncs (an adapter loads beside those in use) wait" in capsys.readouterr().err
-    sglang_server.pauses = True
+    sglang_server.pauses = True  # and a radix cache, SGLang's default: its prompts' KV would outlive a sync
+    with pytest.raises(ServiceError, match=r"keeps a radix cache, .* start it with --disable-radix-cache"):
+        make_engine(base_url=sglang_server.url, in_flight="on")
+    assert not make_engine(base_url=sglang_server.url).updates_in_flight()
+    assert "--disable-radix-cache" in capsys.readouterr().err
+    sglang_server.radix_cache = False
+    assert make_engine(base_url=sglang_server.url).updates_in_flight()
     assert not make_engine(base_url=sglang_server.url, release_memory_on_sleep=True).updates_in_flight()
     assert not make_engine(base_url=sglang_server.url, in_flight="off").updates_in_flight()
