@@ -127,10 +127,11 @@ def gguf_key(gguf: Path, edge: int = 4 << 20) -> str:
     """What names a GGUF file's conversion: its size and the bytes of its first and last 4 MiB (the header,
     tensor table and the last tensors), not where it lies: a copy in a new environment finds the folder
     an earlier one converted (keyed by path and time, every fresh install converted again, 0.5 GB each)."""
-    digest = hashlib.sha1(f"{CONVERSION}:{gguf.stat().st_size}:".encode())
+    size = gguf.stat().st_size
+    digest = hashlib.sha1(f"{CONVERSION}:{size}:".encode())
     with open(gguf, "rb") as f:
         digest.update(f.read(edge))
-        f.seek(max(0, gguf.stat().st_size - edge))
+        f.seek(max(0, size - edge))
         digest.update(f.read(edge))
     return digest.hexdigest()[:12]
 
