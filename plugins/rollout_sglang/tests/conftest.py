@@ -164,8 +164,9 @@ class ContractSGLang:
             most = self.lora.get("max_loaded_loras")
             while most is not None and len(self.adapters) > most:  # SGLang evicts the least recently used,
                 oldest = next(iter(self.adapters))  # once no running request uses it
-                while self.serving[oldest]:
-                    self.cond.wait()
+                if self.serving[oldest]:
+                    self.cond.wait()  # meanwhile the client may unload it: look again
+                    continue
                 self.calls.append(("evict_lora_adapter", oldest))
                 del self.adapters[oldest]
         return self._lora_result(True, "")

@@ -191,9 +191,10 @@ def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_se
     names = [c[1] for c in flow if c[0] == "load_lora_adapter"]
     if most is None:  # the second, never used, goes at the third's load; the first once its request is done
         assert flow[-2:] == [("unload_lora_adapter", names[1]), ("unload_lora_adapter", names[0])]
-    else:  # the third's load evicted the first once its request was done; the engine unloads the second
-        assert flow[-3:] == [("load_lora_adapter", names[2]), ("evict_lora_adapter", names[0]),
-                             ("unload_lora_adapter", names[1])]  # fmt: skip
+    else:  # the first went once its request was done: evicted by the third's load, or unloaded by the engine
+        # where that came first (both race, and neither fails); then the engine unloads the second
+        gone = [c for c in flow if c[1] == names[0] and c[0] != "load_lora_adapter"]
+        assert len(gone) == 1 and flow[-1] == ("unload_lora_adapter", names[1])
     assert core.adapters.keys() == {names[2]} and engine.loaded == {names[2]: 3}
     batch = Batch.from_rollout(prompts[:1], result, 1, pad_id=0)
     with torch.no_grad():
