@@ -91,7 +91,10 @@ def main() -> str:
                 out += (table(opts) if opts.model_fields else [f"No options of its own in `{where}`."]) + [""]
     for name, entry in sorted(plugins.config_sections().items()):  # top-level sections of plugins (serve's online)
         out += [f"## `{name}`", "", f"The section of the plugin `{entry.plugin}` ({entry.package}).", ""]
-        out += table(entry.cls) + [""]
+        item = getattr(entry.cls, "ITEM", None)  # a mapping of names to sections of one shape (tenants)
+        if item is not None:
+            out += [" ".join((entry.cls.__doc__ or "").split()), "", f"The keys of each `{name}.<name>`:", ""]
+        out += table(item or entry.cls) + [""]
     return "\n".join(out)
 
 

@@ -70,7 +70,7 @@ def test_distributed_holds_collectives_only():
 
 
 # plugins that drive whole runs: they build a Run and use the loop's public methods (testing: the tests' runs)
-FACES = {"serve", "tinker", "testing"}
+FACES = {"serve", "tinker", "tenants", "testing"}
 
 
 def test_components_import_shared_modules_not_the_loop():

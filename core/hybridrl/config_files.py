@@ -166,6 +166,8 @@ def options_error(e: ValidationError, where: str, component: str, core_keys: lis
             lines.append(f"Unknown key '{key}' in {where} ({component}).{hint} Valid keys: {valid}")
         elif err["type"] == "missing":
             lines.append(f"Missing required key '{where}.{key}' for {component}.")
+        elif err["type"] == "value_error" and not key:  # the section's own check, over its keys
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}.")
         else:
             lines.append(f"{where}.{key}: {err['msg']} (got {_got(err)}).")
     return "\n".join(lines)

@@ -72,11 +72,12 @@ class Checked:
     evaluation: Evaluation  # the data.eval sets, built and checked
 
 
-def check(cfg: RunConfig, device: torch.device | None = None, run_dir: Path | None = None, *, train=True, data=True):
+def check(cfg: RunConfig, device: torch.device | None = None, run_dir=None, *, train=True, data=True, calls=None):
     """Run every check of ``cfg`` that needs no model on ``device`` (default: trainer.device's);
     ``run_dir``: the run's folder (default: trainer.run_dir, where set). ``train``: for a training run;
     False for evaluation alone (``hybridrl eval``: no training data, no trained model). ``data``: False
-    for a training run whose prompts come from elsewhere (prompts of up to data.max_prompt_tokens)."""
+    for a training run whose prompts come from elsewhere (prompts of up to data.max_prompt_tokens;
+    ``calls`` responses an engine call at the most, None: any number)."""
     device = device if device is not None else run_device(cfg)
     run_dir = run_dir if run_dir is not None else Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else None
     check_sources(cfg, train, data)
@@ -100,7 +101,7 @@ def check(cfg: RunConfig, device: torch.device | None = None, run_dir: Path | No
             f"model.path {cfg.model.path}: transformers cannot load its tokenizer ({type(e).__name__}: {reason}). "
             "A model folder needs its tokenizer files (tokenizer.json or the model family's, tokenizer_config.json)."
         ) from None
-    ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"), data)
+    ctx = run_context(cfg, model_path, tokenizer, device, run_dir or Path("runs"), data, calls)
     if train and cfg.model.lora:
         ctx.join(lora=cfg.model.lora)
     source = None
@@ -146,7 +147,7 @@ def run_device(cfg: RunConfig) -> torch.device:
 
 
 def run_context(
-    cfg: RunConfig, model_path: str, tokenizer, device: torch.device, run_dir: Path, data: bool = True
+    cfg: RunConfig, model_path: str, tokenizer, device: torch.device, run_dir: Path, data: bool = True, calls=None
 ) -> RunContext:
     """What the components learn of the run; the strategy and the passes join it once built."""
     t = cfg.trainer
@@ -165,8 +166,8 @@ def run_context(
         response_tokens=cfg.rollout.max_tokens,
         steps=t.steps,
         sampling=Sampling(**cfg.rollout.model_dump(include=set(Sampling.model_fields))),
-        # a run without a dataset answers its face's requests, of any size
-        responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n if data else None,
+        # a run without a dataset answers its face's requests: of the size it says, or any
+        responses_per_call=t.prompts_per_step // distributed.world_size() * cfg.rollout.n if data else calls,
     )
 
 

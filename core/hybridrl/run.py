@@ -92,11 +92,14 @@ class Run:
         distributed.teardown(together=together)
 
 
-def build_run(config: RunConfig, name: str = "run", *, train: bool = True, data: bool = True) -> Run:
+def build_run(
+    config: RunConfig, name: str = "run", *, train: bool = True, data: bool = True, calls: int | None = None
+) -> Run:
     """The run of ``config``: its folder is trainer.run_dir, or ``runs/NAME-TIMESTAMP``. ``train``:
     with the policy, its optimizer and the training data; False for evaluation alone (the engine
     loads model.path; no training data; any number of torchrun ranks). ``data``: False for a
-    training run without the config's data (its prompts come from elsewhere)."""
+    training run without the config's data (its prompts come from elsewhere); ``calls``: then the
+    most responses one engine call asks for, where its face knows (None: any number)."""
     t = config.trainer
     if t.resume and not t.run_dir:
         raise ConfigError("trainer.resume (--resume) needs trainer.run_dir: the directory of the run to continue.")
@@ -110,7 +113,7 @@ def build_run(config: RunConfig, name: str = "run", *, train: bool = True, data:
     run_dir = Path(distributed.broadcast_object(str(run_dir)))  # rank 0's
     built: list = []  # what needs releasing if a later part fails
     try:
-        return _build(config, device, run_dir, train, built, data)
+        return _build(config, device, run_dir, train, built, data, calls)
     except BaseException:
         for part in reversed(built):
             with contextlib.suppress(Exception):
@@ -119,8 +122,8 @@ def build_run(config: RunConfig, name: str = "run", *, train: bool = True, data:
         raise
 
 
-def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, built: list, data: bool) -> Run:
-    checked = preflight.check(config, device, run_dir, train=train, data=data)  # every check that needs no model
+def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, built: list, data: bool, calls) -> Run:
+    checked = preflight.check(config, device, run_dir, train=train, data=data, calls=calls)  # needing no model
     ctx, tokenizer = checked.ctx, checked.tokenizer
     evaluation = checked.evaluation
     built.append(evaluation)
@@ -219,14 +222,18 @@ def models(config: RunConfig, model_path: str, ctx: RunContext, strategy, algori
         ref = strategy.wrap_reference(load().eval().requires_grad_(False))
     if m.lora and ctx.is_main:
         print(lora.describe(policy, m.lora, algorithm.trained_models()), flush=True)
-    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer, scheduler = optimizer_of([p for p in policy.parameters() if p.requires_grad], t)
+    return {"policy": policy, "ref": ref, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def optimizer_of(params: list, t) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` and its learning-rate schedule, as the trainer section ``t`` sets them."""
     # one fused kernel per step on a GPU (as transformers' Trainer defaults to); sharded
     # parameters (DTensors) keep torch's default multi-tensor implementation
     fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=fused or None)
     factor = functools.partial(lr_factor, t.warmup_steps, t.steps, t.lr_schedule, t.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    return {"policy": policy, "ref": ref, "optimizer": optimizer, "scheduler": scheduler}
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def follow_engine_positions(engine, parts: dict, model_config, config: RunConfig, main: bool) -> None:

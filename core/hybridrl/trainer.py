@@ -90,18 +90,7 @@ class Trainer:
                         if distributed.world_size() == 1 or not distributed.is_collective_failure(e):
                             raise
                         raise distributed.RankFailure(distributed.describe_failure(e, step, t.timeout_s)) from e
-                    stop = self.signals.agree()
-                    last = step == t.steps and not stop
-                    if (last and t.eval_after_train) or (t.eval_every and step % t.eval_every == 0 and not stop):
-                        self.evaluate(step)
-                    if stop or (last and t.save_final) or (t.save_every and step % t.save_every == 0):
-                        path = self.save(step, weights_only=last and t.save_final == "weights")
-                    if stop:
-                        raise Interrupted(
-                            f"stopped by {stop} after step {step}; checkpoint {path}. "
-                            f"Continue with: hybridrl train CONFIG --resume trainer.run_dir={self.run.run_dir}",
-                            self.signals.exit_code,
-                        )
+                    between_steps(t, step, self.signals, self.evaluate, self.save, "train", self.run.run_dir)
             finished = True
         finally:
             self.close(metrics, finished)
@@ -393,3 +382,21 @@ class Trainer:
             if samples is not None:
                 logger.log_samples(step, samples)
         return metrics
+
+
+def between_steps(t, step: int, signals: StopSignals, evaluate, save, command: str, run_dir: Path) -> None:
+    """After ``step``: ``evaluate(step)`` and ``save(step, weights_only)`` (the checkpoint's path) as the
+    trainer section ``t`` schedules them; where a stop signal came (``signals``), save and stop with
+    the way to go on (``hybridrl COMMAND CONFIG --resume``)."""
+    stop = signals.agree()
+    last = step == t.steps and not stop
+    if (last and t.eval_after_train) or (t.eval_every and step % t.eval_every == 0 and not stop):
+        evaluate(step)
+    if stop or (last and t.save_final) or (t.save_every and step % t.save_every == 0):
+        path = save(step, weights_only=last and t.save_final == "weights")
+    if stop:
+        raise Interrupted(
+            f"stopped by {stop} after step {step}; checkpoint {path}. "
+            f"Continue with: hybridrl {command} CONFIG --resume trainer.run_dir={run_dir}",
+            signals.exit_code,
+        )

@@ -46,7 +46,7 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self.loaded: tuple | None = None  # what the engine holds: (sampler id, snapshot id)
         self.syncs = 0
-        self.base = self.slots.fresh(0, set())  # lora_B zero: the base model
+        self.base = self.slots.fresh(0, lambda name: False)  # lora_B zero: the base model
         self.worker = Worker(self._sample)
 
     # -- sessions and configuration -----------------------------------------------------------
@@ -95,7 +95,8 @@ class TinkerService:
 
         def make():
             self._room(model_id)
-            self.tenants[model_id] = adapters.Tenant(base, self.slots.fresh(config.get("seed"), train), train)
+            params = self.slots.fresh(config.get("seed"), lambda name: adapters.group_of(name) in train)
+            self.tenants[model_id] = adapters.Tenant(base, params, train)
             self.tenants[model_id].metadata = body.get("user_metadata") or {}
             return {"model_id": model_id}
 
