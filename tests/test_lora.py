@@ -394,3 +394,54 @@ def test_an_adapter_folder_that_does_not_fit_is_one_line_before_any_step(case, t
     with pytest.raises(ConfigError, match=BAD_FOLDERS[case]) as e:
         build_run(load_config(data=data))
     assert "\n" not in str(e.value) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_call_naming_adapters_answers_each_prompt_with_its_own(tiny_model, tmp_path):
+    """Two named adapters over the hf engine, which holds one at a time: a call whose prompts name them in
+    turn (a, b, a) is split by the engine session into a call for each adapter's prompts (each seeded as
+    in the whole call, the adapter loaded first), and the answers come back in the prompts' order, each
+    sampled by its own adapter (its logprobs are that adapter's policy's)."""
+    from hybridrl import plugins
+    from hybridrl.batch import Batch
+    from hybridrl.components import RunContext, SamplingParams
+    from hybridrl.config import RolloutConfig
+    from hybridrl.models import load_tokenizer
+    from hybridrl.session import EngineSession
+
+    tok = load_tokenizer(tiny_model)
+    ctx = RunContext(tiny_model, tok, torch.device("cpu"), torch.float32, 0, tmp_path)
+    cls = plugins.lookup("rollout engine", "hf")
+    loads = []
+
+    class Counted(cls):
+        def update_adapter(self, adapter):
+            loads.append(adapter.name)
+            super().update_adapter(adapter)
+
+    session = EngineSession(Counted(cls.Options(), ctx), RolloutConfig(engine="hf"), pad_id=tok.pad_token_id)
+    session.adapters, policies = True, {}
+    for seed, name in ((1, "a"), (2, "b")):
+        policy = lora.apply_lora(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), LoraOptions(**LORA))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        tensors = [(lora.saved_name(n), p.detach()) for n, p in policy.named_parameters() if lora.adapted_layer_of(n)]
+        session.adapter, policies[name] = name, policy
+        session.sync(lora.Adapter(lora.adapter_config(policy), tensors), update=False)
+    prompts, names = [[5, 6, 7], [9, 10], [11, 12, 13, 14]], ["a", "b", "a"]
+    sampling = SamplingParams(n=2, max_tokens=6, temperature=1.0, ignore_eos=True, seeds=[11, 22, 33])
+    loads.clear()
+    mixed = session.generate(prompts, sampling.model_copy(update={"adapters": names}))
+    assert loads == ["a", "b"]  # each adapter loaded once, before its prompts (b was held last)
+    for name, rows, seeds in (("a", [0, 2], [11, 33]), ("b", [1], [22])):
+        alone = session.generate(
+            [prompts[i] for i in rows], sampling.model_copy(update={"seeds": seeds, "adapters": [name] * len(rows)})
+        )
+        assert [mixed.token_ids[2 * i + j] for i in rows for j in (0, 1)] == alone.token_ids
+        assert [mixed.logprobs[2 * i + j] for i in rows for j in (0, 1)] == alone.logprobs
+        batch = Batch.from_rollout([prompts[i] for i in rows], alone, 2, tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = response_logprobs(policies[name], batch.input_ids, batch.attention_mask, 6)
+        assert (lp - batch["rollout_logprobs"]).abs().max().item() < 1e-4  # sampled by this adapter

@@ -70,12 +70,18 @@ class RolloutEngine(Component):
         return "it loads full weights only"
 
     def update_adapter(self, adapter) -> None:
-        """Generate with the policy's adapter (:class:`hybridrl.lora.Adapter`) from now on; awake or asleep."""
+        """Generate with the policy's adapter (:class:`hybridrl.lora.Adapter`) from now on; awake or asleep.
+        An engine that mixes adapters (:meth:`adapters_per_call`) keeps it beside the others of other names."""
         raise NotImplementedError
 
+    def adapters_per_call(self) -> int:
+        """How many adapters one ``generate`` may mix, prompt i answered by the one named
+        ``sampling.adapters[i]``, all held at once (vLLM's max_loras); 1: the one loaded last."""
+        return 1
+
     def memory_options(self, half_prompts: int) -> str:
-        """The options that bound the engine's memory, for an out-of-memory error's fix ("Lower ...");
-        ``half_prompts``: half the prompts of the call that ran out, a value to suggest."""
+        """The options that bound the engine's memory, for an out-of-memory error's fix ("Lower ..."; a
+        value to suggest: ``half_prompts``, half the prompts of the call that ran out)."""
         return "the engine's memory options"
 
     def context_length(self) -> int | None:
@@ -100,9 +106,8 @@ class RolloutEngine(Component):
         return False
 
     def holds_latest_weights(self) -> bool:
-        """Whether, after :meth:`update_weights`, the engine computes with the weights it was sent
-        (False for a server that syncs every few updates, or never): the trainer then skips its
-        check of the sync (``rollout.sync_check``)."""
+        """Whether, after :meth:`update_weights`, the engine computes with the weights it was sent (False for
+        a server that syncs every few updates, or never): the trainer then skips ``rollout.sync_check``."""
         return True
 
     def sleep(self) -> None:
@@ -133,9 +138,8 @@ class RewardFunction(Component):
 
     @classmethod
     def needs(cls, options: Options) -> set[str]:
-        """The row fields :meth:`score` reads beside the prompt and the response, with these
-        ``options``: ``"answer"`` (``batch["answer"]``, the ground truth), ``"metadata"``. Checked
-        against each evaluation set's first row before any model loads; default: none."""
+        """The row fields :meth:`score` reads beside the prompt and the response, with these ``options``: ``"answer"``
+        (the ground truth), ``"metadata"``. Checked against each set's first row before any model loads."""
         return set()
 
     def score(self, batch: Batch) -> torch.Tensor | list[float]:
@@ -143,9 +147,8 @@ class RewardFunction(Component):
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
-        """Figures of the latest :meth:`score` call, logged as ``reward/<name>/<key>`` with the step's
-        metrics (a failure rate, the mean of a sub-score); ranks' values are averaged, so give means
-        over this rank's responses, not sums."""
+        """Figures of the latest :meth:`score` call, logged as ``reward/<name>/<key>`` (a failure rate, the mean
+        of a sub-score); ranks' values are averaged, so give means over this rank's responses, not sums."""
         return {}
 
     def close(self) -> None:
@@ -213,14 +216,11 @@ class Algorithm(Component):
         return []
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
-        """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks; returns
-        metrics to log. Not called when the caller brings its own advantages
-        (:meth:`hybridrl.trainer.Trainer.train_on`)."""
+        """Set ``batch["advantages"]`` (B, T) from ``batch["scores"]`` (B,) and the masks; returns metrics to log.
+        Not called when the caller brings its own advantages (:meth:`hybridrl.trainer.Trainer.train_on`)."""
         raise NotImplementedError
 
-    def loss(
-        self, batch: Batch, logprobs: torch.Tensor, entropy: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Batch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Loss of a minibatch and its metrics.
 
         :param batch: the minibatch; ``old_logprobs``, ``advantages``, ``response_mask`` and,

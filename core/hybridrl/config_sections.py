@@ -53,6 +53,12 @@ class LoraOptions(Strict):
         "merged weights; auto: the adapter where the engine takes adapters and generates on a GPU or in a server, "
         "else merged (said at setup, with why).",
     )
+    adapters: int = Field(
+        1,
+        gt=0,
+        description="Adapters the engine holds at once, by name (hybridrl tenants: one per tenant, set for you): an "
+        "engine that mixes adapters in one call (vllm in-process) loads them side by side.",
+    )
     quantize: Literal["none", "4bit", "8bit"] = Field(
         "none",
         description="The frozen base in 4-bit NF4 or 8-bit (bitsandbytes: QLoRA); the adapters train in float32 over "

@@ -44,6 +44,12 @@ class SamplingParams(Sampling):
         "the agent loop seeds each trajectory's turn whatever call it lands in. Engines that seed each request "
         "(vllm, sglang) honour it exactly; the hf engine seeds the call with the first.",
     )
+    adapters: list[str] | None = Field(
+        None,
+        description="The name of the LoRA adapter that answers each prompt of the call (hybridrl tenants); engines "
+        "that mix adapters (RolloutEngine.adapters_per_call) read it, the engine session splits the call for the "
+        "others. None: the one adapter of the run.",
+    )
 
     def prompt_seeds(self, prompts: int) -> list[int] | None:
         """The seed of each of ``prompts`` prompts, its sample j seeded ``+ j`` (vLLM's rule for a

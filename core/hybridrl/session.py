@@ -27,6 +27,7 @@ the sync check's probe; and so do its weight syncs, its figures and its release.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -70,6 +71,9 @@ class EngineSession:
         self.asleep = False  # engines are built awake
         self.holds_weights = True  # False from a sleep (which may drop them) to the next weight sync
         self.adapters = False  # syncs send the LoRA adapter alone (hybridrl.lora.choose_sync)
+        self.adapter: str | None = None  # the named adapter that syncs send and calls that name none use
+        self.named: dict = {}  # the latest adapter sent under each name (hybridrl.lora.Adapter)
+        self.holding: str | None = None  # the named adapter an engine of one adapter at a time holds
         self.loaded = [0]  # the version the engine held after each of its syncs (0: before the first)
         self.check = SyncCheck(self)
 
@@ -93,6 +97,8 @@ class EngineSession:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str = "generate") -> RolloutOutput:
         """The engine's responses to ``prompts``, stamped with the policy version that sampled them;
         a sleeping engine is woken first, and left awake."""
+        if self.adapters and self.adapter is not None and sampling.adapters is None:
+            sampling = sampling.model_copy(update={"adapters": [self.adapter] * len(prompts)})
         with self.lock:
             self._wake()
             version, in_flight = self.version, self.updates_in_flight()
@@ -107,8 +113,33 @@ class EngineSession:
         return out
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
+        names, most = set(sampling.adapters or ()), self.engine.adapters_per_call()
+        if most == 1 and names - {self.holding}:
+            return self._one_adapter_at_a_time(prompts, sampling, what)
+        if len(names) > most:
+            raise StageError(
+                f"{self.component}: a call names {len(names)} adapters, and the engine holds {most} at once "
+                "(model.lora.adapters)."
+            )
         with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
             return self.engine.generate(prompts, sampling)
+
+    def _one_adapter_at_a_time(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
+        """A call that names adapters, to an engine that holds one: a call for each adapter's prompts in turn,
+        each seeded as in the whole call, after loading the adapter; the answers in the prompts' order."""
+        seeds, order = sampling.prompt_seeds(len(prompts)), {}
+        for i, name in enumerate(sampling.adapters):
+            order.setdefault(name, []).append(i)
+        parts = []
+        for name, rows in order.items():
+            if name != self.holding:
+                with stage_errors(self.component, f"update_adapter ({name})"):
+                    self.engine.update_adapter(self.named[name])
+                self.holding = name
+            own = [seeds[i] for i in rows] if seeds is not None else None
+            part = sampling.model_copy(update={"adapters": [name] * len(rows), "seed": None, "seeds": own})
+            parts.append((rows, self._generate([prompts[i] for i in rows], part, what)))
+        return merged_output(parts, len(prompts), sampling.n)
 
     def _loaded(self, syncs: int) -> int:
         """The policy version of the weights an engine held after ``syncs`` of its syncs."""
@@ -156,7 +187,11 @@ class EngineSession:
         they hold one more policy update (a resume's or a check's resync sends the same weights again)."""
         call = "update_adapter" if self.adapters else "update_weights"
         with self.lock, stage_errors(self.component, call):
-            getattr(self.engine, call)(tensors() if callable(tensors) else tensors)
+            weights = tensors() if callable(tensors) else tensors
+            if self.adapters and self.adapter is not None:  # a named adapter (a tenant's), kept for later calls
+                weights = self.named[self.adapter] = dataclasses.replace(weights, name=self.adapter)
+                self.holding = self.adapter
+            getattr(self.engine, call)(weights)
             self.holds_weights = True
             if update:
                 self.updates += 1
@@ -273,3 +308,19 @@ class SyncCheck:
             "reach it, weights released by sleep() and never reloaded, or tensors it loads under other names or "
             "layouts; set rollout.sync_check: 0 to skip this check."
         )
+
+
+def merged_output(parts: list[tuple[list[int], RolloutOutput]], prompts: int, n: int) -> RolloutOutput:
+    """One call's answers from those of calls over parts of its prompts (each part: the prompts' places
+    in the call, and its answers), in the call's order."""
+    rows: list = [None] * (prompts * n)
+    for places, out in parts:
+        for k, i in enumerate(places):
+            for j in range(n):
+                rows[i * n + j] = (out, k * n + j)
+    column = lambda name: [getattr(o, name)[r] for o, r in rows]  # noqa: E731
+    out = RolloutOutput(column("token_ids"), column("logprobs"), column("finish_reasons"))
+    for name in ("sampled_masks", "token_versions"):
+        if all(getattr(o, name) is not None for _, o in parts):
+            setattr(out, name, column(name))
+    return out

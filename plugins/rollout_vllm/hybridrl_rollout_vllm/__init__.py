@@ -53,6 +53,9 @@ class VLLMEngine(RolloutEngine):
     def update_adapter(self, adapter) -> None:
         self.backend.update_adapter(adapter)
 
+    def adapters_per_call(self) -> int:
+        return getattr(self.backend, "adapters_per_call", lambda: 1)()  # a server's: one adapter a call
+
     def memory_options(self, half_prompts: int) -> str:
         return "rollout.gpu_memory_utilization (its share of the GPU) or rollout.engine_kwargs.max_num_seqs"
 

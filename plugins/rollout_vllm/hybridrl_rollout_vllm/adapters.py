@@ -6,7 +6,9 @@ model. Each sync writes the adapter as peft's folder (in ``/dev/shm`` where ther
 registers it as a new adapter, with a new name, id and folder: vLLM caches adapters by id and
 prompts by name and folder, so a version never reuses another's. It is registered before any
 generate asks for it (a load that fails inside ``generate`` leaves vLLM's engine waiting), and the
-one before it is removed: in this process nothing is in flight during a sync. Every prompt of a
+one before it of the same name is removed: in this process nothing is in flight during a sync.
+Adapters of several names (``hybridrl tenants``: ``model.lora.adapters`` of them) stay loaded side by
+side, and a call's prompts each name theirs (``SamplingParams.adapters``). Otherwise every prompt of a
 call uses the same adapter (vLLM's CPU kernels mixed requests without an adapter with those that
 have one in a batch: vllm PRs 48421, 49656); before the first sync none, the base, which is the
 policy while its ``lora_B`` factors are zero.
@@ -46,7 +48,8 @@ def lora_kwargs(ctx, sleep_level) -> tuple[dict, str | None]:
     rank = next((r for r in RANKS if r >= planned), None)
     if rank is None:
         return {}, f"vLLM serves adapters up to rank {RANKS[-1]} (the adapter's is {planned})"
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 2}, None
+    held = ctx.lora.adapters  # side by side: one per tenant (hybridrl tenants), each replaced at its syncs
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": held, "max_cpu_loras": held + 1}, None
 
 
 def refusal(config: dict, max_rank: int) -> str | None:
@@ -61,10 +64,11 @@ def refusal(config: dict, max_rank: int) -> str | None:
 
 
 class Adapters:
-    """The adapter vLLM serves: ``request`` (a LoRARequest; None: the base) for every prompt."""
+    """The adapters vLLM serves: ``request`` (a LoRARequest; None: the base), the one loaded last, for every
+    prompt of a call that names none; ``named``, the latest of each name, for calls that name theirs."""
 
     def __init__(self, llm):
-        self.llm, self.request, self.loads = llm, None, 0
+        self.llm, self.request, self.loads, self.named = llm, None, 0, {}
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.folder = Path(tempfile.mkdtemp(prefix="hybridrl-adapters-", dir=shm))
         self.stats: dict[str, float] = {}
@@ -81,11 +85,16 @@ class Adapters:
             raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter: {e}") from e
         if loaded is False:
             raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter.")
-        old, self.request = self.request, request
+        old, self.request = self.named.get(adapter.name), request
+        self.named[adapter.name] = request
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
         self.stats = {"vllm/adapter_mib": adapter.nbytes() / 2**20}
+
+    def requests(self, names: list[str] | None):
+        """The LoRARequest of each prompt (``names``: each one's adapter: SamplingParams.adapters), or one for all."""
+        return self.request if names is None else [self.named[name] for name in names]
 
     def close(self) -> None:
         self.llm = None  # the engine frees vLLM at once (a late collection would tear down the next one's state)

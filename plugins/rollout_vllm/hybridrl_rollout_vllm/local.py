@@ -162,7 +162,7 @@ class LocalEngine:
             keep = None
         params = self.sampling_params(sampling, len(prompts))
         with self.threads():
-            adapter = self.adapters.request if self.adapters is not None else None  # one for every prompt
+            adapter = self.adapters.requests(sampling.adapters) if self.adapters is not None else None
             inputs = [{"prompt_token_ids": list(p)} for p in prompts]
             results = self.llm.generate(inputs, params, use_tqdm=False, lora_request=adapter)
         if keep is not None:
@@ -240,6 +240,9 @@ class LocalEngine:
         if self.adapters is None:
             return self.lora_refusal or "engine_kwargs turned LoRA off"
         return refusal(config, self.llm.llm_engine.vllm_config.lora_config.max_lora_rank)
+
+    def adapters_per_call(self) -> int:
+        return self.llm.llm_engine.vllm_config.lora_config.max_loras if self.adapters is not None else 1
 
     def update_adapter(self, adapter) -> None:
         if "weights" in self.asleep:  # vLLM's LoRA slots are in the weights' memory, which sleep unmapped

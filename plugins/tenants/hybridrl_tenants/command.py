@@ -34,6 +34,7 @@ def cmd_tenants(args) -> int:
     checked = check_tenants(configs)  # every tenant's data and rewards, before the model loads
     cfg.data.max_prompt_tokens = max(c.ctx.prompt_tokens for c in checked.values())  # the engine's buffers
     calls = cfg.trainer.prompts_per_step * cfg.rollout.n
+    cfg.model.lora.adapters = len(names)  # an engine that mixes adapters holds every tenant's
     run = build_run(cfg, "tenants", data=False, calls=calls)
     try:
         tenants = Tenants(run, configs, checked)

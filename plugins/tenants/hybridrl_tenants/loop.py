@@ -33,6 +33,7 @@ from hybridrl.rollout import RolloutStage
 from hybridrl.run import Run, optimizer_of
 from hybridrl.signals import StopSignals
 from hybridrl.trainer import Trainer, between_steps
+from hybridrl_tenants.together import TenantRollout, Together
 
 MARKER = "tenants.json"
 
@@ -57,9 +58,13 @@ class Tenants:
         self.run, self.config = run, run.config
         self.slots = Slots(run.policy)
         start = self.slots.current()  # the adapter as the run built it (the engine holds it): every tenant's start
+        # the adapter alone: the engine session keeps each tenant's by name, and a step's rollouts are one call
+        self.together = Together(run.session) if run.session.adapters and run.agent is None else None
         self.tenants = [self._tenant(name, configs[name], checked[name], start) for name in configs]
         self.current = self.tenants[0]
         self.slots.use(self.current.params)
+        if run.session.adapters:
+            self.load_all()
         named = zip(self.config.logging.loggers, run.loggers)  # rank 0's, in the config's order
         self.loggers = [logger for name, logger in named if name != "console"]  # every tenant's metrics, prefixed
         self.console = "console" in self.config.logging.loggers
@@ -81,17 +86,31 @@ class Tenants:
         view = dataclasses.replace(
             run, config=tcfg, run_dir=folder, rewards=rewards, evaluation=checked.evaluation, loggers=loggers,
             data=checked.data, prompts=prompts, algorithm=algorithm, optimizer=optimizer, scheduler=scheduler,
-            rollout=RolloutStage(run.session, checked.data, prompts, run.tokenizer, tcfg, run.agent),
+            rollout=self._stage(name, checked.data, prompts, tcfg),
         )  # fmt: skip
         return Tenant(name, params, Trainer(view))
 
+    def _stage(self, name: str, data, prompts: PromptOrder, tcfg) -> RolloutStage:
+        stage = (self.run.session, data, prompts, self.run.tokenizer, tcfg, self.run.agent)
+        return TenantRollout(self.together, name, *stage) if self.together is not None else RolloutStage(*stage)
+
     def enter(self, tenant: Tenant, force: bool = False) -> None:
-        """The policy computes with ``tenant``'s adapter and the engine samples with it."""
+        """The policy computes with ``tenant``'s adapter and the engine samples with it: the engine session's
+        calls name it (the adapter alone: the session sends it, where the engine does not hold it), or its merged
+        weights are sent. ``force``: send it even where the engine holds it."""
         if tenant is self.current and not force:
             return
         self.slots.use(tenant.params)
-        tenant.trainer.sync(update=False)
+        self.run.session.adapter = tenant.name if self.run.session.adapters else None
+        if force or not self.run.session.adapters:
+            tenant.trainer.sync(update=False)
         self.current = tenant
+
+    def load_all(self) -> None:
+        """Send every tenant's adapter (the engine session keeps each by name), or the first's merged weights."""
+        for tenant in self.tenants if self.run.session.adapters else self.tenants[:1]:
+            self.enter(tenant, force=True)
+        self.enter(self.tenants[0])
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -211,6 +230,6 @@ class Tenants:
                 raise ckpt.CheckpointError(f"tenant '{tenant.name}': {e}") from None
             ckpt.drop_logs_after(tenant.run.run_dir, step, self.run.ctx.is_main)
         ckpt.drop_logs_after(self.run.run_dir, step, self.run.ctx.is_main)
-        self.enter(self.tenants[0], force=True)
+        self.load_all()
         print(f"resumed the tenants {', '.join(names)} from step {step}", flush=True)
         return step

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 import yaml
-from hybridrl_testing import SevensPlugin, assert_same_metrics, metrics_rows
+from hybridrl_testing import SevensPlugin, assert_same_metrics, build_tiny_model, metrics_rows
 
 from hybridrl.cli import main
 from hybridrl.components import RewardFunction
@@ -254,3 +254,43 @@ def test_every_family_serves_each_tenant_its_own_adapter(arch, sync, checkpoints
         assert [r["step"] for r in rows] == [1, 2]
         for r in rows:
             assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4, (name, r["step"])
+
+
+class Calls:
+    """Counts the engine's generate calls, and the adapters each named."""
+
+    def __init__(self):
+        self.calls, self.engine = [], None
+
+    @hookimpl
+    def on_train_start(self, run):
+        if self.engine is None:
+            self.engine = run.engine
+            generate = run.engine.generate
+
+            def counted(prompts, sampling):
+                held = sorted(run.engine.backend.adapters.named)  # the adapters vLLM holds for the call
+                self.calls.append((len(prompts), sampling.max_tokens, sampling.adapters, held))
+                return generate(prompts, sampling)
+
+            run.engine.generate = counted
+
+
+def test_vllm_answers_every_tenants_prompts_in_one_call_with_their_adapters(
+    tmp_path_factory, tmp_path, rewards, register_plugin
+):
+    """Each tenant's prompts answered by its adapter, loaded side by side in vLLM, one call a step for all."""
+    pytest.importorskip("vllm")
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-h128"), hidden=128)
+    calls = register_plugin(Calls(), name="calls")
+    cfg = config(str(model), tmp_path / "run", TWO, steps=3)
+    cfg["rollout"] = {"engine": "vllm", "n": 4, "max_tokens": 12, "max_model_len": 256, "sync_check_every": 1}
+    assert main(["tenants", write(tmp_path, cfg)]) == 0
+    for name in TWO:
+        rows = metrics_rows(tmp_path / "run" / "tenants" / name)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for r in rows:  # each prompt sampled by its own tenant's adapter, each step
+            assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4, (name, r)
+    steps = [c for c in calls.calls if c[1] == 12]  # the steps' rollouts (the sync check's probes take 1 token)
+    assert len(steps) == 3  # one call a step for both tenants
+    assert all(c[0] == 8 and c[2] == ["ones"] * 4 + ["sevens"] * 4 and {"ones", "sevens"} <= set(c[3]) for c in steps)
