@@ -190,6 +190,7 @@ class SGLangEngine(RolloutEngine):
         self.backend = Server(options, ctx) if options.base_url else InProcess(options, ctx)
         self.version = 0
         self.adapter: str | None = None  # the newest adapter's name (model.lora.sync): new requests ask for it
+        self.newest: dict[str, str] = {}  # the newest of each adapter's name (hybridrl tenants: one per tenant)
         self.adapter_loads = 0  # adapter syncs: each response's token_versions
         # a server outlives runs (and holds a killed run's adapters): this engine's names are its own
         self.suffix = f"-{uuid.uuid4().hex[:8]}" if options.base_url else ""
@@ -248,30 +249,32 @@ class SGLangEngine(RolloutEngine):
         request = protocol.generate_request(
             prompts, sampling, self.stop_ids, stop_in_engine=o.stop_in_engine, per_request_seed=o.per_request_seed
         )
-        requests = protocol.split_request(request, o.batch_size)
-        with self._adapter_in_use() as (name, label):
-            for r in requests if name else ():  # every prompt of the call asks for the newest adapter
-                r["lora_path"] = [name] * len(r["input_ids"])
-            items = self.backend.generate_many(requests)
+        n = sampling.n
+        with self._adapters_in_use(sampling.adapters or [None] * len(prompts)) as (names, labels):
+            if names[0] is not None:  # each prompt asks for the newest of its adapter's name
+                request["lora_path"] = [names[i // n] for i in range(len(request["input_ids"]))]
+            items = self.backend.generate_many(protocol.split_request(request, o.batch_size))
         decode = self.ctx.tokenizer.decode if sampling.stop else None
         out = protocol.to_rollout_output(items, len(request["input_ids"]), sampling.stop, decode)
-        if name is not None:  # the adapter's weights sampled every token, whatever synced meanwhile
-            out.token_versions = [[label] * len(ids) for ids in out.token_ids]
+        if names[0] is not None:  # an adapter's weights sampled each of its tokens, whatever synced meanwhile
+            out.token_versions = [[labels[i // n]] * len(ids) for i, ids in enumerate(out.token_ids)]
         return out
 
     @contextlib.contextmanager
-    def _adapter_in_use(self):
-        """The newest adapter's name (None: none yet) and the sync that loaded it, kept loaded while
-        the call runs."""
+    def _adapters_in_use(self, wanted: list[str | None]):
+        """For each prompt (``wanted``: its adapter's name, None: the one synced last), the newest adapter of that
+        name (None: none yet) and the sync that loaded it, each kept loaded while the call runs."""
         with self.adapter_lock:
-            name = self.adapter
-            self.in_use[name] += 1
-            label = self.loaded.get(name)
+            names = [self.newest[w] if w is not None else self.adapter for w in wanted]
+            for name in set(names):
+                self.in_use[name] += 1
+            labels = [self.loaded.get(name) for name in names]
         try:
-            yield name, label
+            yield names, labels
         finally:
             with self.adapter_lock:
-                self.in_use[name] -= 1
+                for name in set(names):
+                    self.in_use[name] -= 1
             self._unload_unused()
 
     def update_weights(self, named_tensors) -> None:
@@ -289,12 +292,19 @@ class SGLangEngine(RolloutEngine):
         self.backend.update_adapter(adapter, name)
         with self.adapter_lock:
             self.adapter, self.loaded[name] = name, self.adapter_loads
+            self.newest[adapter.name] = name
         self._unload_unused()
 
+    def adapters_per_call(self) -> int:
+        """Adapters of several names mix in a call (SGLang selects each request's): as many as a batch holds."""
+        return self.backend.loras_per_batch() if self.adapter is not None else 1
+
     def _unload_unused(self) -> None:
-        """Unload the adapters before the newest that no call in flight uses (in this process: all of them)."""
+        """Unload the adapters before the newest of each name that no call in flight uses (in this process:
+        all of them)."""
         with self.adapter_lock:
-            old = [a for a in self.loaded if a != self.adapter and not self.in_use[a]]
+            keep = {self.adapter, *self.newest.values()}
+            old = [a for a in self.loaded if a not in keep and not self.in_use[a]]
             for a in old:
                 del self.loaded[a]
         for a in old:
@@ -311,7 +321,7 @@ class SGLangEngine(RolloutEngine):
         them), then shut an engine of this process down."""
         if self.options.base_url and self.adapter is not None:
             with self.adapter_lock:
-                self.adapter = None
+                self.adapter, self.newest = None, {}
             try:
                 self._unload_unused()
             except Exception as e:  # noqa: BLE001 - the server may be gone first: nothing depends on it now

@@ -31,7 +31,8 @@ def lora_kwargs(ctx) -> tuple[dict, str | None]:
     if why is not None:
         return {}, why
     rank, targets = planned_adapter(ctx.lora)
-    return {"enable_lora": True, "max_lora_rank": rank, "lora_target_modules": targets, "max_loras_per_batch": 1}, None
+    kwargs = {"enable_lora": True, "max_lora_rank": rank, "lora_target_modules": targets}
+    return kwargs | {"max_loras_per_batch": ctx.lora.adapters}, None  # hybridrl tenants: one per tenant
 
 
 def refusal(config: dict, max_rank: int | None, targets) -> str | None:

@@ -117,6 +117,10 @@ class Backend:
     def adapter_refusal(self, config: dict) -> str | None:
         return "it loads full weights only"
 
+    def loras_per_batch(self) -> int:
+        """How many adapters one batch of the engine mixes (SGLang's max_loras_per_batch)."""
+        return 1
+
     def wake_up(self) -> None:
         if not self.released:
             return
@@ -278,6 +282,9 @@ class InProcess(Backend):
 
     def _load_adapter(self, adapter, name):
         self.folder = load_in_process(self.engine, adapter, name, self.folder)
+
+    def loras_per_batch(self):
+        return int(self.lora.get("max_loras_per_batch") or 1)
 
     def unload_adapter(self, name):
         checked(self.engine.unload_lora_adapter(lora_name=name), COMPONENT, f"unloading adapter {name}")

@@ -97,12 +97,12 @@ def split_request(request: dict, size: int) -> list[dict]:
     rows = len(request["input_ids"])
     if not size or rows <= size:
         return [request]
-    params = request["sampling_params"]
     parts = []
     for start in range(0, rows, size):
         part = dict(request, input_ids=request["input_ids"][start : start + size])
-        if isinstance(params, list):
-            part["sampling_params"] = params[start : start + size]
+        for key in ("sampling_params", "lora_path"):  # per row where they are lists
+            if isinstance(request.get(key), list):
+                part[key] = request[key][start : start + size]
         parts.append(part)
     return parts
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -140,6 +141,11 @@ class Server(Backend):
         if self.current is not None and self.current != folder:
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = folder
+
+    @functools.cache  # noqa: B019 - one server a backend, asked once
+    def loras_per_batch(self):
+        info = get_json(f"{self.url}/get_server_info", **self._http())
+        return int(info.get("max_loras_per_batch") or 8) if isinstance(info, dict) else 1  # SGLang's default: 8
 
     def adapter_refusal(self, config):
         if self.can_release:

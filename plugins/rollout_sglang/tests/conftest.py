@@ -124,23 +124,27 @@ class ContractSGLang:
                 raise ValueError(f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True.")
             if p.get("n", 1) != 1 or p.get("min_p", 0) or p.get("repetition_penalty", 1) != 1:
                 raise NotImplementedError("the contract fake implements n=1, min_p=0 and no penalties")
-        names = set(lora_path if isinstance(lora_path, list) else [lora_path])
-        if len(names) > 1:
-            raise NotImplementedError("the contract fake serves one adapter (or none) a call")
-        name = names.pop()
-        if name is not None and name not in self.adapters:
-            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
+        each = lora_path if isinstance(lora_path, list) else [lora_path] * len(rows)  # a request's adapter
+        names = list(dict.fromkeys(each))
+        missing = [n for n in names if n is not None and n not in self.adapters]
+        if missing:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {', '.join(missing)}")
         with self.lock:
             self._wait_while_paused()  # a new request waits in the queue
             if self.released & {"kv_cache", "weights"}:
                 raise RuntimeError(f"generate with released memory {sorted(self.released)}")
-            self.calls.append(("generate", len(rows)) + ((name,) if name else ()))
-            self.serving[name] += 1
-            try:
-                with self._adapted(name):
-                    out = self._generate([list(r) for r in rows], params, return_logprob)
+            self.calls.append(("generate", len(rows), *(n for n in names if n)))
+            self.serving.update(names)
+            try:  # each request with its adapter (SGLang's batches mix them): the rows of each in turn
+                out = [None] * len(rows)
+                for name in names:
+                    mine = [i for i, n in enumerate(each) if n == name]
+                    with self._adapted(name):
+                        part = self._generate([list(rows[i]) for i in mine], [params[i] for i in mine], return_logprob)
+                    for i, item in zip(mine, part, strict=True):
+                        out[i] = item
             finally:
-                self.serving[name] -= 1
+                self.serving.subtract(names)
                 self.cond.notify_all()
         return out[0] if single else out
 

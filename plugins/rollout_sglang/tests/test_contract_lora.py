@@ -200,3 +200,62 @@ def test_adapter_syncs_load_beside_the_adapter_a_request_in_flight_uses_which_se
     with torch.no_grad():
         lp, _ = response_logprobs(policy, batch.input_ids, batch.attention_mask, 16, 1.0)
     assert (lp - batch["rollout_logprobs"]).abs().max().item() < 1e-4
+
+
+def test_one_call_mixes_adapters_of_several_names_each_request_with_its_own(
+    tiny_model, tmp_path, sglang_server, make_engine, prompts
+):
+    """Adapters of two names (hybridrl tenants): both stay loaded, a call's prompts each ask for the newest of
+    their own (one request, SGLang mixing them in its batches), each response is sampled by its adapter and
+    labelled with the sync that loaded it; a newer adapter of one name replaces only that name's."""
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.components import SamplingParams
+    from hybridrl.passes import response_logprobs
+
+    core = sglang_server.core
+    core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"], "max_loras_per_batch": 4}
+    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"))
+    (a, policy_a), (b, policy_b) = seeded_adapter(tiny_model, 1, 1), seeded_adapter(tiny_model, 2, 1)
+    a.name, b.name = "a", "b"
+    engine.update_adapter(a)
+    engine.update_adapter(b)
+    assert engine.adapters_per_call() == 4  # the server's max_loras_per_batch
+    sampling = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True, seed=3, adapters=["a", "b", "a"])
+    out = engine.generate(prompts[:3], sampling)
+    request = [body for path, body in sglang_server.requests if path == "/generate"][-1]
+    assert [n.split("-")[0] for n in request["lora_path"]] == ["a", "a", "b", "b", "a", "a"]
+    assert out.token_versions == [[1] * 8] * 2 + [[2] * 8] * 2 + [[1] * 8] * 2  # the syncs that loaded each
+    batch = Batch.from_rollout(prompts[:3], out, 2, pad_id=0)
+    for rows, policy in (([0, 1, 4, 5], policy_a), ([2, 3], policy_b)):
+        with torch.no_grad():
+            lp, _ = response_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows], 8, 1.0)
+        assert (lp - batch["rollout_logprobs"][rows]).abs().max().item() < 1e-4
+    newer = seeded_adapter(tiny_model, 3, 2)[0]
+    newer.name = "a"
+    engine.update_adapter(newer)  # the older a goes, nothing in flight using it; b stays, its name's newest
+    assert sorted(n.split("-")[0] + n.split("-")[1] for n in core.adapters) == ["av2", "bv1"]
+
+
+def test_tenants_through_an_sglang_server_share_one_call_a_step(tiny_model, tmp_path, sglang_server, register_plugin):
+    """hybridrl tenants over an SGLang server: a step's prompts of both tenants in one /generate, each asking
+    for its tenant's newest adapter; each tenant's engine logprobs and sync check are its own policy's."""
+    pytest.importorskip("hybridrl_tenants")
+    import yaml
+
+    from hybridrl.cli import main
+
+    sglang_server.core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}
+    register_plugin(SevensPlugin(), name="sevens")
+    cfg = config(tiny_model, tmp_path / "run", {"base_url": sglang_server.url}, steps=2)
+    cfg["tenants"] = {"one": {"trainer": {"lr": 5e-2}}, "two": {"trainer": {"lr": 1e-1, "seed": 1}}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    sglang_server.requests.clear()
+    assert main(["tenants", str(tmp_path / "run.yaml")]) == 0
+    steps = [b for p, b in sglang_server.requests if p == "/generate" and b["sampling_params"]["max_new_tokens"] == 10]
+    assert len(steps) == 2  # one call a step: both tenants' 2 prompts x 4 samples
+    assert all([n.split("-")[0] for n in b["lora_path"]] == ["one"] * 8 + ["two"] * 8 for b in steps)
+    for name in ("one", "two"):
+        for r in metrics_rows(tmp_path / "run" / "tenants" / name):
+            assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4
