@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "lora_smollm2_chain_sum.yaml"
@@ -51,15 +52,7 @@ def side(engine: str, sync: str, args, run_dir: Path) -> dict:
 
 
 def main(args) -> dict:
-    import torch
-
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-        "torch": torch.__version__,
-        "settings": vars(args),
-        "sides": {},
-    }
+    result = common.cpu_header(args)
     work = Path(tempfile.mkdtemp(prefix="lora-sync-"))
     for engine in args.engines.split(","):
         for sync in ("merged", "adapter"):
@@ -77,10 +70,8 @@ def main(args) -> dict:
             f"{name:16} {m['timing/sync']:8.3f} {m['timing/rollout']:10.2f} {m['timing/step']:8.2f} "
             f"{s['step_over_merged']:14.2f} {m.get('rollout/logprob_diff_max', float('nan')):13.2e}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    common.write_json(result, Path(args.out))
+    print(f"wrote {args.out}")
     return result
 
 

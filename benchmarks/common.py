@@ -464,6 +464,19 @@ def out_path(given: str | None, name: str) -> Path:
     return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else Path(name)
 
 
+def cpu_header(args) -> dict:
+    """A CPU benchmark's result before its figures: when, on what, with which settings."""
+    import torch
+
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+        "settings": vars(args),
+        "sides": {},
+    }
+
+
 def write_json(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")

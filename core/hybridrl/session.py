@@ -114,31 +114,28 @@ class EngineSession:
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
         names, most = set(sampling.adapters or ()), self.engine.adapters_per_call()
-        if most == 1 and names - {self.holding}:
-            return self._one_adapter_at_a_time(prompts, sampling, what)
-        if len(names) > most:
-            raise StageError(
-                f"{self.component}: a call names {len(names)} adapters, and the engine holds {most} at once "
-                "(model.lora.adapters)."
-            )
+        if (most == 1 and names - {self.holding}) or len(names) > most:
+            return self._in_parts(prompts, sampling, what, most)
         with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
             return self.engine.generate(prompts, sampling)
 
-    def _one_adapter_at_a_time(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
-        """A call that names adapters, to an engine that holds one: a call for each adapter's prompts in turn,
-        each seeded as in the whole call, after loading the adapter; the answers in the prompts' order."""
+    def _in_parts(self, prompts: list[list[int]], sampling: SamplingParams, what: str, most: int) -> RolloutOutput:
+        """A call whose prompts name more adapters than the engine mixes (``most``): a call for the prompts of
+        each ``most`` of them in turn, each seeded as in the whole call (an engine that holds one adapter is
+        sent each first); the answers in the prompts' order."""
         seeds, order = sampling.prompt_seeds(len(prompts)), {}
         for i, name in enumerate(sampling.adapters):
             order.setdefault(name, []).append(i)
-        parts = []
-        for name, rows in order.items():
-            if name != self.holding:
-                with stage_errors(self.component, f"update_adapter ({name})"):
-                    self.engine.update_adapter(self.named[name])
-                self.holding = name
+        names, parts = list(order), []
+        for group in (names[k : k + most] for k in range(0, len(names), most)):
+            if most == 1 and group[0] != self.holding:
+                with stage_errors(self.component, f"update_adapter ({group[0]})"):
+                    self.engine.update_adapter(self.named[group[0]])
+                self.holding = group[0]
+            rows = sorted(i for name in group for i in order[name])
             own = [seeds[i] for i in rows] if seeds is not None else None
-            part = sampling.model_copy(update={"adapters": [name] * len(rows), "seed": None, "seeds": own})
-            parts.append((rows, self._generate([prompts[i] for i in rows], part, what)))
+            update = {"adapters": [sampling.adapters[i] for i in rows], "seed": None, "seeds": own}
+            parts.append((rows, self._generate([prompts[i] for i in rows], sampling.model_copy(update=update), what)))
         return merged_output(parts, len(prompts), sampling.n)
 
     def _loaded(self, syncs: int) -> int:

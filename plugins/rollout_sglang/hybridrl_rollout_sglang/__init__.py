@@ -293,6 +293,8 @@ class SGLangEngine(RolloutEngine):
         with self.adapter_lock:
             self.adapter, self.loaded[name] = name, self.adapter_loads
             self.newest[adapter.name] = name
+            if adapter.name != "policy":  # the run's adapters have names (tenants): the one synced at setup goes
+                self.newest.pop("policy", None)
         self._unload_unused()
 
     def adapters_per_call(self) -> int:

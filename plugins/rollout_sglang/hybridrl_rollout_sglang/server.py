@@ -32,6 +32,7 @@ class Server(Backend):
         self.component = f"{COMPONENT} (server {self.url})"
         self.can_release = options.release_memory_on_sleep
         self.model_path = ctx.model_path
+        self.adapters = ctx.lora.adapters if ctx.lora is not None else 1  # served at once (hybridrl tenants: many)
         self.weights_dir = Path(options.weights_dir or ctx.run_dir / "sglang_weights").absolute()
         self.current: Path | None = None
         try:
@@ -150,7 +151,15 @@ class Server(Backend):
     def adapter_refusal(self, config):
         if self.can_release:
             return "release_memory_on_sleep may drop the server's base weights, which adapter syncs never send again"
-        return server_refusal(get_json(f"{self.url}/get_server_info", **self._http()), config)
+        info = get_json(f"{self.url}/get_server_info", **self._http())
+        held = info.get("max_loaded_loras") if isinstance(info, dict) else None
+        if held is not None and 1 < self.adapters and held <= self.adapters:  # each newest, one more as one loads
+            return (
+                f"it holds {held} adapters at once (--max-loaded-loras) and the run serves {self.adapters} (one per "
+                f"tenant), each beside its next version as that loads: start it with --max-loaded-loras "
+                f"{self.adapters + 1} or more"
+            )
+        return server_refusal(info, config)
 
     def _load_adapter(self, adapter, name):
         """peft's folder under weights_dir/adapters, loaded by the server under ``name``."""

@@ -259,3 +259,50 @@ def test_tenants_through_an_sglang_server_share_one_call_a_step(tiny_model, tmp_
     for name in ("one", "two"):
         for r in metrics_rows(tmp_path / "run" / "tenants" / name):
             assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4
+    sglang_server.core.lora["max_loaded_loras"] = 2  # each tenant's newest, and none to spare as the next loads
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot take adapters: it holds 2 adapters at once \(--max-loaded-loras\) "
+        r"and the run serves 2 \(one per tenant\).*--max-loaded-loras 3 or more",
+    ):
+        main_raising(["tenants", str(tmp_path / "run.yaml"), "trainer.run_dir=" + str(tmp_path / "again")])
+
+
+def main_raising(argv):
+    """A command's function itself: its errors raised, not printed."""
+    import argparse
+
+    from hybridrl_tenants.command import add_command
+
+    parser = argparse.ArgumentParser()
+    add_command(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_a_call_naming_more_adapters_than_a_batch_mixes_goes_in_parts(
+    tiny_model, tmp_path, sglang_server, make_engine, prompts
+):
+    """Three adapters' prompts to a server that mixes two a batch: the engine session sends the prompts of the
+    first two, then the third's, each seeded as in the whole call, and gives the answers in the prompts' order."""
+    from hybridrl.components import SamplingParams
+    from hybridrl.config import RolloutConfig
+    from hybridrl.session import EngineSession
+
+    core = sglang_server.core
+    core.lora = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"], "max_loras_per_batch": 2}
+    engine = make_engine(base_url=sglang_server.url, weights_dir=str(tmp_path / "w"), per_request_seed=True)
+    session = EngineSession(engine, RolloutConfig())
+    session.adapters = True
+    for seed, name in enumerate("abc"):
+        session.adapter = name
+        session.sync(seeded_adapter(tiny_model, seed, 1)[0], update=False)
+    sampling = SamplingParams(n=1, max_tokens=4, temperature=1.0, ignore_eos=True, seed=5)
+    names = ["c", "a", "b", "a"]
+    sglang_server.requests.clear()
+    out = session.generate([prompts[0]] * 4, sampling.model_copy(update={"adapters": names}))
+    sent = [b for p, b in sglang_server.requests if p == "/generate"]
+    assert [[n.split("-")[0] for n in b["lora_path"]] for b in sent] == [["c", "a", "a"], ["b"]]
+    for i, name in enumerate(names):  # each row is what its adapter samples for its seed alone
+        alone = session.generate([prompts[0]], sampling.model_copy(update={"seed": 5 + i, "adapters": [name]}))
+        assert out.token_ids[i] == alone.token_ids[0] and out.logprobs[i] == alone.logprobs[0]

@@ -85,11 +85,13 @@ class Adapters:
             raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter: {e}") from e
         if loaded is False:
             raise RuntimeError(f"{NAME}: vLLM did not load version {adapter.version} of the adapter.")
-        old, self.request = self.named.get(adapter.name), request
+        old, self.request = [self.named.pop(adapter.name, None)], request
+        if adapter.name != "policy":  # the run's adapters have names (tenants): the one synced at setup goes
+            old.append(self.named.pop("policy", None))
         self.named[adapter.name] = request
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        for gone in (o for o in old if o is not None):
+            self.llm.llm_engine.remove_lora(gone.lora_int_id)
+            shutil.rmtree(gone.lora_path, ignore_errors=True)
         self.stats = {"vllm/adapter_mib": adapter.nbytes() / 2**20}
 
     def requests(self, names: list[str] | None):
