@@ -72,6 +72,7 @@ class ServerEngine:
         self.tied_head = tied_embeddings(ctx.model_path)
         self.adapters: list[str] = []  # the adapter versions loaded, oldest first; requests ask for the last
         self.labels: dict[str, int] = {}  # each adapter's sync count: its answers' token_versions
+        self.names: dict[str, str] = {}  # each one's adapter name ("policy"; a tenant's): a request asks for its newest
         self.in_use: Counter[str] = Counter()  # generate calls running on each adapter: not unloaded
         self.adapter_lock = threading.Lock()
         self.suffix: str | None = None  # this run's adapter names' own ending (a server outlives runs)
@@ -98,24 +99,28 @@ class ServerEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         if not self.adapters:
-            return self._generate(prompts, sampling, self.model)
-        with self.adapter_lock:
-            name = self.adapters[-1]  # the version every request of this call is served by
-            label = self.labels[name]
-            self.in_use[name] += 1
+            return self._generate(prompts, sampling, [self.model] * len(prompts))
+        with self.adapter_lock:  # the version each request is served by: the newest of its adapter's name
+            wanted = sampling.adapters or [None] * len(prompts)
+            models = [next(a for a in reversed(self.adapters) if w in (None, self.names[a])) for w in wanted]
+            labels = [self.labels[m] for m in models]
+            self.in_use.update(set(models))
         try:
-            out = self._generate(prompts, sampling, name)
+            out = self._generate(prompts, sampling, models)
         finally:
             with self.adapter_lock:
-                self.in_use[name] -= 1
+                self.in_use.subtract(set(models))
             self._unload_unused()
-        out.token_versions = [[label] * len(ids) for ids in out.token_ids]
+        out.token_versions = [[labels[i // sampling.n]] * len(ids) for i, ids in enumerate(out.token_ids)]
         return out
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, model: str) -> RolloutOutput:
+    def adapters_per_call(self) -> int:
+        """Requests of any adapters go together (the server batches up to its --max-loras adapters; more wait)."""
+        return 64 if self.adapters else 1
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, models: list[str]) -> RolloutOutput:
         s = sampling
         base = {
-            "model": model,
             "n": s.n,
             "max_tokens": s.max_tokens,
             # explicit values everywhere: vLLM fills unset ones from the model's generation_config
@@ -133,7 +138,8 @@ class ServerEngine:
         if self.in_flight and not self.adapters:
             return self._generate_tokens(prompts, s, base, seeds)
         payloads = [
-            base | {"prompt": list(p)} | ({} if seed is None else {"seed": seed}) for p, seed in zip(prompts, seeds)
+            base | {"model": m, "prompt": list(p)} | ({} if seed is None else {"seed": seed})
+            for p, seed, m in zip(prompts, seeds, models, strict=True)
         ]
         url = f"{self.base}/v1/completions"
         out = RolloutOutput([], [], [])
@@ -245,18 +251,25 @@ class ServerEngine:
             post_json(f"{self.base}/v1/load_lora_adapter", body, **self.http, text=True)
         with self.adapter_lock:
             self.adapters.append(name)
-            self.labels[name] = self.updates
+            self.labels[name], self.names[name] = self.updates, adapter.name
         self._unload_unused()
         self.stats["vllm/adapter_mib"] = adapter.nbytes() / 2**20
         self.stats["vllm/adapters_loaded"] = len(self.adapters)
 
     def _unload_unused(self, keep: int = KEPT_ADAPTERS) -> None:
-        """Unload the adapters older than the latest ``keep`` that no request in flight uses."""
+        """Unload the adapters older than the latest ``keep`` of their name that no request in flight uses (and,
+        once the run's adapters have names, the unnamed one synced at setup)."""
         with self.adapter_lock:
-            old = [a for a in self.adapters[: len(self.adapters) - keep] if not self.in_use[a]]
+            names = set(self.names.values())
+            old = []
+            for own in names:
+                mine = [a for a in self.adapters if self.names[a] == own]
+                old += mine[: len(mine) - keep] if own != "policy" or names == {"policy"} else mine
+            old = [a for a in old if not self.in_use[a]]
             self.adapters = [a for a in self.adapters if a not in old]
         for name in old:
             self.labels.pop(name, None)
+            self.names.pop(name, None)
             if self.ctx.rank == 0:
                 post_json(f"{self.base}/v1/unload_lora_adapter", {"lora_name": name}, **self.http, text=True)
                 shutil.rmtree(self.weights_dir / "adapters" / name, ignore_errors=True)

@@ -164,3 +164,40 @@ def test_an_adapter_the_server_cannot_serve_stops_the_run_at_setup(lora_server, 
         build_run(load_config(data=data))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert [n for n in served(lora_server) if n != "tiny"][-1:] != ["run-v0-1"]
+
+
+def test_tenants_share_the_server_each_request_naming_its_tenants_adapter(
+    lora_server, model_dir, tmp_path, register_plugin
+):
+    """hybridrl tenants over the server: one call a step holds both tenants' prompts, each request naming the
+    newest adapter of its tenant; each tenant's engine logprobs and sync check are its own policy's."""
+    pytest.importorskip("hybridrl_tenants")
+    import yaml
+
+    from hybridrl.cli import main
+    from hybridrl.hookspecs import hookimpl
+
+    class Calls:
+        calls: list = []
+        wrapped = False
+
+        @hookimpl
+        def on_train_start(self, run):
+            if not self.wrapped:
+                self.wrapped, generate = True, run.engine.generate
+                run.engine.generate = lambda p, s: (
+                    self.calls.append((len(p), s.max_tokens, s.adapters)) or generate(p, s)
+                )
+
+    register_plugin(SevensPlugin(), name="sevens")
+    calls = register_plugin(Calls(), name="calls")
+    cfg = config(model_dir, lora_server, tmp_path / "run", steps=2)
+    cfg["rollout"]["sync_check_every"] = 1
+    cfg["tenants"] = {"one": {"trainer": {"lr": 5e-2}}, "two": {"trainer": {"lr": 1e-1, "seed": 1}}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["tenants", str(tmp_path / "run.yaml")]) == 0
+    steps = [c for c in calls.calls if c[1] == 12]
+    assert [c[0] for c in steps] == [8, 8] and all(c[2] == ["one"] * 4 + ["two"] * 4 for c in steps)
+    for name in ("one", "two"):
+        for r in metrics_rows(tmp_path / "run" / "tenants" / name):
+            assert r["rollout/logprob_diff_max"] < 1e-4 and r["rollout/sync_check_diff_max"] < 1e-4, (name, r)
