@@ -113,8 +113,9 @@ class EngineSession:
         return out
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams, what: str) -> RolloutOutput:
-        names, most = set(sampling.adapters or ()), self.engine.adapters_per_call()
-        if (most == 1 and names - {self.holding}) or len(names) > most:
+        names = set(sampling.adapters or ())
+        most = self.engine.adapters_per_call() if names else 0  # asked only of calls that name adapters (tenants)
+        if names and ((most == 1 and names - {self.holding}) or len(names) > most):
             return self._in_parts(prompts, sampling, what, most)
         with stage_errors(self.component, what), self._memory_errors(prompts, sampling):
             return self.engine.generate(prompts, sampling)
