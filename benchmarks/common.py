@@ -472,7 +472,7 @@ def cpu_header(args) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
-        "settings": vars(args),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},  # not where this machine wrote it
         "sides": {},
     }
 
