@@ -86,12 +86,12 @@ def planned_adapter(options) -> tuple[int, list[str]]:
     return rank, ["all"] if targets == "all-linear" else [targets] if isinstance(targets, str) else sorted(targets)
 
 
-def read_folder(options) -> dict:
-    """The config and tensor shapes of the adapter folder ``model.lora.path``, read without loading a
-    tensor; one clear line for what is not a LoRA folder hybridrl can start from."""
+def read_folder(options, key: str = "model.lora.path") -> dict:
+    """The config and tensor shapes of the adapter folder ``options.path`` (named ``key`` in errors), read
+    without loading a tensor; one clear line for what is not a LoRA folder hybridrl can start from."""
     from safetensors import safe_open
 
-    where = f"model.lora.path '{options.path}'"
+    where = f"{key} '{options.path}'"
     folder = Path(options.path).expanduser()
     weights = folder / "adapter_model.safetensors"
     if not (folder / "adapter_config.json").is_file():

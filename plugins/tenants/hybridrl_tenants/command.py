@@ -21,7 +21,7 @@ def add_command(subparsers) -> None:
 
 def cmd_tenants(args) -> int:
     from hybridrl.run import build_run
-    from hybridrl_tenants.configs import check_run, check_tenants, tenant_configs
+    from hybridrl_tenants.configs import check_run, check_tenants, start_folders, tenant_configs
     from hybridrl_tenants.loop import Tenants
 
     overrides = [*args.overrides, "trainer.resume=true"] if args.resume else list(args.overrides)
@@ -32,12 +32,13 @@ def cmd_tenants(args) -> int:
         overrides.append(f"trainer.run_dir={cfg.trainer.run_dir}")
     configs = tenant_configs(args.config, overrides, cfg, Path(cfg.trainer.run_dir))
     checked = check_tenants(configs)  # every tenant's data and rewards, before the model loads
+    folders = start_folders(cfg, args.config)  # and the adapter folders tenants start from
     cfg.data.max_prompt_tokens = max(c.ctx.prompt_tokens for c in checked.values())  # the engine's buffers
     calls = cfg.trainer.prompts_per_step * cfg.rollout.n
     cfg.model.lora.adapters = len(names)  # an engine that mixes adapters holds every tenant's
     run = build_run(cfg, "tenants", data=False, calls=calls)
     try:
-        tenants = Tenants(run, configs, checked)
+        tenants = Tenants(run, configs, checked, folders)
     except BaseException:
         run.close()
         raise

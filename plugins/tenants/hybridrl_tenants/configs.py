@@ -8,8 +8,8 @@ import copy
 import os
 from pathlib import Path
 
-from hybridrl import preflight
-from hybridrl.config import RunConfig, load_config
+from hybridrl import lora, preflight
+from hybridrl.config import LoraOptions, RunConfig, load_config
 from hybridrl.config_files import apply_overrides, load_yaml
 from hybridrl.errors import ConfigError
 
@@ -69,3 +69,30 @@ def check_tenants(configs: dict[str, RunConfig]) -> dict[str, preflight.Checked]
         except preflight.FAILURES as e:
             raise ConfigError(f"tenant '{name}': {e}") from None
     return out
+
+
+def start_folders(cfg: RunConfig, path: str | Path) -> dict[str, dict]:
+    """Each tenant's own starting adapter (``lora_path``, beside the config file or as given), read and
+    checked as a LoRA folder (:func:`hybridrl.lora.read_folder`) before the model loads."""
+    out = {}
+    for name, tenant in cfg.section("tenants").root.items():
+        if tenant.lora_path is not None:
+            folder = Path(tenant.lora_path).expanduser()
+            beside = Path(path).resolve().parent / folder
+            folder = beside if not folder.is_absolute() and beside.exists() else folder
+            options = LoraOptions(path=str(folder))
+            out[name] = lora.read_folder(options, f"tenants.{name}.lora_path") | {"path": str(folder)}
+    return out
+
+
+def check_shape(name: str, saved: dict, run_config: dict) -> None:
+    """A tenant's folder has the run's rank, alpha and target modules: every tenant's factors fill the one
+    set of LoRA layers the policy has (:class:`hybridrl.adapter_slots.Slots`)."""
+    for key in ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern"):
+        theirs, mine = saved["config"].get(key), run_config.get(key)
+        theirs, mine = (sorted(v) if isinstance(v, list | set) else v for v in (theirs, mine))
+        if theirs != mine and (theirs or mine):
+            raise ConfigError(
+                f"{saved['where']} has {key} {theirs!r} where this run's adapters have {mine!r} (model.lora): every "
+                "tenant's adapter has the run's rank, alpha and target modules (they share the policy's LoRA layers)."
+            )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridrl import checkpoint as ckpt
-from hybridrl import plugins
+from hybridrl import lora, plugins
 from hybridrl.adapter_slots import Slots
 from hybridrl.builtin.loggers import summary_line
 from hybridrl.errors import ConfigError
@@ -33,6 +33,7 @@ from hybridrl.rollout import RolloutStage
 from hybridrl.run import Run, optimizer_of
 from hybridrl.signals import StopSignals
 from hybridrl.trainer import Trainer, between_steps
+from hybridrl_tenants.configs import check_shape
 from hybridrl_tenants.together import TenantRollout, Together
 
 MARKER = "tenants.json"
@@ -54,16 +55,23 @@ class Tenant:
 class Tenants:
     """The run's tenants over its one policy and engine: :meth:`train` is ``hybridrl tenants``."""
 
-    def __init__(self, run: Run, configs: dict, checked: dict[str, Checked]):
+    def __init__(self, run: Run, configs: dict, checked: dict[str, Checked], folders: dict | None = None):
+        """``folders``: the adapter folders tenants start from (:func:`hybridrl_tenants.configs.start_folders`)."""
         self.run, self.config = run, run.config
         self.slots = Slots(run.policy)
         start = self.slots.current()  # the adapter as the run built it (the engine holds it): every tenant's start
+        for name, saved in (folders or {}).items():
+            check_shape(name, saved, lora.adapter_config(run.policy))
         # the adapter alone: the engine session keeps each tenant's by name, and a step's rollouts are one call
         self.together = Together(run.session) if run.session.adapters and run.agent is None else None
         self.tenants = [self._tenant(name, configs[name], checked[name], start) for name in configs]
+        for tenant in self.tenants:  # a tenant's own start: its folder's factors, each checked, in its parameters
+            if tenant.name in (folders or {}):
+                self.slots.use(tenant.params)
+                lora.load_folder(run.policy, folders[tenant.name]["path"], folders[tenant.name])
         self.current = self.tenants[0]
         self.slots.use(self.current.params)
-        if run.session.adapters:
+        if run.session.adapters or folders:  # each tenant's adapter by name; or the first's own start, merged
             self.load_all()
         named = zip(self.config.logging.loggers, run.loggers)  # rank 0's, in the config's order
         self.loggers = [logger for name, logger in named if name != "console"]  # every tenant's metrics, prefixed

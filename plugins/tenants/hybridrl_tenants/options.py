@@ -25,6 +25,11 @@ class Tenant(BaseModel):
     rewards: list[dict[str, Any]] | None = Field(
         None, description="The tenant's reward functions, in place of the top-level rewards."
     )
+    lora_path: str | None = Field(
+        None,
+        description="A peft adapter folder the tenant starts from, of the run's rank, alpha and target modules "
+        "(model.lora); default: the run's starting adapter (model.lora.path, or a fresh one).",
+    )
     trainer: dict[str, Any] = Field(
         default_factory=dict,
         description=f"The tenant's own {', '.join(TRAINER_KEYS)} (its optimizer, schedule and prompt order); the "

@@ -143,6 +143,47 @@ def test_one_tenant_is_the_plain_lora_run(tiny_model, tmp_path, rewards):
     assert want[-1]["reward/mean"] > 0 and want[-1]["rollout/logprob_diff_max"] < 1e-4
 
 
+def test_a_tenant_starts_from_its_own_adapter_folder_as_a_run_from_that_folder_does(tiny_model, tmp_path, rewards):
+    """A tenant with lora_path trains as hybridrl train with model.lora.path does: the same metrics each step.
+    A folder of another rank, or of another base model, or no adapter folder: one line naming the tenant, before
+    any step, nothing of any tenant written."""
+    first = tmp_path / "first"
+    assert main(["train", write(tmp_path, config(tiny_model, first, steps=2, save_final=True), "first.yaml")]) == 0
+    folder = str(first / "checkpoints" / "step-000002" / "policy")
+    plain = config(tiny_model, tmp_path / "plain")
+    plain["model"]["lora"] = {"path": folder, "sync": "adapter"}
+    assert main(["train", write(tmp_path, plain, "plain.yaml")]) == 0
+    alone = config(tiny_model, tmp_path / "alone", {"only": {"lora_path": folder}, "fresh": {}})
+    assert main(["tenants", write(tmp_path, alone, "alone.yaml")]) == 0
+    assert_same_metrics(
+        metrics_rows(tmp_path / "alone" / "tenants" / "only"), metrics_rows(tmp_path / "plain"), rel=0, abs=0
+    )
+
+    other = config(tiny_model, tmp_path / "other", steps=1, save_final=True)
+    other["model"]["lora"] |= {"r": 4}
+    assert main(["train", write(tmp_path, other, "other.yaml")]) == 0
+    rank4 = str(tmp_path / "other" / "checkpoints" / "step-000001" / "policy")
+    cases = [
+        (rank4, r"tenants.b.lora_path '.*' has r 4 where this run's adapters have 8 \(model.lora\): every tenant"),
+        (str(tmp_path), r"tenants.b.lora_path '.*' has no adapter_config.json: it must be a peft adapter folder"),
+    ]
+    for path, error in cases:
+        cfg = config(tiny_model, tmp_path / "bad", {"a": {}, "b": {"lora_path": path}})
+        with pytest.raises(ConfigError, match=error):
+            main_raising(["tenants", write(tmp_path, cfg, "bad.yaml")])
+        assert not (tmp_path / "bad" / "tenants").exists()
+
+
+def test_a_tenants_folder_from_another_base_model_is_refused_in_one_line(tiny_model, checkpoints, tmp_path, rewards):
+    qwen = config(checkpoints["qwen2"], tmp_path / "qwen", steps=1, save_final=True)
+    assert main(["train", write(tmp_path, qwen, "qwen.yaml")]) == 0
+    folder = str(tmp_path / "qwen" / "checkpoints" / "step-000001" / "policy")
+    cfg = config(tiny_model, tmp_path / "bad", {"a": {}, "b": {"lora_path": folder}})
+    with pytest.raises(ConfigError, match=r"tenants.b.lora_path '.*'.* it was trained on another base model"):
+        main_raising(["tenants", write(tmp_path, cfg, "bad.yaml")])
+    assert not (tmp_path / "bad" / "tenants").exists()
+
+
 TWO = {
     "sevens": {"trainer": {"lr": 5e-2}},
     "ones": {"data": {"seed": 7}, "rewards": [{"function": "ones"}], "trainer": {"lr": 1e-1, "seed": 3}},
