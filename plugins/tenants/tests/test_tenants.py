@@ -239,6 +239,22 @@ def test_a_resume_repeats_the_run_from_the_step_every_tenant_saved(
         main_raising(["tenants", path, "--resume"])
 
 
+def test_a_tenants_eval_sets_are_evaluated_into_its_own_record(tiny_model, tmp_path, rewards):
+    """A tenant's data.eval sets run before training and at trainer.eval_every; their metrics go
+    to its own record and, under its name, the run's; a tenant without sets evaluates nothing."""
+    held = {"name": "held", "source": "reasoning_gym", "task": "chain_sum", "size": 6, "seed": 1}
+    tenants = {"sevens": {}, "ones": {"data": {"eval": [held]}, "rewards": [{"function": "ones"}]}}
+    run_dir = tmp_path / "run"
+    assert main(["tenants", write(tmp_path, config(tiny_model, run_dir, tenants, steps=2, eval_every=2))]) == 0
+    ones = [r for r in metrics_rows(run_dir / "tenants" / "ones") if "eval/held/mean@1" in r]
+    assert [r["step"] for r in ones] == [0, 2] and (
+        run_dir / "tenants" / "ones" / "eval" / "step-000002-held.jsonl"
+    ).is_file()
+    assert not any(k.startswith("eval/") for r in metrics_rows(run_dir / "tenants" / "sevens") for k in r)
+    top = [r for r in metrics_rows(run_dir) if "ones/eval/held/mean@1" in r]
+    assert [r["step"] for r in top] == [0, 2] and top[1]["ones/eval/held/mean@1"] == ones[1]["eval/held/mean@1"]
+
+
 @pytest.mark.parametrize(
     "change, error",
     [
