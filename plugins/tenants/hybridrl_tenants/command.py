@@ -6,7 +6,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hybridrl import __version__
-from hybridrl.config import load_config
+from hybridrl.config import ConfigError, load_config
 
 
 def add_command(subparsers) -> None:
@@ -27,6 +27,8 @@ def cmd_tenants(args) -> int:
     overrides = [*args.overrides, "trainer.resume=true"] if args.resume else list(args.overrides)
     cfg = load_config(args.config, ["data.source=null", *overrides])  # the tenants bring the data
     names = check_run(cfg)
+    if cfg.trainer.resume and not cfg.trainer.run_dir:
+        raise ConfigError("--resume needs trainer.run_dir: the directory of the tenants' run to continue.")
     if not cfg.trainer.run_dir:
         cfg.trainer.run_dir = f"runs/tenants-{Path(args.config).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         overrides.append(f"trainer.run_dir={cfg.trainer.run_dir}")

@@ -280,6 +280,13 @@ def test_bad_tenants_fail_in_one_line_before_any_model_loads(tiny_model, tmp_pat
     assert not (tmp_path / "run").exists()  # nothing written, of any tenant
 
 
+def test_a_resume_without_its_run_directory_is_refused(tiny_model, tmp_path, rewards):
+    cfg = config(tiny_model, tmp_path / "run", TWO)
+    del cfg["trainer"]["run_dir"]
+    with pytest.raises(ConfigError, match=r"--resume needs trainer.run_dir: the directory of the tenants' run"):
+        main_raising(["tenants", write(tmp_path, cfg), "--resume"])
+
+
 def test_hybridrl_train_refuses_a_config_with_tenants(tiny_model, tmp_path, rewards, capsys):
     assert main(["train", write(tmp_path, config(tiny_model, tmp_path / "run", TWO))]) == 2
     said = capsys.readouterr().err
