@@ -49,9 +49,29 @@ def test_training_memory_counts_the_policy(tiny_model):
     config = load_model_config(tiny_model, False)
     model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
     n = sum(p.numel() for p in model.parameters())
-    assert parameter_count(config) == n
+    assert parameter_count(config) == (n, 0)
     memory = TrainingMemory.of(n, world_size=2)
     assert (memory.parameters, memory.between_updates, memory.during_update) == (n, n * 6, n * 8)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "down_proj"]])
+def test_training_memory_under_lora_counts_a_frozen_base_and_the_adapters(tiny_model, targets):
+    """LoRA trains its adapters alone: AdamW's state is theirs, the base is kept frozen (float32, or in
+    bits), and the adapters are counted as peft makes them, on the meta device."""
+    from peft import LoraConfig, get_peft_model
+
+    from hybridrl.config_sections import LoraOptions
+
+    config = load_model_config(tiny_model, False)
+    model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
+    n = sum(p.numel() for p in model.parameters())
+    peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+    adapters = sum(p.numel() for name, p in peft.named_parameters() if "lora_" in name)
+    assert adapters > 0 and parameter_count(config, lora=LoraOptions(r=8, target_modules=targets)) == (n, adapters)
+    memory = TrainingMemory.of(n, 1, adapters, frozen_bytes=4)
+    assert (memory.parameters, memory.trained) == (n + adapters, adapters)
+    assert memory.between_updates == adapters * 12 + n * 4
+    assert memory.during_update == adapters * 16 + n * 4
 
 
 def test_the_loop_takes_a_run_and_says_so(tiny_model):

@@ -18,16 +18,22 @@ from hybridrl.sampling import Sampling
 @dataclass(frozen=True)
 class TrainingMemory:
     """What training keeps on each GPU of the run (bytes per rank), for an engine that shares it: the
-    policy's float32 weights and AdamW's two moments between updates, and its gradients beside them
-    while it updates, over the ranks (estimates from the parameter count; LoRA counts the base)."""
+    trained parameters' float32 weights and AdamW's two moments between updates, and their gradients
+    beside them while it updates, plus a frozen base (LoRA's) at ``frozen_bytes`` a parameter, over the
+    ranks (estimates from the parameter counts)."""
 
-    parameters: int  # the policy's parameters
-    between_updates: int  # 12 bytes a parameter over the ranks
-    during_update: int  # 16 bytes a parameter over the ranks
+    parameters: int  # the policy's parameters, LoRA's adapters included
+    trained: int  # of them, those the optimizer steps (LoRA: the adapters alone)
+    between_updates: int  # 12 bytes a trained parameter, and the frozen ones', over the ranks
+    during_update: int  # 16 bytes a trained parameter, and the frozen ones', over the ranks
 
     @classmethod
-    def of(cls, parameters: int, world_size: int) -> TrainingMemory:
-        return cls(parameters, parameters * 12 // world_size, parameters * 16 // world_size)
+    def of(cls, parameters: int, world_size: int, adapters: int = 0, frozen_bytes: float = 4) -> TrainingMemory:
+        """``adapters``: LoRA's parameters over ``parameters`` frozen ones; 0: every parameter trains."""
+        trained, frozen = (adapters, int(parameters * frozen_bytes)) if adapters else (parameters, 0)
+        return cls(
+            parameters + adapters, trained, (trained * 12 + frozen) // world_size, (trained * 16 + frozen) // world_size
+        )
 
 
 class PassRunner(typing.Protocol):

@@ -283,13 +283,22 @@ def load_model_config(path: str, trust_remote_code: bool = False):
         raise _unloadable(path, e) from e
 
 
-def parameter_count(config, trust_remote_code: bool = False) -> int:
-    """The parameters of the causal LM of ``config`` (a transformers config), counted without weights."""
+def parameter_count(config, trust_remote_code: bool = False, lora=None) -> tuple[int, int]:
+    """The parameters of the causal LM of ``config`` (a transformers config), counted without weights, and
+    of the LoRA adapters ``lora`` (LoraOptions) would put on its linear layers (r x (in + out) each)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+    adapters = 0
+    if lora is not None:
+        output = model.get_output_embeddings()
+        names = None if lora.target_modules == "all-linear" else set(lora.target_modules)
+        for name, m in model.named_modules():
+            chosen = m is not output if names is None else name.rsplit(".", 1)[-1] in names
+            if isinstance(m, torch.nn.Linear) and chosen:
+                adapters += lora.r * (m.in_features + m.out_features)
+    return sum(p.numel() for p in model.parameters()), adapters
 
 
 def check_context(config, prompt_tokens: int, max_tokens: int) -> None:

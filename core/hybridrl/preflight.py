@@ -120,8 +120,10 @@ def check(cfg: RunConfig, device: torch.device | None = None, run_dir=None, *, t
     if not train and not evaluation.sets:
         raise ConfigError("data.eval holds no sets to evaluate; add one (docs/evaluation.md).")
     if train and device.type == "cuda":  # what an engine sharing the GPU must leave to training
-        parameters = parameter_count(model_config, cfg.model.trust_remote_code)
-        ctx.join(training_memory=TrainingMemory.of(parameters, ctx.world_size))
+        lora = cfg.model.lora
+        parameters, adapters = parameter_count(model_config, cfg.model.trust_remote_code, lora)
+        frozen = {"none": 4, "8bit": 1.5, "4bit": 1}[lora.quantize] if lora else 4  # float32, or bits and scales
+        ctx.join(training_memory=TrainingMemory.of(parameters, ctx.world_size, adapters, frozen))
     if train:  # beside the policy; the engine is built after it (it takes a share of what memory is left)
         try:
             plugins.lookup("rollout engine", cfg.rollout.engine).check_launch(cfg.rollout.options, ctx)

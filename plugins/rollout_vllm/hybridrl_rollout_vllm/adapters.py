@@ -28,8 +28,9 @@ NAME = "rollout engine 'vllm'"
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
-def lora_kwargs(ctx, sleep_level) -> tuple[dict, str | None]:
-    """vLLM's LoRA options for a run that syncs adapters (``ctx.lora``), and why not where it cannot."""
+def lora_kwargs(ctx, sleep_level, dtype: str = "auto", on_gpu: bool = False) -> tuple[dict, str | None]:
+    """vLLM's LoRA options for a run that syncs adapters (``ctx.lora``) to an engine of weights in ``dtype``,
+    and why not where it cannot."""
     config, why = lora_plan(ctx, "vLLM")
     if not config:  # no adapters, or merged ones
         return {}, why
@@ -42,6 +43,11 @@ def lora_kwargs(ctx, sleep_level) -> tuple[dict, str | None]:
         return {}, f"vLLM's {arch} has no LoRA support"
     if why is not None:
         return {}, why
+    if on_gpu and dtype == "float32":  # its Triton kernels assert 16-bit weights at the first capture
+        return (
+            {},
+            "vLLM's LoRA kernels on a GPU take 16-bit weights, and the engine's are float32 (rollout.dtype: bfloat16)",
+        )
     if sleep_level == 2:
         return {}, "sleep_level 2 drops the base weights, which adapter syncs never send again (sleep_level: 1)"
     planned = planned_adapter(ctx.lora)[0]

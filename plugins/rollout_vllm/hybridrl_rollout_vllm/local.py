@@ -120,7 +120,7 @@ class LocalEngine:
         sizes = None if self.on_cpu or kw["enforce_eager"] else capture_sizes(ctx.responses_per_call)
         if sizes:  # graphs for the run's batches only: fewer to capture at every start
             kw["compilation_config"] = {"cudagraph_capture_sizes": sizes}
-        lora, self.lora_refusal = lora_kwargs(ctx, self.sleep_level)
+        lora, self.lora_refusal = lora_kwargs(ctx, self.sleep_level, kw["dtype"], not self.on_cpu)
         kw |= lora | o.engine_kwargs
         self.prefix_caching = kw["enable_prefix_caching"]
         self.detokenize = not kw.get("skip_tokenizer_init", False)
@@ -372,12 +372,13 @@ def check_memory_share(share: float, ctx) -> None:
         return
     total = torch.cuda.get_device_properties(ctx.device).total_memory
     params, policy = ctx.training_memory.parameters, ctx.training_memory.between_updates
+    kept = "float32 weights, AdamW state" if ctx.training_memory.trained == params else "a frozen base, adapters"
     if share * total + policy > 0.95 * total:
         fits = max(0.0, (0.95 * total - policy) / total)
         raise ValueError(
             f"rollout.gpu_memory_utilization={share:g} gives vLLM {share * total / 2**30:.1f} GiB of the "
             f"{total / 2**30:.1f} GiB of {ctx.device}, but the policy keeps about {policy / 2**30:.1f} GiB there "
-            f"between updates (float32 weights and AdamW state of {params / 1e9:.2f}B parameters over "
+            f"between updates ({kept} of {params / 1e9:.2f}B parameters over "
             f"{ctx.world_size} rank(s)): together they do not fit. Set rollout.gpu_memory_utilization to at most "
             f"{fits:.2f}, or shard the policy over more ranks (sharding.strategy: fsdp)."
         )

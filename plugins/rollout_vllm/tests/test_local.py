@@ -432,6 +432,25 @@ def test_sleep_level_auto_keeps_vllm_awake_where_training_still_has_room(
     assert engine.backend.options.sleep_level == "auto" and engine.backend.sleep_level == 0  # the default; CPU: 0
 
 
+def test_adapters_on_a_gpu_need_a_16_bit_engine_and_setup_says_so(model_dir, tmp_path):
+    """Contract test for the GPU case (no GPU here; nothing touches CUDA): vLLM's LoRA kernels on a GPU
+    assert float16 or bfloat16 weights (``lora_expand``, seen on an H100 with a float32 SmolLM2), so a
+    float32 engine on a GPU starts without LoRA and names rollout.dtype, which sync auto then merges
+    for; on the CPU, and in 16 bits on a GPU, it takes adapters."""
+    from hybridrl_rollout_vllm.adapters import lora_kwargs
+
+    from hybridrl.config_sections import LoraOptions
+
+    ctx = RunContext(
+        model_dir, None, torch.device("cuda:0"), torch.float32, 0, tmp_path, lora=LoraOptions(r=16, sync="auto")
+    )
+    kwargs, why = lora_kwargs(ctx, 0, "float32", on_gpu=True)
+    assert kwargs == {} and "16-bit weights" in why and "rollout.dtype: bfloat16" in why
+    for dtype, on_gpu in (("bfloat16", True), ("float16", True), ("float32", False)):
+        kwargs, why = lora_kwargs(ctx, 0, dtype, on_gpu=on_gpu)
+        assert why is None and kwargs["enable_lora"] and kwargs["max_lora_rank"] == 16, (dtype, on_gpu)
+
+
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_lora_policy_syncs_its_adapter_or_merged_weights_into_vllm(sync, model_dir, tmp_path, register_plugin):
     """model.lora with the vLLM engine: the engine follows the adapters, loaded as a new vLLM adapter
