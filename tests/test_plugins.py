@@ -166,3 +166,21 @@ def test_plugin_adds_a_cli_command(register_plugin, capsys):
     register_plugin(Hello(), name="hello")
     assert main(["hello", "world"]) == 3
     assert capsys.readouterr().out == "hello world\n"
+
+
+def test_a_component_failing_without_a_message_is_named_with_where_it_failed():
+    """A library's bare ``assert`` has no message: the one line still says what failed and where (vLLM's
+    LoRA kernel asserting 16-bit weights read "AssertionError: " and nothing else)."""
+    from hybridrl.errors import StageError, stage_errors
+
+    def kernel(weight):  # a bare assert, as a library's compiles (pytest would rewrite an assert here)
+        if weight not in ("float16", "bfloat16"):
+            raise AssertionError
+
+    with pytest.raises(StageError) as e, stage_errors("rollout engine 'vllm'", "setup"):
+        kernel("float32")
+    line = str(e.value)
+    assert line.startswith("rollout engine 'vllm' failed in setup: AssertionError: (no message) raised at ")
+    assert f"test_plugins.py:{kernel.__code__.co_firstlineno + 2} in kernel: raise AssertionError" in line
+    with pytest.raises(StageError, match=r"failed in setup: KeyError: 'x'$"), stage_errors("dataset 'hf'", "setup"):
+        {}["x"]

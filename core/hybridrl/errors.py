@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import sys
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -65,7 +66,20 @@ def stage_errors(component: str, call: str):
     except (StageError, KeyboardInterrupt, NonFiniteError, ConfigError):
         raise
     except Exception as e:
-        raise StageError(f"{component} failed in {call}: {type(e).__name__}: {e}") from e
+        raise StageError(f"{component} failed in {call}: {type(e).__name__}: {str(e) or origin(e)}") from e
+
+
+def origin(e: BaseException) -> str:
+    """Where ``e`` was raised, for an exception without a message (a bare ``assert`` in a library)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "(no message)"
+    last = frames[-1]
+    where = Path(last.filename)
+    where = Path(*where.parts[where.parts.index("site-packages") + 1 :]) if "site-packages" in where.parts else where
+    return f"(no message) raised at {where}:{last.lineno} in {last.name}: {last.line}"
 
 
 def nonfinite(step: int, what: str, on_nonfinite: str, last_checkpoint=None) -> None:
