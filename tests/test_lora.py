@@ -244,10 +244,11 @@ def test_an_engine_that_cannot_take_adapters_gets_merged_weights_and_says_why(
     with pytest.raises(ConfigError, match=r"model.lora.sync is 'adapter', but rollout engine 'hf' cannot take"):
         build_run(load_config(data=data))
     del data["rollout"]["fuse_projections"]
-    data["model"]["lora"] = LORA  # auto on the CPU: merged, the faster there (BENCHMARKS.md)
+    data["model"]["lora"] = LORA  # auto, an engine in the trainer's process: merged, the faster (BENCHMARKS.md)
     run = build_run(load_config(data=data))
     run.close()
-    assert not run.session.adapters and "(on the CPU the unmerged adapter costs more" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert not run.session.adapters and "(in the trainer's process the unmerged adapter costs more" in out
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +264,32 @@ def tiny_gpt2(tmp_path_factory):
     )
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
+
+
+def test_auto_merges_for_an_engine_in_the_trainers_process_and_sends_the_adapter_to_one_apart(
+    tiny_model, tmp_path, register_plugin
+):
+    """In the trainer's process a merged sync is a copy on the same device, and generating through the
+    unmerged adapter cost more than it saved (the CPU demo; r 32 at 7B on an H100 with hf and vLLM), so
+    auto merges there, on any device; an engine apart from the trainer (a server) gets the adapter."""
+    from hybridrl import lora
+
+    register_plugin(SevensPlugin(), name="sevens")
+    run = build_run(load_config(data=config(tiny_model, tmp_path / "run")))  # the hf engine: merged (above)
+    run.close()
+
+    class Apart:  # what choose_sync asks of an engine: a server that takes adapters
+        def takes_adapter(self, config):
+            return None
+
+        def runs_apart(self):
+            return True
+
+    options = run.config.model.lora
+    adapters, said = lora.choose_sync(options, Apart(), run.policy, "server")
+    assert adapters and said.startswith("LoRA sync: the adapter alone")
+    adapters, said = lora.choose_sync(options.model_copy(update={"sync": "merged"}), Apart(), run.policy, "server")
+    assert not adapters and said == "LoRA sync: merged weights to rollout engine 'server' (model.lora.sync: merged)"
 
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])

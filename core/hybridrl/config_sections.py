@@ -50,8 +50,8 @@ class LoraOptions(Strict):
     sync: Literal["auto", "adapter", "merged"] = Field(
         "auto",
         description="What a weight sync sends the engine: the adapter alone, over the engine's frozen base, or the "
-        "merged weights; auto: the adapter where the engine takes adapters and generates on a GPU or in a server, "
-        "else merged (said at setup, with why).",
+        "merged weights; auto: the adapter where the engine takes adapters and runs apart from the trainer (a "
+        "server), else merged (said at setup, with why).",
     )
     adapters: int = Field(
         1,

@@ -150,7 +150,7 @@ def _build(config: RunConfig, device: torch.device, run_dir: Path, train: bool, 
         if options.quantize != "none":  # the adapter alone, wherever the engine generates
             check_quantized_base(options, engine, config.rollout.engine, config.sharding.strategy)
             options = options.model_copy(update={"sync": "adapter"})
-        session.adapters, said = lora.choose_sync(options, engine, parts["policy"], config.rollout.engine, ctx.device)
+        session.adapters, said = lora.choose_sync(options, engine, parts["policy"], config.rollout.engine)
         if ctx.is_main:
             print(said, flush=True)
         if session.adapters:  # the adapter as it starts (lora_B zero: the base), so that one the engine cannot serve
