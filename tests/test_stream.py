@@ -37,6 +37,7 @@ class Streaming(RolloutEngine):
     weight_format = "transformers"
     fails = -1  # the draw whose request fails, as a server that dies would
     outlives: dict[int, int] = {}  # draw -> syncs it waits for, its first token labelled as it started
+    after: dict[int, tuple[int, ...]] = {}  # draw -> the draws answered before it (a long response)
 
     def __init__(self, options, ctx):
         super().__init__(options, ctx)
@@ -45,6 +46,7 @@ class Streaming(RolloutEngine):
         self.hf, self.lock, self.syncs = HFEngine(HFEngine.Options(), ctx), threading.Lock(), 0
         self.counting = threading.Lock()  # apart from the decoding's: a call counts as running as it comes in
         self.synced, self.running, self.most = threading.Event(), 0, 0
+        self.answered: set[int] = set()
 
     draws: dict[tuple[int, ...], int] = {}  # a prompt's ids -> the draw that asked for it, over the runs of a test
 
@@ -65,7 +67,7 @@ class Streaming(RolloutEngine):
         started = self.syncs
         if draw == 0 and not self.synced.wait(60):
             raise TimeoutError("no sync")
-        while self.syncs < self.outlives.get(draw, 0):
+        while self.syncs < self.outlives.get(draw, 0) or not self.answered.issuperset(self.after.get(draw, ())):
             time.sleep(0.01)
         if draw == self.fails:
             raise ConnectionError("the server closed the connection mid-request")
@@ -76,6 +78,7 @@ class Streaming(RolloutEngine):
                 out.token_versions = [[started] + v[1:] for v in out.token_versions]
         with self.counting:
             self.running -= 1
+            self.answered.add(draw)
         return out
 
     def update_weights(self, named_tensors):
@@ -252,19 +255,36 @@ def test_a_group_whose_request_fails_fails_the_step_naming_the_engine(tiny_model
         train(config(tiny_model, tmp_path / "run", 4))
 
 
-def test_a_group_that_outlived_k_syncs_is_dropped_and_another_prompt_takes_its_place(
+def test_a_group_the_next_step_could_not_train_is_waited_for_and_nothing_is_dropped(
     tiny_model, tmp_path, registered, monkeypatch
 ):
-    """The run's fourth prompt (draw 3) starts at step 1 and answers only after the sync of step 2: its
-    first token is of the initial weights, older than those of step 2's start, which a batch of
-    rollout.async 1 trained at step 3 may hold at the oldest."""
-    monkeypatch.setattr(Streaming, "outlives", {3: 2})
+    """The run's fourth prompt (draw 3) starts at step 1 under the initial weights and answers only after
+    the two prompts that step 2 starts (a long response): step 3 could not train it (its first token is
+    older than the weights of step 2's start). So step 2 takes it, waiting for it, with draw 0 (also
+    started at step 1), rather than the groups that finish first; nothing is dropped."""
+    monkeypatch.setattr(Streaming, "after", {3: (4, 5)})
     _, rows = train(config(tiny_model, tmp_path / "run", 4))
+    assert Draws.trained[1] == [0, 3]
+    assert sum(r["rollout/stale_groups"] for r in rows) == 0 and sum(r["rollout/stale_tokens"] for r in rows) == 0
     trained = sum(Draws.trained, [])
-    assert sum(r["rollout/stale_groups"] for r in rows) == 1
-    assert 0 < sum(r["rollout/stale_tokens"] for r in rows) <= N * 6  # its two responses, generated, untrained
-    assert 3 not in trained and len(trained) == len(set(trained)) == 4 * PROMPTS
-    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)  # nothing older was trained on
+    assert len(trained) == len(set(trained)) == 4 * PROMPTS and set(trained) == set(range(4 * PROMPTS))
+    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)
+
+
+def test_groups_left_past_the_bound_are_dropped_counted_and_replaced(tiny_model, tmp_path, registered):
+    """rollout.step_tokens 1: a step takes one group, while (k + 1) x prompts_per_step (4) started under
+    the initial weights. Step 2 takes one of the three the next step could not train (draws 1-3 and
+    draw 0, which started with them); draw 0 sampled only after the first sync, so its tokens are of
+    the newer weights, but one of draws 1-3 is left too stale at step 3: dropped there and counted
+    (its tokens generated, not trained), and a prompt starts in its place. A step of one group against
+    four in flight keeps leaving groups behind: so it goes on at step 4. Nothing older than the bound
+    is trained on."""
+    _, rows = train(config(tiny_model, tmp_path / "run", 4, step_tokens=1))
+    assert [r["rollout/stale_groups"] for r in rows][:3] == [0, 0, 1]
+    assert all(0 < r["rollout/stale_tokens"] <= r["rollout/stale_groups"] * N * 6 for r in rows[2:])
+    trained = sum(Draws.trained, [])
+    assert len(trained) == len(set(trained)) == 4 and len({1, 2, 3} - set(trained)) == 1
+    assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)
 
 
 class OddsTie(Draws):

@@ -128,7 +128,8 @@ class RolloutConfig(Section, Sampling):
         False,
         description="With rollout.async k and an engine that takes syncs in flight: each prompt's group is an engine "
         "call of its own, (k + 1) x prompts_per_step groups are always started and not yet trained, and a step "
-        "trains the first groups to finish; a group with a token older than the weights of k steps back is dropped "
+        "trains the first groups to finish, after those the next step could not train (a token older than the weights "
+        "of k steps back), which it waits for: nothing generated is dropped but past that bound "
         "(rollout/stale_groups). docs/async.md.",
     )
     step_tokens: int | None = Field(

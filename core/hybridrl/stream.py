@@ -15,10 +15,13 @@ than k updates old unless its response outlived k syncs. The rules that keep it 
   filter and refill rounds as a step's own rollout (:meth:`hybridrl.trainer.Trainer.collect`);
 - a group whose oldest token is older than the weights the engine held when the step k steps
   back started (what a batch of ``rollout.async`` may hold: k updates, or with a server that reloads
-  every m updates k + m - 1) is dropped, counted in ``rollout/stale_groups`` (its tokens in
-  ``rollout/stale_tokens``: the only tokens generated and not trained); the step starts a
-  prompt in its place and takes the next group to finish (so does a refill round, for the groups
-  the filter dropped). Weights that never change (a frozen server) drop nothing;
+  every m updates k + m - 1) is too stale to train. So a step first takes the groups the next step
+  could not (those that started under weights older than the floor of the next step), waiting for
+  those still running, and then the first to finish: no generated token is thrown away. Only
+  where more such groups are left than a step takes are the rest dropped at the next step, counted
+  in ``rollout/stale_groups`` (their tokens in ``rollout/stale_tokens``: generated, not trained),
+  and prompts started in their place (so does a refill round, for the groups the filter dropped).
+  Weights that never change (a frozen server) make nothing stale;
 - a checkpoint keeps the groups finished and not yet trained whole, and the prompts of the groups
   in flight, which a resumed run starts again with their own seeds (their partial responses are
   not kept): every group is trained exactly once.
@@ -48,7 +51,7 @@ class Streamer:
         self.collect, self.depth, self.last_step, self.stage, self.seed = collect, depth, last_step, stage, seed
         self.session, self.size, self.tokens = stage.session, prompts_per_step, stage.config.rollout.step_tokens
         self.done: queue.Queue = queue.Queue()  # (draw, answer or the error raised) as groups finish
-        self.flying: dict[int, tuple[int, list[int], str]] = {}  # draw -> (row index, prompt ids, prompt text)
+        self.flying: dict[int, tuple[int, list[int], str, int]] = {}  # draw -> (row, prompt ids, text, version)
         self.finished: list[tuple[int, Batch]] = []  # finished, not yet trained: received or restored
         self.restart: list[tuple[int, int]] = []  # (draw, row index) in flight at the checkpoint resumed from
         self.draws, self.dropped, self.budget = 0, [], 0  # dropped: the stale groups' tokens; budget: prompts to start
@@ -121,7 +124,7 @@ class Streamer:
     def _start(self, draw: int, index: int) -> None:
         row = self.stage.data[index]
         (ids,), (text,) = self.stage.encode([row])  # tokenised here, not in the threads
-        self.flying[draw] = (index, ids, text)
+        self.flying[draw] = (index, ids, text, self.session.version)  # its tokens' versions: this or newer
         sampling = self.session.sampling(0)
         sampling = sampling.model_copy(update={"seed": rollout_seed(self.seed, 0, 0, draw, sampling.n)})
         work = self._episodes if self.stage.agent is not None else self._generate
@@ -154,7 +157,7 @@ class Streamer:
             return False
         if isinstance(out, BaseException):
             raise out
-        index, ids, text = self.flying.pop(draw)
+        index, ids, text, _ = self.flying.pop(draw)
         if isinstance(out, Batch):  # an agent's group (its response_mask: the tokens the engine sampled)
             group = out
             self.window[0] += int(group["response_mask"].sum())
@@ -166,15 +169,27 @@ class Streamer:
         return True
 
     def _next(self) -> Batch:
+        """The group the step takes next: one the next step could not train (waited for while it runs),
+        else the first to finish."""
+        late = self._late()
+        while late and not any(draw in late for draw, _ in self.finished):
+            self._receive(block=True)
         if not self.finished:
             self._receive(block=True)
-        return self.finished.pop(0)[1]
+        first = next((i for i, (draw, _) in enumerate(self.finished) if draw in late), 0)
+        return self.finished.pop(first)[1]
+
+    def _late(self) -> set[int]:
+        """The draws, finished or running, that started under weights older than the next step's floor."""
+        floor = self.held.get(self.step + 1 - self.depth)
+        if floor is None:
+            return set()
+        late = {draw for draw, group in self.finished if oldest(group) < floor}
+        return late | {draw for draw, (_, _, _, version) in self.flying.items() if version < floor}
 
     def _too_stale(self, group: Batch) -> bool:
-        floor = self.held.get(self.step - self.depth)
-        versions = group["token_versions"] if "token_versions" in group else group["policy_version"][:, None]
-        mask = group["response_mask"].bool() if "token_versions" in group else torch.ones_like(versions, dtype=bool)
-        return floor is not None and mask.any().item() and versions[mask].min().item() < floor
+        floor, first = self.held.get(self.step - self.depth), oldest(group)
+        return floor is not None and first is not None and first < floor
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -186,7 +201,7 @@ class Streamer:
             "stream": True,
             "draws": self.draws,
             "finished": [(draw, pack(group)) for draw, group in self.finished],
-            "flying": [(draw, index) for draw, (index, _, _) in sorted(self.flying.items())],
+            "flying": [(draw, index) for draw, (index, *_) in sorted(self.flying.items())],
             "held": dict(self.held),
         }
 
@@ -201,6 +216,13 @@ class Streamer:
 
     def close(self) -> None:
         """The groups still in flight are left to finish on their own (their threads end with the run)."""
+
+
+def oldest(group: Batch) -> int | None:
+    """The version of a group's oldest sampled token (None: it sampled none)."""
+    versions = group["token_versions"] if "token_versions" in group else group["policy_version"][:, None]
+    mask = group["response_mask"].bool() if "token_versions" in group else torch.ones_like(versions, dtype=bool)
+    return versions[mask].min().item() if mask.any().item() else None
 
 
 def make_prefetcher(run, collect) -> Prefetcher | None:

@@ -504,6 +504,6 @@ def test_streamed_groups_train_as_they_finish_with_syncs_in_flight(server, model
     rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["batch/trained_fraction"] == 1 and r["rollout/groups_in_flight"] <= 2 * 4 for r in rows)
-    # each token at most one update old, unless its response outlived a sync (then its group was dropped)
+    # each token at most one update old: a group the next step could not train is trained by this one
     assert all(r["rollout/staleness_max"] <= 1 for r in rows) and all("rollout/stale_groups" in r for r in rows)
     assert all(r["rollout_corr/weight_mean"] > 0 for r in rows)
