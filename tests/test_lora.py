@@ -17,6 +17,7 @@ from hybridrl_testing import (
     policy_greedy,
     small_model,
 )
+from safetensors.torch import load_file
 
 from hybridrl import lora
 from hybridrl.config import ConfigError, LoraOptions, load_config
@@ -221,6 +222,10 @@ def test_an_adapter_sync_sends_the_adapter_alone_over_the_engines_own_base(tiny_
     assert engine.keys() == base.keys() and all(torch.equal(engine[n], base[n]) for n in base)
     folder = adapter.save(tmp_path / "adapter")
     loaded = PeftModel.from_pretrained(load_causal_lm(tiny_model, torch.float32, torch.device("cpu")), folder)
+    # in an engine's 16-bit LoRA dtype (vLLM's on a GPU): the tensors as the engine would cast them
+    half = load_file(adapter.save(tmp_path / "bf16", torch.bfloat16) / "adapter_model.safetensors")
+    assert half.keys() == dict(adapter.tensors).keys()
+    assert all(torch.equal(half[name], tensor.to(torch.bfloat16)) for name, tensor in adapter.tensors)
     batch = fixed_batch(t.run.tokenizer, [[3, 5], [4, 2]])
     with torch.no_grad():
         want, _ = response_logprobs(t.run.policy, batch.input_ids, batch.attention_mask, 5)

@@ -358,13 +358,13 @@ class Adapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
-    def save(self, folder: Path) -> Path:
-        """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), for engines that load one."""
+    def save(self, folder: Path, dtype: torch.dtype | None = None) -> Path:
+        """peft's adapter folder (adapter_config.json, adapter_model.safetensors; tensors in ``dtype`` if given)."""
         from safetensors.torch import save_file
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.detach().contiguous().cpu() for n, t in self.tensors}, folder / "adapter_model.safetensors")
+        (folder := Path(folder)).mkdir(parents=True, exist_ok=True)
+        tensors = {n: t.detach().to(dtype or t.dtype).contiguous().cpu() for n, t in self.tensors}
+        save_file(tensors, folder / "adapter_model.safetensors")
         (folder / "adapter_config.json").write_text(json.dumps(self.config, indent=1))
         return folder
 

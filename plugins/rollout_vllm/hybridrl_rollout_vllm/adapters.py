@@ -21,6 +21,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from hybridrl.engines import lora_plan
 from hybridrl.lora import planned_adapter
 
@@ -83,7 +85,9 @@ class Adapters:
         from vllm.lora.request import LoRARequest
 
         self.loads += 1
-        path = adapter.save(self.folder / f"{adapter.name}-{self.loads}")
+        dtype = self.llm.llm_engine.vllm_config.lora_config.lora_dtype  # what vLLM casts the factors to
+        dtype = dtype if isinstance(dtype, torch.dtype) else None  # in 16 bits: half the bytes to write and read
+        path = adapter.save(self.folder / f"{adapter.name}-{self.loads}", dtype)
         request = LoRARequest(f"{adapter.name}-v{adapter.version}-{self.loads}", self.loads, str(path))
         try:
             loaded = self.llm.llm_engine.add_lora(request)
