@@ -22,7 +22,8 @@ Modes: ``sync`` (the baseline: each step generates, then trains), ``async1`` (``
 sync waits for the batch generated ahead: ``in_flight: off``), ``in_flight`` (the same, the
 sync lands while that batch runs: SGLang retracts its requests, loads, prefills them again and goes
 on), ``stream`` (``rollout.stream: true`` on top: each prompt's group a request of its own, a step
-trains the first groups to finish while the server keeps the rest running). Per mode, over the timed
+trains the groups the next step could not train, then the first to finish, while the server keeps
+the rest running), and by ``--modes`` ``stream2`` (the same with ``rollout.async: 2``). Per mode, over the timed
 steps: step time, generated tokens a second (the steps' response tokens over their wall-clock), the
 GPU's idle fraction (1 - nvidia-smi's utilization, sampled every 100 ms: the share of time no kernel
 of either process ran), staleness per token, responses spanning two versions, the correction's mean
@@ -62,7 +63,9 @@ MODES = (
     ("async1", 1, "off", False),
     ("in_flight", 1, "on", False),
     ("stream", 1, "on", True),
+    ("stream2", 2, "on", True),  # by --modes: the stragglers get two steps before a step must wait for them
 )
+DEFAULT_MODES = "sync,async1,in_flight,stream"
 
 
 def config(args, url: str, mode: tuple, run_dir: Path) -> dict:
@@ -283,7 +286,7 @@ def main() -> int:
     p.add_argument("--eval-data")
     p.add_argument("--model", help="A folder holding the model's GGUF file (--gguf), or a plain model folder.")
     p.add_argument("--gguf", default="SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("--modes", default=",".join(m[0] for m in MODES))
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"of {', '.join(m[0] for m in MODES)}")
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
     p.add_argument("--prompts", type=int, default=32)
