@@ -285,19 +285,20 @@ def load_model_config(path: str, trust_remote_code: bool = False):
 
 def parameter_count(config, trust_remote_code: bool = False, lora=None) -> tuple[int, int]:
     """The parameters of the causal LM of ``config`` (a transformers config), counted without weights, and
-    of the LoRA adapters ``lora`` (LoraOptions) would put on its linear layers (r x (in + out) each)."""
+    of the LoRA adapters ``lora`` (LoraOptions) would put on its linear layers (r x (in + out) each) and
+    a mixture's experts (bounded from above)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    adapters = 0
-    if lora is not None:
-        output = model.get_output_embeddings()
-        names = None if lora.target_modules == "all-linear" else set(lora.target_modules)
-        for name, m in model.named_modules():
-            chosen = m is not output if names is None else name.rsplit(".", 1)[-1] in names
-            if isinstance(m, torch.nn.Linear) and chosen:
-                adapters += lora.r * (m.in_features + m.out_features)
+    adapters, output = 0, model.get_output_embeddings()
+    targets = None if lora is None or lora.target_modules == "all-linear" else list(lora.target_modules)
+    for name, m in model.named_modules() if lora is not None else ():
+        linear = isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"  # GPT-2's, weights (in, out)
+        chosen = m is not output if targets is None else any(name == t or name.endswith(f".{t}") for t in targets)
+        adapters += lora.r * sum(m.weight.shape) if linear and chosen else 0
+        experts = [w.shape for w in m.parameters(recurse=False) if w.dim() == 3] if chosen else []  # (E, out, in)
+        adapters += sum(2 * lora.r * e * (a + b) for e, a, b in experts)  # at most what peft wraps them with
     return sum(p.numel() for p in model.parameters()), adapters
 
 
