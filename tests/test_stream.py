@@ -287,6 +287,24 @@ def test_groups_left_past_the_bound_are_dropped_counted_and_replaced(tiny_model,
     assert all(r["rollout/staleness_max"] <= DEPTH for r in rows)
 
 
+def test_a_group_that_sampled_no_token_is_never_late_nor_stale():
+    """A finished group whose responses hold no sampled token (each ended at once) has no oldest token:
+    the next step can train it, so no step waits for it, and it is not dropped."""
+    import torch
+
+    from hybridrl.batch import Batch
+    from hybridrl.stream import Streamer, oldest
+
+    empty = Batch({"response_mask": torch.zeros(2, 3), "token_versions": torch.zeros(2, 3, dtype=torch.long)})
+    old = Batch({"response_mask": torch.ones(2, 3), "token_versions": torch.zeros(2, 3, dtype=torch.long)})
+    streamer = Streamer.__new__(Streamer)
+    streamer.step, streamer.depth, streamer.held = 3, 1, {2: 1, 3: 2}
+    streamer.finished, streamer.flying = [(7, empty), (8, old)], {9: (0, [1], "x", 1), 10: (0, [1], "x", 2)}
+    assert oldest(empty) is None and oldest(old) == 0
+    assert streamer._late() == {8, 9}  # started (or sampled) under weights older than step 3's: 2
+    assert not streamer._too_stale(empty) and streamer._too_stale(old)  # step 3 trains from step 2's: 1
+
+
 class OddsTie(Draws):
     """Draws' record, with every response of an odd draw scored the same: dynamic sampling drops those."""
 

@@ -184,7 +184,8 @@ class Streamer:
         floor = self.held.get(self.step + 1 - self.depth)
         if floor is None:
             return set()
-        late = {draw for draw, group in self.finished if oldest(group) < floor}
+        firsts = {draw: oldest(group) for draw, group in self.finished}  # None: it sampled no token
+        late = {draw for draw, first in firsts.items() if first is not None and first < floor}
         return late | {draw for draw, (_, _, _, version) in self.flying.items() if version < floor}
 
     def _too_stale(self, group: Batch) -> bool:
