@@ -290,9 +290,17 @@ def test_auto_merges_for_an_engine_in_the_trainers_process_and_sends_the_adapter
         def runs_apart(self):
             return True
 
+    class InProcess(Apart):  # the same engine in the trainer's process, on whatever device (a GPU too)
+        def runs_apart(self):
+            return False
+
     options = run.config.model.lora
     adapters, said = lora.choose_sync(options, Apart(), run.policy, "server")
     assert adapters and said.startswith("LoRA sync: the adapter alone")
+    adapters, said = lora.choose_sync(options, InProcess(), run.policy, "vllm")
+    assert not adapters and f"({lora.IN_PROCESS} (BENCHMARKS.md); model.lora.sync: adapter sends" in said
+    adapters, _ = lora.choose_sync(options.model_copy(update={"sync": "adapter"}), InProcess(), run.policy, "vllm")
+    assert adapters
     adapters, said = lora.choose_sync(options.model_copy(update={"sync": "merged"}), Apart(), run.policy, "server")
     assert not adapters and said == "LoRA sync: merged weights to rollout engine 'server' (model.lora.sync: merged)"
 
