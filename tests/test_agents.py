@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
+from hybridrl_reward_python.calculator import Calculator
 from hybridrl_testing import SevensPlugin
 
 from hybridrl import plugins
 from hybridrl.agents import AgentLoop, Trajectory, observation_ids
 from hybridrl.batch import Batch
 from hybridrl.builtin.environments import HermesParser
-from hybridrl.builtin.tools import Calculator
 from hybridrl.components import Environment, Observation, RunContext, SamplingParams
 from hybridrl.config import AgentConfig, ConfigError, RolloutConfig, load_config
 from hybridrl.errors import StageError

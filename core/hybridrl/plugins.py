@@ -28,7 +28,6 @@ BUILTIN_PLUGINS = (
     "hybridrl.builtin.datasets",
     "hybridrl.builtin.loggers",
     "hybridrl.builtin.environments",
-    "hybridrl.builtin.tools",
 )
 
 

@@ -1,8 +1,4 @@
-"""Built-in tool: ``calculator`` (arithmetic, no code run).
-
-The ``python`` tool, which runs the model's code in a sandbox, comes with the hybridrl-reward-python
-plugin (plugins/reward_python).
-"""
+"""Tool ``calculator``: arithmetic on the model's expression, read as a syntax tree (no code run)."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import operator
 from pydantic import Field
 
 from hybridrl.components import Options, Tool
-from hybridrl.hookspecs import hookimpl
 
 _BINARY = {
     ast.Add: operator.add,
@@ -70,8 +65,3 @@ class Calculator(Tool):
                 raise ValueError(f"the result has more than {self.options.max_digits} digits")
             return value
         raise ValueError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
-
-
-@hookimpl
-def register_tools(register):
-    register("calculator", Calculator)
