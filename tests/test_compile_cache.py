@@ -1,6 +1,7 @@
 """trainer.compile_cache: where torch.compile keeps what it compiled, across runs. A second process
 loads a graph compiled before from that folder instead of compiling it again, and never a graph of
-another dtype, shape or compiler setting (torch keys its cache by them, and by its version)."""
+another dtype, shape or compiler setting (torch keys its cache by them, and by its version). The hf
+engine's decoding step is kept whole (precompiled): a second process loads it without tracing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,28 @@ import sys
 import textwrap
 
 from hybridrl.compile import use_cache
+
+# the hf engine's compiled decoding in a new process: sys.argv = cache folder, model, dtype, settings
+DECODE = textwrap.dedent(
+    """
+    import sys, torch
+    from torch._dynamo.utils import counters
+    from hybridrl import plugins
+    from hybridrl.compile import compile_seconds, use_cache
+    from hybridrl.components import RunContext, SamplingParams
+    from hybridrl.models import load_tokenizer
+    use_cache(sys.argv[1])
+    tok = load_tokenizer(sys.argv[2])
+    ctx = RunContext(sys.argv[2], tok, torch.device("cpu"), getattr(torch, sys.argv[3]), 0, sys.argv[1])
+    cls = plugins.lookup("rollout engine", "hf")
+    engine = cls(cls.Options(cache="static", compile="on", compile_after=1), ctx)
+    prompts = [tok.encode(t) for t in ("The sky is", "One two three four")]
+    for temperature in sys.argv[4].split(","):  # each setting a variant of the step
+        out = engine.generate(prompts, SamplingParams(n=2, max_tokens=12, seed=1, temperature=float(temperature)))
+        print("tokens", out.token_ids)
+    print("graphs", counters["stats"]["unique_graphs"], "compile_s", compile_seconds() > 0)
+    """
+)
 
 # each process compiles the same small graph first, then (the second) other variants of it, and prints
 # torch's count of graphs loaded from the cache and compiled anew
@@ -67,3 +90,69 @@ def test_a_second_process_loads_what_the_first_compiled_and_nothing_of_another_k
     assert run("first") == (0, 1)  # compiled, and kept in the folder
     assert any((tmp_path / "cache").rglob("*"))
     assert run("variants") == (2, 3)  # the same graph loaded (twice); dtype, shape and setting compiled anew
+
+
+def test_a_second_process_loads_the_hf_engines_decoding_step_without_tracing_it(tmp_path, tiny_model):
+    """The first run compiles the step and saves it; the second loads it (torch traces nothing) and
+    samples the same tokens; a sampling setting the saved step's guards do not pass compiles a step of
+    its own, and another dtype never sees the folder. A torn file there is passed over."""
+    script, cache = tmp_path / "decode.py", tmp_path / "cache"
+    script.write_text(DECODE)
+
+    def run(dtype: str, temperatures: str) -> tuple[list[str], str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        done = subprocess.run([sys.executable, str(script), str(cache), str(tiny_model), dtype, temperatures],
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        return [line for line in lines if line.startswith("tokens")], lines[-1]
+
+    tokens, counted = run("float32", "1.0")
+    assert counted == "graphs 1 compile_s True"
+    (saved,) = (cache / "hybridrl-precompiled").glob("*/*.aot")
+    (saved.parent / "torn.aot").write_bytes(saved.read_bytes()[:1000])
+    again, counted = run("float32", "1.0,0.5")  # one graph: 1.0's loaded (else two), 0.5 compiled its own
+    assert again[0] == tokens[0] and counted == "graphs 1 compile_s True"
+    assert len(list(saved.parent.glob("*.aot"))) == 3
+
+
+def test_the_precompiled_steps_folder_changes_with_whatever_its_guards_do_not_check(tmp_path, tiny_model, monkeypatch):
+    """A saved step's guards check its inputs' shapes, dtypes and the constants it read, not the code it
+    runs: the folder's key does (the model's config and code, dtype, device, torch, transformers, the
+    step's source file), so a step is never loaded where one of those differs."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from hybridrl import compile
+    from hybridrl.builtin.hf_fast_path import decode_step
+    from hybridrl.components import RunContext
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+
+    def folder(dtype=torch.float32, step=decode_step):
+        ctx = RunContext(str(model), None, torch.device("cpu"), dtype, 0, tmp_path)
+        return compile.Precompiled(step, ctx, "rollout.compile", None).folder
+
+    first = folder()
+    assert first.parent == tmp_path / "cache" / "hybridrl-precompiled" and folder() == first
+    assert folder(torch.bfloat16) != first
+    assert folder(step=compile.use_cache) != first  # another source file
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    assert folder() != first
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert folder() != first
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    (model / "modeling_mine.py").write_text("# a model's own code\n")
+    assert folder() != first
+    config = (model / "config.json").read_text()
+    (model / "modeling_mine.py").unlink()
+    assert folder() == first
+    (model / "config.json").write_text(config.replace("{", '{"rope_theta": 12.5, ', 1))
+    assert folder() != first

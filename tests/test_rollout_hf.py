@@ -17,6 +17,15 @@ from hybridrl.passes import response_logprobs
 TEXTS = ["abc", "a much longer prompt", "hello world, how are you?"]  # different lengths: left padding matters
 
 
+@pytest.fixture(autouse=True)
+def no_saved_steps(monkeypatch):
+    """Compiled decoding compiles in each test: no compile cache folder, so nothing another test saved
+    is loaded and the graphs counted are this test's (saving and loading: tests/test_compile_cache.py)."""
+    from hybridrl import compile
+
+    monkeypatch.setattr(compile, "_keyed", lambda *args: None)
+
+
 @pytest.fixture
 def make_engine(tiny_model, tmp_path):
     tok = load_tokenizer(tiny_model)
@@ -143,7 +152,7 @@ def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engin
 
     from hybridrl.builtin import rollout_hf
 
-    monkeypatch.setattr(rollout_hf.torch, "compile", lambda fn: fn)
+    monkeypatch.setattr(rollout_hf, "Precompiled", lambda *a, **k: lambda model, loop, *b: engine._step(loop, *b[:2]))
     reference = make_engine(cache="static", pad_prompts_to_multiple=16, graph_tokens=0)
     compiled = {"compile": "on", "compile_after": 1} if mode == "compiled" else {"compile": "off"}
     engine = make_engine(cache="static", pad_prompts_to_multiple=16, **compiled)

@@ -337,19 +337,18 @@ class DecodeState:
             getattr(self, name).copy_(getattr(other, name)[rows])
         self.at.copy_(other.at)
 
-    def mark_dynamic(self) -> None:
+    def mark_dynamic(self, on: bool = True) -> None:
         """Rows and cache length as dynamic dimensions for torch.compile (once the cache is filled), so
         that one compiled step serves the loops of every row count: a loop of fewer rows (compact_rows)
-        or a call of another size then costs a CUDA graph capture, not a compilation."""
-        mark = torch._dynamo.maybe_mark_dynamic
+        or a call of another size then costs a CUDA graph capture, not a compilation. Not ``on``: the
+        marks taken off again (a precompiled step's saved guards expect none)."""
         for t in (self.tokens, self.logprobs, self.done, self.token, self.full, self.next_pos):
-            mark(t, 0)
-        mark(self.full, 1)
+            dims = (0, 1) if t is self.full else (0,)
+            _mark(t, dims, on)
         for layer in self.cache.layers:
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
-                    mark(t, 0)
-                    mark(t, 2)
+                    _mark(t, (0, 2), on)
 
     def can_move(self) -> bool:
         """Whether :meth:`take` knows this loop's cache: transformers' static layers, filled."""
@@ -372,6 +371,39 @@ def sampling_warpers(sampling):
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(sampling.top_p))
     return warpers
+
+
+def _mark(t: torch.Tensor, dims: tuple, on: bool) -> None:
+    for dim in dims if on else ():
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    for name in [] if on else [n for n in vars(t) if n.startswith(("_dynamo_", "_has_dynamo", "_specializ"))]:
+        delattr(t, name)
+
+
+def decode_step(model, loop, sampling, warpers, is_end, pad_id, sample=None):
+    """One decoding step on the static cache, on the device alone: the forward of the last token, the
+    next one sampled (``sample``, else :func:`sample_token`) and recorded (:func:`record`)."""
+    inputs = model.prepare_inputs_for_generation(
+        loop.token[:, None],
+        past_key_values=loop.cache,
+        attention_mask=loop.full,
+        position_ids=loop.next_pos + loop.at,
+        use_cache=True,
+    )
+    token, logprob = (sample or sample_token)(model(**inputs).logits[:, -1], sampling, warpers)
+    loop.at.add_(1)
+    record(loop, token, logprob, sampling, is_end, pad_id)
+
+
+def record(loop, token, logprob, sampling, is_end, pad_id) -> None:
+    """Write the token and logprob of every row at ``loop.at`` (padding and 0 where the row has
+    ended), then mark the rows whose token ends them (``is_end``: a table over the vocabulary)."""
+    token = torch.where(loop.done, pad_id, token)
+    loop.tokens.index_copy_(1, loop.at.view(1), token[:, None])
+    loop.logprobs.index_copy_(1, loop.at.view(1), logprob.masked_fill(loop.done, 0.0)[:, None])
+    loop.token.copy_(token)
+    if not sampling.ignore_eos:
+        loop.done.logical_or_(is_end[token])
 
 
 def sample_token(logits, sampling, warpers):

@@ -23,14 +23,8 @@ The dynamic cache (the CPU default) goes through transformers ``generate``, with
 processor that records the logprobs, after a prefill of each prompt once whose cache is
 repeated for its ``n`` samples (``hf_generate.shared_prefill``: about 2 s of a 10.5 s rollout saved at the
 demo's sizes). Both paths end a response at its first end token or at the token that
-completes a stop string, whichever comes first.
-
-Why not transformers' continuous batching (``generate_batch``): its ``return_logprobs`` gives
-the log of the sampled token's probability *after* top-k/top-p and the other processors,
-not the temperature-scaled distribution the trainer scores (``response_logprobs``); it drops
-the processors it does not support (``min_new_tokens``, which ``ignore_eos`` needs, and stop
-strings), switches the attention to its paged kernels, and its options were still changing
-between 5.x releases.
+completes a stop string, whichever comes first. Why not transformers' continuous batching:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -48,9 +42,11 @@ from hybridrl.builtin.hf_fast_path import (
     capturing,
     compacted_rows,
     compile_pays,
+    decode_step,
     engine_dtype,
     fuse_projections,
     keeps_prompt_width,
+    record,
     row_floor,
     sample_token,
     sampling_warpers,
@@ -60,7 +56,7 @@ from hybridrl.builtin.hf_fast_path import (
 )
 from hybridrl.builtin.hf_generate import generate_plain
 from hybridrl.builtin.hf_options import FINISHED_CHECK_EVERY, KEPT_SHAPES, STATIC_PAD_MULTIPLE, HFEngineOptions
-from hybridrl.compile import allow_recompiles
+from hybridrl.compile import Precompiled, allow_recompiles
 from hybridrl.components import RolloutEngine, RolloutOutput, SamplingParams
 from hybridrl.engines import stop_length
 from hybridrl.hookspecs import hookimpl
@@ -171,29 +167,9 @@ class HFEngine(RolloutEngine):
         """The next token and its logprob (:func:`sample_token`, as ``generate`` samples)."""
         return sample_token(logits, sampling, warpers)
 
-    def _record(self, loop, token, logprob, sampling):
-        """Write the token and logprob of every row at ``loop.at`` (padding and 0 where the row has
-        ended), then mark the rows whose token ends them."""
-        token = torch.where(loop.done, self.pad_id, token)
-        loop.tokens.index_copy_(1, loop.at.view(1), token[:, None])
-        loop.logprobs.index_copy_(1, loop.at.view(1), logprob.masked_fill(loop.done, 0.0)[:, None])
-        loop.token.copy_(token)
-        if not sampling.ignore_eos:
-            loop.done.logical_or_(self._is_end[token])
-
     def _step(self, loop, sampling, warpers):
-        """One decoding step on the static cache, on the device alone: the forward of the last token,
-        the next one sampled and recorded."""
-        inputs = self.model.prepare_inputs_for_generation(
-            loop.token[:, None],
-            past_key_values=loop.cache,
-            attention_mask=loop.full,
-            position_ids=loop.next_pos + loop.at,
-            use_cache=True,
-        )
-        token, logprob = self._sample(self.model(**inputs).logits[:, -1], sampling, warpers)
-        loop.at.add_(1)
-        self._record(loop, token, logprob, sampling)
+        """One decoding step (:func:`decode_step`), eager."""
+        decode_step(self.model, loop, sampling, warpers, self._is_end, self.pad_id, self._sample)
 
     def _decode(self, ids, mask, sampling):
         """Our own sampling loop on the static KV cache. It samples as ``generate`` does (the same
@@ -220,7 +196,7 @@ class HFEngine(RolloutEngine):
         # the cache stays the loop's whatever a model's preparation does with it, and one position's logits
         inputs |= {"past_key_values": loop.cache, **self._last_logits_only}
         token, logprob = self._sample(model(**inputs).logits[:, -1], sampling, warpers)
-        self._record(loop, token, logprob, sampling)  # prefill eager, like generate: its shapes change
+        record(loop, token, logprob, sampling, self._is_end, self.pad_id)  # prefill eager, like generate
         setting = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.ignore_eos)
         self._uses[setting] = self._uses.get(setting, 0) + 1
         own = setting == self._run_setting  # the run's own setting: captured at once, every loop warmed up
@@ -265,7 +241,11 @@ class HFEngine(RolloutEngine):
             self._is_end[sorted(self.eos_ids)] = True
         if self.compile and self._compiled_step is None:
             allow_recompiles()  # a graph for each prompt width and sampling setting
-            self._compiled_step = torch.compile(self._step)  # rows dynamic (mark_dynamic); CUDA graphs: _run_steps
+            own = type(self)._sample is HFEngine._sample  # a subclass's own sampling: compiled in each run
+            mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
+            step = Precompiled(decode_step, self.ctx, "rollout.compile", mark, aot=own)
+            extra = () if own else (self._sample,)
+            self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
 
     def _warm_up(self, first, tokens, sampling, warpers, compiled: bool, ends: bool):
         """Every run of steps a call of the run's own setting can reach, warmed up and captured now, at
@@ -335,8 +315,6 @@ class HFEngine(RolloutEngine):
             return
         ran = graphs is None or key not in graphs
         if ran:  # the first run: as it is
-            if compiled:
-                loop.mark_dynamic()
             graphs_before, start = counters["stats"]["unique_graphs"], time.perf_counter()
             for _ in range(steps):
                 step(loop, sampling, warpers)
