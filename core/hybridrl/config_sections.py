@@ -226,8 +226,9 @@ class TrainerConfig(Strict):
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice.")
     compile_cache: str | None = Field(
         "auto",
-        description="Folder of torch.compile's caches (compiled graphs, Triton kernels), kept across runs: a run of "
-        "a model shape compiled before loads its graphs (torch keys them by torch, shapes, dtypes and settings). "
+        description="Folder of torch.compile's caches (compiled graphs, Triton kernels, the hf engine's whole "
+        "decoding step), kept across runs: a run of a model shape compiled before loads them (keyed by torch, "
+        "shapes, dtypes and settings; the step also by the model, transformers and hybridrl's code). "
         "auto: TORCHINDUCTOR_CACHE_DIR where set, else <HYBRIDRL_CACHE or ~/.cache/hybridrl>/torch-compile; "
         "null: torch's default, a folder of /tmp. With it warm for the model, compile: auto compiles shorter runs "
         "(docs/performance.md).",
