@@ -133,14 +133,15 @@ def test_the_precompiled_steps_folder_changes_with_whatever_its_guards_do_not_ch
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
 
-    def folder(dtype=torch.float32, step=decode_step):
+    def folder(dtype=torch.float32, step=decode_step, key=("rollout.compile", "{}")):
         ctx = RunContext(str(model), None, torch.device("cpu"), dtype, 0, tmp_path)
-        return compile.Precompiled(step, ctx, "rollout.compile", None).folder
+        return compile.Precompiled(step, ctx, None, key).folder
 
     first = folder()
     assert first.parent == tmp_path / "cache" / "hybridrl-precompiled" and folder() == first
     assert folder(torch.bfloat16) != first
     assert folder(step=compile.use_cache) != first  # another source file
+    assert folder(key=("rollout.compile", '{"fuse_projections": false}')) != first  # the engine's options
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     assert folder() != first
     monkeypatch.undo()

@@ -151,20 +151,20 @@ def _rows_dynamic(compiled, eager):
 
 class Precompiled:
     """``fn`` compiled whole ahead of time (torch's AOT precompile), each variant saved in the compile
-    cache, keyed by the model (:func:`_keyed`), ``fn``'s source file and transformers, for the next
+    cache, keyed by the model (:func:`_keyed`), ``key``, ``fn``'s source file and transformers, for the next
     run to load without tracing, which inductor's cache does not keep: a second run compiled the hf
     engine's decoding for 14.0 s, 10.4 s of it tracing; loaded, 3.0 s (SmolLM2, 2 CPU cores). A call
     runs the first variant whose guards (shapes, dtypes, constants read) pass, else compiles one,
     ``mark(True, *args)`` marking dynamic dimensions for that alone. Where ``fn`` cannot be compiled
     whole or saved (or not ``aot``), it compiles as torch.compile does, in each run."""
 
-    def __init__(self, fn, ctx, option: str, mark, aot: bool = True):
+    def __init__(self, fn, ctx, mark, key: tuple = (), aot: bool = True):
         import inspect
 
         import transformers
 
         source = hashlib.sha256(Path(inspect.getsourcefile(fn)).read_bytes()).hexdigest()
-        self.folder = _keyed("hybridrl-precompiled", ctx, option, transformers.__version__, source)
+        self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source)
         self.fn, self.mark, self.variants, start = fn, mark, [], time.perf_counter()
         self.fallback = None if aot else torch.compile(fn)
         for path in sorted(self.folder.glob("*.aot")) if aot and self.folder and self.folder.is_dir() else []:

@@ -243,7 +243,8 @@ class HFEngine(RolloutEngine):
             allow_recompiles()  # a graph for each prompt width and sampling setting
             own = type(self)._sample is HFEngine._sample  # a subclass's own sampling: compiled in each run
             mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
-            step = Precompiled(decode_step, self.ctx, "rollout.compile", mark, aot=own)
+            key = ("rollout.compile", self.options.model_dump_json(), lora.has_adapter(self.model))  # the model's
+            step = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions, adapters) in the key
             extra = () if own else (self._sample,)
             self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
 
