@@ -24,6 +24,7 @@ from hybridrl.models import find_blocks
 # decoding on the real task took 13.6 s at step 1 where the first run compiled for 47.8 s (2026-12-06, one
 # H100, trainer.compile_cache), so with the cache warm compiling pays back after about 0.3 of the tokens
 WARM_SHARE = 0.3
+SAVED_VARIANTS = 8  # files of a precompiled step kept for one key (a variant: a sampling setting, one row)
 _pending: dict[str, Path] = {}  # option -> the marker written once a step has compiled under it
 
 
@@ -182,8 +183,8 @@ class Precompiled:
             try:
                 variant = torch.compile(self.fn, fullgraph=True, options={"guard_filter_fn": _portable})
                 variant = variant.aot_compile((args, {}))
-                if self.folder:
-                    self.folder.mkdir(parents=True, exist_ok=True)
+                if self.folder and len(self.variants) < SAVED_VARIANTS:  # a step loaded and never passing its guards
+                    self.folder.mkdir(parents=True, exist_ok=True)  # again (Phi-3's) must not fill the disk
                     variant.save_compiled_function(str(self.folder / f"{os.getpid()}-{time.time_ns()}.aot"))
             except Exception as e:  # noqa: BLE001 - a graph break, a guard torch cannot save, an older torch
                 why = (str(e).strip().splitlines() or [""])[0][:160]
