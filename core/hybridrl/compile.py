@@ -152,8 +152,8 @@ def _rows_dynamic(compiled, eager):
 
 class Precompiled:
     """``fn`` compiled whole ahead of time (torch's AOT precompile), each variant saved in the compile
-    cache, keyed by the model (:func:`_keyed`), ``key``, ``fn``'s source file and transformers, for the next
-    run to load without tracing, which inductor's cache does not keep: a second run compiled the hf
+    cache, keyed by the model (:func:`_keyed`), ``key``, ``fn``'s and hybridrl's code and transformers,
+    for the next run to load without tracing, which inductor's cache does not keep: a second run compiled the hf
     engine's decoding for 14.0 s, 10.4 s of it tracing; loaded, 3.0 s (SmolLM2, 2 CPU cores). A call
     runs the first variant whose guards (shapes, dtypes, constants read) pass, else compiles one,
     ``mark(True, *args)`` marking dynamic dimensions for that alone. Where ``fn`` cannot be compiled
@@ -164,7 +164,8 @@ class Precompiled:
 
         import transformers
 
-        source = hashlib.sha256(Path(inspect.getsourcefile(fn)).read_bytes()).hexdigest()
+        files = {Path(inspect.getsourcefile(fn)), *Path(__file__).parent.rglob("*.py")}  # fn's and hybridrl's code
+        source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(files))).hexdigest()
         self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source)
         self.fn, self.mark, self.variants, start = fn, mark, [], time.perf_counter()
         self.fallback = None if aot else torch.compile(fn)
@@ -202,11 +203,13 @@ class Precompiled:
 
 def _portable(guards) -> list[bool]:
     """The guards a saved variant keeps: not those on objects' identity (modules, functions, globals),
-    which torch cannot save; the folder's key stands for them."""
+    which torch cannot save, nor on functions' defaults (a method set on the instance, as
+    rope.pin_long_rope sets Phi-3's, is read from the class once loaded); the folder's key stands for them."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    return [not (g.is_global or unsaved & {g.guard_type, *getattr(g, "derived_guard_types", ())}) for g in guards]
+    types = [{g.guard_type, *getattr(g, "derived_guard_types", ())} for g in guards]
+    return [not (g.is_global or unsaved & t or g.name.endswith("__defaults__")) for g, t in zip(guards, types)]
 
 
 def compile_seconds() -> float:
