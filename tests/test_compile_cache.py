@@ -29,7 +29,7 @@ DECODE = textwrap.dedent(
     prompts = [tok.encode(t) for t in ("The sky is", "One two three four")]
     for temperature in sys.argv[4].split(","):  # each setting a variant of the step
         out = engine.generate(prompts, SamplingParams(n=2, max_tokens=12, seed=1, temperature=float(temperature)))
-        print("tokens", out.token_ids)
+        print("tokens", out.token_ids, "hf/compile_s", engine.metrics()["hf/compile_s"] > 0)  # compiled or loaded
     print("graphs", counters["stats"]["unique_graphs"], "compile_s", compile_seconds() > 0)
     """
 )
@@ -113,6 +113,7 @@ def test_a_second_process_loads_the_hf_engines_decoding_step_without_tracing_it(
     (saved.parent / "torn.aot").write_bytes(saved.read_bytes()[:1000])
     again, counted = run("float32", "1.0,0.5")  # one graph: 1.0's loaded (else two), 0.5 compiled its own
     assert again[0] == tokens[0] and counted == "graphs 1 compile_s True"
+    assert again[0].endswith("hf/compile_s True")  # the engine counts loading the step as compile time
     assert len(list(saved.parent.glob("*.aot"))) == 3
 
 

@@ -152,7 +152,16 @@ def test_decoding_that_cannot_be_captured_goes_on_without_cuda_graphs(make_engin
 
     from hybridrl.builtin import rollout_hf
 
-    monkeypatch.setattr(rollout_hf, "Precompiled", lambda *a, **k: lambda model, loop, *b: engine._step(loop, *b[:2]))
+    class Eager:  # the compiled step, run eagerly
+        load_s = 0.0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, model, loop, *rest):
+            engine._step(loop, *rest[:2])
+
+    monkeypatch.setattr(rollout_hf, "Precompiled", Eager)
     reference = make_engine(cache="static", pad_prompts_to_multiple=16, graph_tokens=0)
     compiled = {"compile": "on", "compile_after": 1} if mode == "compiled" else {"compile": "off"}
     engine = make_engine(cache="static", pad_prompts_to_multiple=16, **compiled)

@@ -172,6 +172,7 @@ class Precompiled:
         for path in sorted(self.folder.glob("*.aot")) if aot and self.folder and self.folder.is_dir() else []:
             with contextlib.suppress(Exception), path.open("rb") as f:  # a torn or foreign file compiles again
                 self.variants.append(torch.compiler.load_compiled_function(f))
+        self.load_s = time.perf_counter() - start if self.variants else 0.0  # compile-related time it cost
         _compile_clock().seconds += time.perf_counter() - start
 
     def __call__(self, *args):

@@ -111,7 +111,7 @@ class HFEngine(RolloutEngine):
         # prompts padded to the widest bucket so far, from the data's longest on (keeps_prompt_width)
         self._keeps_width = keeps_prompt_width(self.compile, self.static, cuda, o.graph_tokens)
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self._keeps_width else 0
-        self._compile_s = 0.0  # seconds of decoding calls that compiled a step, this run
+        self._compile_s = 0.0  # seconds of decoding calls that compiled a step (or loading one), this run
         self._uses: dict[tuple, int] = {}  # decoding calls of each sampling setting (compile_after)
         s = ctx.sampling  # the run's own setting compiles at its first call
         self._run_setting = (s.temperature, s.top_k, s.top_p, s.ignore_eos) if s is not None else None
@@ -245,6 +245,7 @@ class HFEngine(RolloutEngine):
             mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
             key = ("rollout.compile", self.options.model_dump_json(), lora.has_adapter(self.model))  # the model's
             step = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions, adapters) in the key
+            self._compile_s += step.load_s  # a step loaded from the compile cache: what it compiled this run
             extra = () if own else (self._sample,)
             self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
 

