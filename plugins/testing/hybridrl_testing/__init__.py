@@ -134,20 +134,6 @@ def save_chat_tokenizer(path):
 
 
 @pytest.fixture(scope="session")
-def _compile_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("compile-cache")
-
-
-@pytest.fixture(autouse=True)
-def _session_compile_cache(_compile_cache, monkeypatch):
-    """torch.compile's caches in one folder of the test session (of each worker), set again at every
-    test's start: a run (``trainer.compile_cache: auto``) points them at ~/.cache/hybridrl for its
-    process, which must reach neither the user's home nor the tests after it."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(_compile_cache / "triton"))
-
-
-@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -458,4 +444,5 @@ def assert_same_metrics(got: list[dict], want: list[dict], rel: float = 1e-5, ab
                 assert g[key] == pytest.approx(w[key], rel=rel, abs=abs), (g["step"], key)
 
 
-from hybridrl_testing.smollm2 import smollm2, smollm2_tools  # noqa: E402, F401 - fixtures of this plugin
+from hybridrl_testing.caches import session_compile_cache  # noqa: E402, F401 - fixtures of this plugin
+from hybridrl_testing.smollm2 import smollm2, smollm2_tools  # noqa: E402, F401
