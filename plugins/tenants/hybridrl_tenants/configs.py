@@ -87,7 +87,7 @@ def start_folders(cfg: RunConfig, path: str | Path) -> dict[str, dict]:
 
 def check_shape(name: str, saved: dict, run_config: dict) -> None:
     """A tenant's folder has the run's rank, alpha and target modules: every tenant's factors fill the one
-    set of LoRA layers the policy has (:class:`hybridrl.adapter_slots.Slots`)."""
+    set of LoRA layers the policy has (:class:`hybridrl_tenants.slots.Slots`)."""
     for key in ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern"):
         theirs, mine = saved["config"].get(key), run_config.get(key)
         theirs, mine = (sorted(v) if isinstance(v, list | set) else v for v in (theirs, mine))

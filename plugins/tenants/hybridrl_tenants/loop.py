@@ -1,7 +1,7 @@
 """The tenants' loop: each step, every tenant in turn takes one RL step of its own (the core's
 :meth:`hybridrl.trainer.Trainer.step` over a view of the run that holds the tenant's data, rewards,
 algorithm, optimizer and folder), with its adapter in the policy's LoRA layers
-(:class:`hybridrl.adapter_slots.Slots`) and in the engine.
+(:class:`hybridrl_tenants.slots.Slots`) and in the engine.
 
 Checkpoints: a step's checkpoint is one per tenant (``RUN_DIR/tenants/NAME/checkpoints/step-N``, the
 core's format), then ``RUN_DIR/tenants.json`` names the step that every tenant has, written last and
@@ -23,7 +23,6 @@ import torch
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import lora, plugins
-from hybridrl.adapter_slots import Slots
 from hybridrl.builtin.loggers import summary_line
 from hybridrl.errors import ConfigError
 from hybridrl.preflight import Checked
@@ -34,6 +33,7 @@ from hybridrl.run import Run, optimizer_of
 from hybridrl.signals import StopSignals
 from hybridrl.trainer import Trainer, between_steps
 from hybridrl_tenants.configs import check_shape
+from hybridrl_tenants.slots import Slots
 from hybridrl_tenants.together import TenantRollout, Together
 
 MARKER = "tenants.json"

@@ -1,6 +1,6 @@
 """Adapters over one frozen base: every Tinker model (a LoRA training client) is a set of LoRA factors
 with its own AdamW state, and the policy's LoRA layers hold one set at a time
-(:class:`hybridrl.adapter_slots.Slots`). A :class:`Tenant` is one training client's set, its
+(:class:`hybridrl_tenants.slots.Slots`). A :class:`Tenant` is one training client's set, its
 optimizer and its step. Folders are peft's adapter folders (``adapter_config.json``,
 ``adapter_model.safetensors``; ``peft.PeftModel.from_pretrained`` and ``model.lora.path`` read them)
 with, for a training state, ``optimizer.safetensors`` and ``state.json`` beside: nothing is pickled,
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hybridrl_tenants.slots import Slots
 
 from hybridrl import lora
-from hybridrl.adapter_slots import Slots
 
 # where a factor's layer sits, by a module name on its path (the families' names: Llama, Qwen, Gemma,
 # Mistral, Phi (qkv_proj, gate_up_proj), GPT-2 (attn.c_attn, mlp.c_fc))
