@@ -408,6 +408,34 @@ def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(un
     assert compiled.metrics()["hf/compile_s"] > 0
 
 
+def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the_same(untied_model, tmp_path, capsys):
+    """compile: background. The first call decodes eagerly while the step compiles in a thread, from a
+    copy of two of its rows; every call after it is ready decodes compiled, the loops of fewer rows
+    too (rows stay dynamic: nothing compiles again). Every call samples the eager engine's tokens."""
+    from torch._dynamo.utils import counters
+
+    background = untied_engine(untied_model, tmp_path, compile="background", compile_after=1, batch_size=32)
+    eager = untied_engine(untied_model, tmp_path)
+    assert background.static and background.compile
+    p = prompts(background.tokenizer, MANY)
+    sampled = lambda seed: SamplingParams(n=2, max_tokens=48, seed=seed, temperature=1.0)  # noqa: E731
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    assert_same_rollout(background.generate(p[:32], sampled(0)), eager.generate(p[:32], sampled(0)))
+    step = background._precompiled
+    assert step.job is not None and step.eager_calls == 1 and "compiling in the background" in capsys.readouterr().out
+    step.job.join()
+    assert len(step.variants) == 1 and counters["stats"]["unique_graphs"] - before == 1
+    calls = []
+    step.variants[0].fn = lambda *args, fn=step.variants[0].fn: calls.append(args[1].rows) or fn(*args)
+    for texts, seed in ((p[32:], 1), (p[:32], 2)):  # 64 rows compacted down to 8
+        assert_same_rollout(background.generate(texts, sampled(seed)), eager.generate(texts, sampled(seed)))
+    assert sorted(set(calls)) == sorted({64, *background._loop_state.smaller}) and len(set(calls)) > 1
+    assert counters["stats"]["unique_graphs"] - before == 1  # compiled once, in the thread
+    assert background.metrics()["hf/eager_calls"] == 1
+    assert "compiled from here on (eager calls meanwhile: 1)" in capsys.readouterr().out
+
+
 def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
     """compile_after (3): a setting used once or twice (an evaluation's greedy decoding before and after
     training) decodes eagerly and compiles nothing; the training's compiles at its third call. The

@@ -23,13 +23,15 @@ class HFEngineOptions(Options):
         "(fixed shapes, which compiled decoding needs); 'dynamic' grows it. 'auto': static on CUDA, "
         "dynamic elsewhere (static too when compile is 'on').",
     )
-    compile: Literal["auto", "on", "off"] = Field(
+    compile: Literal["auto", "on", "off", "background"] = Field(
         "auto",
         description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
         "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
         "on CUDA when the run plans at least two million response tokens (trainer.steps x responses x "
         "max_tokens: what it takes to pay back about a minute of compiling), off elsewhere. It compiles once "
-        "(rows and prompt widths share the compiled step); the first step is slower while it does.",
+        "(rows and prompt widths share the compiled step); the first step is slower while it does. "
+        "'background': compiled in a background thread while the calls decode eagerly, then compiled from "
+        "the first call after it is ready (the same samples; hf/eager_calls counts the calls before).",
     )
     compact_rows: bool = Field(
         True,
@@ -80,6 +82,6 @@ class HFEngineOptions(Options):
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self):
-        if self.compile == "on" and self.cache == "dynamic":
-            raise ValueError("compile 'on' needs the static cache: set cache to 'static' or 'auto'.")
+        if self.compile in ("on", "background") and self.cache == "dynamic":
+            raise ValueError(f"compile '{self.compile}' needs the static cache: set cache to 'static' or 'auto'.")
         return self

@@ -82,7 +82,7 @@ class HFEngine(RolloutEngine):
         o, cuda = options, ctx.device.type == "cuda"
         quantize = ctx.lora.quantize if ctx.lora else "none"
         # bitsandbytes' layers decode on the default path: the fast path's fused and captured steps take plain weights
-        static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile == "on"))
+        static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile in ("on", "background")))
         self.static = static and quantize == "none"
         self.compile = self.static and compile_pays(o.compile, ctx)
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
@@ -201,6 +201,7 @@ class HFEngine(RolloutEngine):
         self._uses[setting] = self._uses.get(setting, 0) + 1
         own = setting == self._run_setting  # the run's own setting: captured at once, every loop warmed up
         compiled = self.compile and (own or self._uses[setting] >= self.options.compile_after)
+        compiled = compiled and self._compiled_now(loop, sampling, warpers, setting)  # compile: background: not yet
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
@@ -226,7 +227,7 @@ class HFEngine(RolloutEngine):
             parent.logprobs.index_copy_(0, rows, loop.logprobs)
             loop = parent
         tokens, logprobs = loop.tokens[:, :recorded], loop.logprobs[:, :recorded]
-        if own and not first.warmed_up and first.pool is not None and self._captures(compiled):
+        if own and compiled not in first.warmed_up and first.pool is not None and self._captures(compiled):
             tokens, logprobs = tokens.clone(), logprobs.clone()  # warming up reuses the loop's buffers
             self._warm_up(first, T, sampling, warpers, compiled, ends)
         return tokens, logprobs
@@ -244,10 +245,19 @@ class HFEngine(RolloutEngine):
             own = type(self)._sample is HFEngine._sample  # a subclass's own sampling: compiled in each run
             mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
             key = ("rollout.compile", self.options.model_dump_json(), lora.has_adapter(self.model))  # the model's
-            step = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions, adapters) in the key
-            self._compile_s += step.load_s  # a step loaded from the compile cache: what it compiled this run
+            step = self._precompiled = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions,
+            self._compile_s += step.load_s  # adapters) in the key; loaded from the compile cache: this run's compiling
             extra = () if own else (self._sample,)
             self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
+
+    def _compiled_now(self, loop, sampling, warpers, setting) -> bool:
+        """Whether a call that compiles decodes compiled: with compile: background, once the step is ready
+        (:meth:`Precompiled.ready`); till then it compiles in a thread from a copy of two of ``loop``'s rows."""
+        if self.options.compile != "background":
+            return True
+        args = (self.model, loop, sampling, warpers, self._is_end, self.pad_id)
+        copy = lambda: (c := loop.copy(self.model, min(2, loop.rows))) and (self.model, c, *args[2:])  # noqa: E731
+        return self._precompiled.ready(args, copy, (setting, loop.rows == 1))
 
     def _warm_up(self, first, tokens, sampling, warpers, compiled: bool, ends: bool):
         """Every run of steps a call of the run's own setting can reach, warmed up and captured now, at
@@ -270,7 +280,7 @@ class HFEngine(RolloutEngine):
                 if loop.graphs.get(self._graph_key(n, sampling, compiled)) is None:  # not captured yet
                     loop.after_prefill(first.lengths[0])
                     self._run_steps(loop, n, sampling, warpers, compiled, at_once=True)
-        first.warmed_up = True
+        first.warmed_up.add(compiled)
 
     def _compact(self, first, loop, running):
         """The loop of fewer rows to go on in when ``running`` rows of ``loop`` have not ended
@@ -320,7 +330,7 @@ class HFEngine(RolloutEngine):
             graphs_before, start = counters["stats"]["unique_graphs"], time.perf_counter()
             for _ in range(steps):
                 step(loop, sampling, warpers)
-            if counters["stats"]["unique_graphs"] > graphs_before:  # this run of steps compiled one
+            if compiled and counters["stats"]["unique_graphs"] > graphs_before:  # this run of steps compiled one
                 self._compile_s += time.perf_counter() - start
             if graphs is None:
                 return
@@ -388,6 +398,8 @@ class HFEngine(RolloutEngine):
         decoded, whole = self._row_steps
         self._row_steps = [0, 0]
         out = {"hf/compile_s": self._compile_s} if self.compile else {}  # the run's, so far
+        if self.compile and self.options.compile == "background":  # the calls that decoded eagerly while it compiled
+            out["hf/eager_calls"] = self._precompiled.eager_calls if self._compiled_step else 0
         out |= self._graphs.metrics() if self.static and self.graph_tokens and self.ctx.device.type == "cuda" else {}
         return out | ({"hf/decoded_row_fraction": decoded / whole} if whole else {})
 
