@@ -9,6 +9,7 @@ from hybridrl.batch import Batch
 from hybridrl.builtin import hf_fast_path
 from hybridrl.builtin.hf_fast_path import GROUPED_ATTENTION, FusedGroup, grouped_decode_attention
 from hybridrl.builtin.rollout_hf import compacted_rows
+from hybridrl.compile import _keyed as KEYED
 from hybridrl.components import RunContext, Sampling, SamplingParams
 from hybridrl.config import ConfigError, load_config
 from hybridrl.models import load_causal_lm, load_tokenizer
@@ -408,12 +409,18 @@ def test_compiled_decoding_compiles_once_for_every_row_count_and_prompt_width(un
     assert compiled.metrics()["hf/compile_s"] > 0
 
 
-def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the_same(untied_model, tmp_path, capsys):
-    """compile: background. The first call decodes eagerly while the step compiles in a thread, from a
-    copy of two of its rows; every call after it is ready decodes compiled, the loops of fewer rows
-    too (rows stay dynamic: nothing compiles again). Every call samples the eager engine's tokens."""
+def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the_same(
+    untied_model, tmp_path, capsys, monkeypatch
+):
+    """compile: background. The first call decodes eagerly while a process of its own compiles the step
+    into the compile cache; the calls after it is done load it and decode compiled, the loops of fewer
+    rows too, with nothing compiled in this process. Every call samples the eager engine's tokens."""
     from torch._dynamo.utils import counters
 
+    from hybridrl import compile
+
+    monkeypatch.setattr(compile, "_keyed", KEYED)  # the compile cache is how the step arrives
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     background = untied_engine(untied_model, tmp_path, compile="background", compile_after=1, batch_size=32)
     eager = untied_engine(untied_model, tmp_path)
     assert background.static and background.compile
@@ -422,18 +429,19 @@ def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     assert_same_rollout(background.generate(p[:32], sampled(0)), eager.generate(p[:32], sampled(0)))
-    step = background._precompiled
-    assert step.job is not None and step.eager_calls == 1 and "compiling in the background" in capsys.readouterr().out
-    step.job.join()
-    assert len(step.variants) == 1 and counters["stats"]["unique_graphs"] - before == 1
+    child = background._background.child
+    assert child is not None and "compiling the decoding step in the background" in capsys.readouterr().out
+    assert child.wait(timeout=600) == 0 and not background._precompiled.variants
     calls = []
-    step.variants[0].fn = lambda *args, fn=step.variants[0].fn: calls.append(args[1].rows) or fn(*args)
-    for texts, seed in ((p[32:], 1), (p[:32], 2)):  # 64 rows compacted down to 8
-        assert_same_rollout(background.generate(texts, sampled(seed)), eager.generate(texts, sampled(seed)))
-    assert sorted(set(calls)) == sorted({64, *background._loop_state.smaller}) and len(set(calls)) > 1
-    assert counters["stats"]["unique_graphs"] - before == 1  # compiled once, in the thread
-    assert background.metrics()["hf/eager_calls"] == 1
-    assert "compiled from here on (eager calls meanwhile: 1)" in capsys.readouterr().out
+    assert_same_rollout(background.generate(p[32:], sampled(1)), eager.generate(p[32:], sampled(1)))
+    (variant,) = background._precompiled.variants  # loaded at this call
+    variant.fn = lambda *args, fn=variant.fn: calls.append(args[1].rows) or fn(*args)
+    assert_same_rollout(background.generate(p[:32], sampled(2)), eager.generate(p[:32], sampled(2)))
+    assert 64 in calls and background._loop_state.smaller  # the loaded step ran; the loops of fewer rows too,
+    assert counters["stats"]["unique_graphs"] == before  # as nothing compiled in this process
+    metrics = background.metrics()
+    assert metrics["hf/eager_calls"] == 1 and metrics["hf/compile_s"] > 0  # loading it
+    assert "compiled in the background, loaded in" in capsys.readouterr().out
 
 
 def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):

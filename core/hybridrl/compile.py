@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -158,8 +157,7 @@ class Precompiled:
     engine's decoding for 14.0 s, 10.4 s of it tracing; loaded, 3.0 s (SmolLM2, 2 CPU cores). A call
     runs the first variant whose guards (shapes, dtypes, constants read) pass, else compiles one,
     ``mark(True, *args)`` marking dynamic dimensions for that alone. Where ``fn`` cannot be compiled
-    whole or saved (or not ``aot``), it compiles as torch.compile does, in each run. :meth:`ready`
-    compiles a variant in a background thread instead, for the caller to run eagerly meanwhile."""
+    whole or saved (or not ``aot``), it compiles as torch.compile does, in each run."""
 
     def __init__(self, fn, ctx, mark, key: tuple = (), aot: bool = True):
         import inspect
@@ -168,85 +166,48 @@ class Precompiled:
 
         files = {Path(inspect.getsourcefile(fn)), *Path(__file__).parent.rglob("*.py")}  # fn's and hybridrl's code
         source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(files))).hexdigest()
-        self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source)
-        self.fn, self.mark, self.variants, start = fn, mark, [], time.perf_counter()
-        self.label, self.said = key[0] if key else fn.__name__, not getattr(ctx, "is_main", True)  # main rank says
+        self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source) if aot else None
+        self.fn, self.mark, self.variants, self.files = fn, mark, [], set()
         self.fallback = None if aot else torch.compile(fn)
-        self.job, self.tried, self.eager_calls = None, set(), 0  # background compiling (ready)
-        for path in sorted(self.folder.glob("*.aot")) if aot and self.folder and self.folder.is_dir() else []:
-            with contextlib.suppress(Exception), path.open("rb") as f:  # a torn or foreign file compiles again
-                self.variants.append(torch.compiler.load_compiled_function(f))
-        self.load_s = time.perf_counter() - start if self.variants else 0.0  # compile-related time it cost
+        self.load()
+
+    def load(self) -> None:
+        """Load the variants saved in the folder since the last load, by any process (``load_s``: seconds)."""
+        start, count = time.perf_counter(), len(self.variants)
+        for path in sorted(self.folder.glob("*.aot")) if self.folder and self.folder.is_dir() else []:
+            if path.name not in self.files:
+                self.files.add(path.name)
+                with contextlib.suppress(Exception), path.open("rb") as f:  # a torn or foreign file compiles again
+                    self.variants.append(torch.compiler.load_compiled_function(f))
+        self.load_s = time.perf_counter() - start if len(self.variants) > count else 0.0
         _compile_clock().seconds += time.perf_counter() - start
 
     def __call__(self, *args):
         for variant in self.variants:
             if variant.guard_check(*args):
                 return variant.fn(*args)
-        if self.fallback is None and (variant := self._compile(args)) is not None:
-            return variant.fn(*args)
         self.mark(True, *args)
+        if self.fallback is None:
+            start = time.perf_counter()
+            try:
+                variant = torch.compile(self.fn, fullgraph=True, options={"guard_filter_fn": _portable})
+                variant = variant.aot_compile((args, {}))
+                if self.folder and len(self.variants) < SAVED_VARIANTS:  # a step loaded and never passing its guards
+                    self.folder.mkdir(parents=True, exist_ok=True)  # again (Phi-3's) must not fill the disk
+                    self.files.add(name := f"{os.getpid()}-{time.time_ns()}.aot")
+                    variant.save_compiled_function(str(self.folder / name))
+            except Exception as e:  # noqa: BLE001 - a graph break, a guard torch cannot save, an older torch
+                why = (str(e).strip().splitlines() or [""])[0][:160]
+                print(f"note: {self.fn.__name__} cannot be precompiled ({type(e).__name__}: {why}); it compiles "
+                      "in each run", flush=True)  # fmt: skip
+                self.fallback = torch.compile(self.fn)
+            else:
+                self.mark(False, *args)
+                self.variants.append(variant)
+                return variant.fn(*args)
+            finally:
+                _compile_clock().seconds += time.perf_counter() - start
         return self.fallback(*args)
-
-    def ready(self, args, copy, kind) -> bool:
-        """Whether a call with ``args`` runs compiled now: a variant passes its guards, or none can be
-        precompiled, or one compiled in the background for a call of this ``kind`` did not pass (the
-        call then compiles, as without this). Else a variant compiles in a thread from ``copy()``
-        (inputs of its own, as the caller goes on with its own; None: the call compiles) and the
-        caller runs ``fn`` eagerly meanwhile, counted in ``eager_calls``."""
-        if self.fallback is not None or any(v.guard_check(*args) for v in list(self.variants)):
-            if self.eager_calls and not self.said:
-                self.said = True
-                print(f"{self.label}: compiled in the background; compiled from here on (eager calls meanwhile: "
-                      f"{self.eager_calls})", flush=True)  # fmt: skip
-            return True
-        if self.job is None or not self.job.is_alive():
-            if kind in self.tried or (inputs := copy()) is None:
-                return True
-            self.tried.add(kind)
-            grad = torch.is_grad_enabled()  # the caller's, which a thread does not inherit
-
-            def compile_quietly():
-                with torch.set_grad_enabled(grad):
-                    self._compile(inputs)
-
-            self.job = threading.Thread(target=compile_quietly, name=BACKGROUND, daemon=True)
-            self.job.start()
-            if not self.said:
-                print(f"{self.label}: compiling in the background; running eagerly until it is ready", flush=True)
-        self.eager_calls += 1
-        return False
-
-    def _compile(self, args):
-        """A variant compiled from ``args`` and saved, or None where ``fn`` cannot be (``fallback`` then
-        compiles it as torch.compile does)."""
-        self.mark(True, *args)
-        start = time.perf_counter()
-        try:
-            variant = torch.compile(self.fn, fullgraph=True, options={"guard_filter_fn": _portable})
-            variant = variant.aot_compile((args, {}))
-            if self.folder and len(self.variants) < SAVED_VARIANTS:  # a step loaded and never passing its guards
-                self.folder.mkdir(parents=True, exist_ok=True)  # again (Phi-3's) must not fill the disk
-                variant.save_compiled_function(str(self.folder / f"{os.getpid()}-{time.time_ns()}.aot"))
-        except Exception as e:  # noqa: BLE001 - a graph break, a guard torch cannot save, an older torch
-            why = (str(e).strip().splitlines() or [""])[0][:160]
-            print(f"note: {self.fn.__name__} cannot be precompiled ({type(e).__name__}: {why}); it compiles "
-                  "in each run", flush=True)  # fmt: skip
-            self.fallback = torch.compile(self.fn)
-            return None
-        finally:
-            _compile_clock().seconds += time.perf_counter() - start
-        self.mark(False, *args)
-        self.variants.append(variant)
-        return variant
-
-
-BACKGROUND = "hybridrl-compile"  # the threads of Precompiled.ready
-
-
-def compiling_in_background() -> bool:
-    """Whether a :class:`Precompiled` step is compiling in a background thread now."""
-    return any(t.name == BACKGROUND and t.is_alive() for t in threading.enumerate())
 
 
 def _portable(guards) -> list[bool]:

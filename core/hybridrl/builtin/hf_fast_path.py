@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from hybridrl.compile import compiling_in_background, pays_back
+from hybridrl.compile import pays_back
 from hybridrl.models import DTYPES
 
 GROUPED_ATTENTION = "hybridrl_grouped_decode"
@@ -32,7 +32,6 @@ def compile_pays(choice: str, ctx) -> bool:
     planned end (``ctx.steps`` None); said once where it does not."""
     planned = ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) if ctx.steps else None
     counted = "response tokens (trainer.steps x responses x rollout.max_tokens)"
-    choice = "on" if choice == "background" else choice
     return pays_back(choice, "rollout.compile", ctx, planned, COMPILE_PAYS_TOKENS, counted)
 
 
@@ -49,16 +48,13 @@ def capturing(graph, pool):
     """The work queued inside captured into ``graph`` in the memory ``pool``, on a side stream: what
     ``torch.cuda.graph`` does without emptying torch's caches of device and pinned host memory
     first (and, where configured, collecting garbage), which a capture of a few decoding steps
-    does not need and which made the next passes allocate their memory again. While a step compiles
-    in a background thread, what that thread calls does not end the capture (thread-local mode)."""
+    does not need and which made the next passes allocate their memory again."""
     stream = _capture_stream()
     torch.cuda.synchronize()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         try:
-            graph.capture_begin(
-                pool=pool, **({"capture_error_mode": "thread_local"} if compiling_in_background() else {})
-            )
+            graph.capture_begin(pool=pool)
             yield graph
         except BaseException:
             with contextlib.suppress(RuntimeError):  # ends the failed capture; the body's error says why
@@ -353,15 +349,6 @@ class DecodeState:
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     _mark(t, (0, 2), on)
-
-    def copy(self, model, rows: int) -> DecodeState | None:
-        """A loop of this one's first ``rows`` rows, state and all (a background compilation's inputs);
-        None where :meth:`take` does not know its cache."""
-        if not self.can_move():
-            return None
-        other = DecodeState(model, rows, *self.lengths, 0, self.done.device)
-        other.take(self, torch.arange(rows, device=self.done.device))
-        return other
 
     def can_move(self) -> bool:
         """Whether :meth:`take` knows this loop's cache: transformers' static layers, filled."""

@@ -25,13 +25,11 @@ class HFEngineOptions(Options):
     )
     compile: Literal["auto", "on", "off", "background"] = Field(
         "auto",
-        description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed "
-        "as CUDA graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache "
-        "on CUDA when the run plans at least two million response tokens (trainer.steps x responses x "
-        "max_tokens: what it takes to pay back about a minute of compiling), off elsewhere. It compiles once "
-        "(rows and prompt widths share the compiled step); the first step is slower while it does. "
-        "'background': compiled in a background thread while the calls decode eagerly, then compiled from "
-        "the first call after it is ready (the same samples; hf/eager_calls counts the calls before).",
+        description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed as CUDA "
+        "graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache on CUDA when the run "
+        "plans at least two million response tokens (trainer.steps x responses x max_tokens: what pays back about a "
+        "minute of compiling), off elsewhere. It compiles once (rows and prompt widths share the step), at step 1. "
+        "'background': a process of its own compiles it while calls decode eagerly (the same samples; hf/eager_calls).",
     )
     compact_rows: bool = Field(
         True,

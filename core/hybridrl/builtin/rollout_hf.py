@@ -36,6 +36,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from hybridrl import lora
+from hybridrl.builtin.hf_background import Background
 from hybridrl.builtin.hf_fast_path import (
     DecodeState,
     GraphStats,
@@ -84,7 +85,7 @@ class HFEngine(RolloutEngine):
         # bitsandbytes' layers decode on the default path: the fast path's fused and captured steps take plain weights
         static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile in ("on", "background")))
         self.static = static and quantize == "none"
-        self.compile = self.static and compile_pays(o.compile, ctx)
+        self.compile = self.static and compile_pays(o.compile.replace("background", "on"), ctx)
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
         dtype = ctx.dtype if quantize != "none" else dtype  # the policy's compute dtype over the same quantized base
@@ -112,6 +113,7 @@ class HFEngine(RolloutEngine):
         self._keeps_width = keeps_prompt_width(self.compile, self.static, cuda, o.graph_tokens)
         self._width = -(-(ctx.prompt_tokens or 0) // self.pad_multiple) * self.pad_multiple if self._keeps_width else 0
         self._compile_s = 0.0  # seconds of decoding calls that compiled a step (or loading one), this run
+        self._background = Background() if self.compile and o.compile == "background" else None
         self._uses: dict[tuple, int] = {}  # decoding calls of each sampling setting (compile_after)
         s = ctx.sampling  # the run's own setting compiles at its first call
         self._run_setting = (s.temperature, s.top_k, s.top_p, s.ignore_eos) if s is not None else None
@@ -201,7 +203,8 @@ class HFEngine(RolloutEngine):
         self._uses[setting] = self._uses.get(setting, 0) + 1
         own = setting == self._run_setting  # the run's own setting: captured at once, every loop warmed up
         compiled = self.compile and (own or self._uses[setting] >= self.options.compile_after)
-        compiled = compiled and self._compiled_now(loop, sampling, warpers, setting)  # compile: background: not yet
+        if compiled and self._background:  # compile: background: eager until a process of its own compiled the step
+            compiled = self._background.compiled_now(self, loop, sampling, warpers, setting)
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
@@ -244,20 +247,12 @@ class HFEngine(RolloutEngine):
             allow_recompiles()  # a graph for each prompt width and sampling setting
             own = type(self)._sample is HFEngine._sample  # a subclass's own sampling: compiled in each run
             mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
-            key = ("rollout.compile", self.options.model_dump_json(), lora.has_adapter(self.model))  # the model's
+            options = self.options.model_dump_json(exclude={"compile", "compile_after", "graph_tokens", "batch_size"})
+            key = ("rollout.compile", options, lora.has_adapter(self.model))  # what the engine changed in the model
             step = self._precompiled = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions,
             self._compile_s += step.load_s  # adapters) in the key; loaded from the compile cache: this run's compiling
             extra = () if own else (self._sample,)
             self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
-
-    def _compiled_now(self, loop, sampling, warpers, setting) -> bool:
-        """Whether a call that compiles decodes compiled: with compile: background, once the step is ready
-        (:meth:`Precompiled.ready`); till then it compiles in a thread from a copy of two of ``loop``'s rows."""
-        if self.options.compile != "background":
-            return True
-        args = (self.model, loop, sampling, warpers, self._is_end, self.pad_id)
-        copy = lambda: (c := loop.copy(self.model, min(2, loop.rows))) and (self.model, c, *args[2:])  # noqa: E731
-        return self._precompiled.ready(args, copy, (setting, loop.rows == 1))
 
     def _warm_up(self, first, tokens, sampling, warpers, compiled: bool, ends: bool):
         """Every run of steps a call of the run's own setting can reach, warmed up and captured now, at
@@ -398,8 +393,7 @@ class HFEngine(RolloutEngine):
         decoded, whole = self._row_steps
         self._row_steps = [0, 0]
         out = {"hf/compile_s": self._compile_s} if self.compile else {}  # the run's, so far
-        if self.compile and self.options.compile == "background":  # the calls that decoded eagerly while it compiled
-            out["hf/eager_calls"] = self._precompiled.eager_calls if self._compiled_step else 0
+        out |= {"hf/eager_calls": self._background.eager_calls} if self._background else {}  # while it compiled
         out |= self._graphs.metrics() if self.static and self.graph_tokens and self.ctx.device.type == "cuda" else {}
         return out | ({"hf/decoded_row_fraction": decoded / whole} if whole else {})
 
@@ -426,6 +420,7 @@ class HFEngine(RolloutEngine):
         lora.load_adapter(self.model, adapter)
 
     def close(self):
+        self._background and self._background.close()  # a compiling child is stopped
         self.__dict__.pop("model", None)  # a second close is a no-op
 
 

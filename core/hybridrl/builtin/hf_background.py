@@ -1,0 +1,85 @@
+"""``rollout.compile: background``: the ``hf`` engine's decoding step compiled by a process of its own (the engine
+with the run's options, one call of the same shape and sampling, the step saved in the compile cache) while the
+engine decodes eagerly. Not a thread: torch.compile holds the interpreter's lock while it traces and sets the random
+generator back when it ends (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+class Background:
+    """The engine's compiling child and the calls decoded eagerly meanwhile (``eager_calls``)."""
+
+    def __init__(self):
+        self.child, self.log, self.tried, self.eager_calls = None, None, set(), 0  # tried: kinds of call a child ran
+
+    def compiled_now(self, engine, loop, sampling, warpers, setting) -> bool:
+        """Whether this call of ``engine`` decodes compiled: a saved step passes its guards, or no child can
+        help (no compile cache, or one ran for a call of this kind and its step did not pass: the call then
+        compiles, as without background). Else a child compiles it while the call decodes eagerly."""
+        step, kind, say = engine._precompiled, (setting, loop.rows == 1), engine.ctx.is_main
+        if self.child is not None and self.child.poll() is not None:  # done: what it saved is loaded
+            last = ([line for line in open(self.log.name, errors="replace").read().splitlines() if line] or [""])[-1]
+            step.load()
+            engine._compile_s += step.load_s
+            done = f"compiled in the background, loaded in {step.load_s:.1f} s ({self.eager_calls} eager calls before)"
+            failed = f"compiling in the background failed ({last[:200]}); the step compiles when called"
+            print(f"rollout.compile: {failed if self.child.returncode else done}", flush=True) if say else None
+            self.child = None
+        args = (engine.model, loop, sampling, warpers, engine._is_end, engine.pad_id)
+        ready = step.fallback or any(v.guard_check(*args) for v in step.variants)
+        if ready or (self.child is None and (kind in self.tried or not step.folder)):  # else the call compiles
+            return True
+        if self.child is None:
+            self.tried.add(kind)
+            self.start(engine, loop, sampling)
+        self.eager_calls += 1
+        return False
+
+    def start(self, engine, loop, sampling) -> None:
+        ctx, (prompt, tokens) = engine.ctx, loop.lengths
+        child = {"compile": "on", "compile_after": 1, "graph_tokens": 0}  # compiled at its first call, no graphs
+        spec = {
+            "model": ctx.model_path, "device": str(ctx.device), "dtype": str(ctx.dtype).split(".")[-1],
+            "trust_remote_code": ctx.trust_remote_code, "rows": loop.rows, "prompt": prompt, "tokens": tokens,
+            "options": engine.options.model_dump(mode="json") | child,
+            "sampling": {k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "ignore_eos")},
+        }  # fmt: skip
+        self.log = tempfile.NamedTemporaryFile()  # its output, for the line that says why it failed
+        command = [sys.executable, "-m", "hybridrl.builtin.hf_background", json.dumps(spec)]
+        self.child = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if ctx.is_main:
+            print("rollout.compile: compiling the decoding step in the background (a process of its own); decoding "
+                  "eagerly until it is ready", flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+
+
+def main(spec: dict) -> None:
+    import torch
+
+    os.nice(19)  # the run's own processes first: it compiles on what they leave idle
+
+    from hybridrl.builtin.rollout_hf import HFEngine
+    from hybridrl.components import RunContext, SamplingParams
+    from hybridrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(spec["model"], spec["trust_remote_code"])
+    device, dtype, trust = torch.device(spec["device"]), getattr(torch, spec["dtype"]), spec["trust_remote_code"]
+    ctx = RunContext(spec["model"], tokenizer, device, dtype, 0, tempfile.mkdtemp(), trust_remote_code=trust)
+    ctx.join(prompt_tokens=spec["prompt"])
+    engine = HFEngine(HFEngine.Options(**spec["options"]), ctx)
+    prompts = [[engine.pad_id or 0] * spec["prompt"]] * spec["rows"]  # their shape alone matters
+    engine.generate(prompts, SamplingParams(n=1, max_tokens=spec["tokens"], seed=0, **spec["sampling"]))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
