@@ -1,5 +1,5 @@
 """``rollout.compile: background``: the ``hf`` engine's decoding step compiled by a process of its own (the engine
-with the run's options, one call of the same shape and sampling, the step saved in the compile cache) while the
+with the run's options, two rows of the same lengths and sampling, the step saved in the compile cache) while the
 engine decodes eagerly. Not a thread: torch.compile holds the interpreter's lock while it traces and sets the random
 generator back when it ends (docs/performance.md)."""
 
@@ -43,10 +43,10 @@ class Background:
 
     def start(self, engine, loop, sampling) -> None:
         ctx, (prompt, tokens) = engine.ctx, loop.lengths
-        child = {"compile": "on", "compile_after": 1, "graph_tokens": 0}  # compiled at its first call, no graphs
+        child = {"compile": "on", "compile_after": 1, "graph_tokens": 0, "batch_size": 0}  # none change the step
         spec = {
             "model": ctx.model_path, "device": str(ctx.device), "dtype": str(ctx.dtype).split(".")[-1],
-            "trust_remote_code": ctx.trust_remote_code, "rows": loop.rows, "prompt": prompt, "tokens": tokens,
+            "trust_remote_code": ctx.trust_remote_code, "rows": min(loop.rows, 2), "prompt": prompt, "tokens": tokens,
             "options": engine.options.model_dump(mode="json") | child,
             "sampling": {k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "ignore_eos")},
         }  # fmt: skip
