@@ -18,18 +18,19 @@ class Background:
     def __init__(self):
         self.child, self.log, self.tried, self.eager_calls = None, None, set(), 0  # tried: kinds of call a child ran
 
-    def compiled_now(self, engine, loop, sampling, warpers, setting) -> bool:
+    def compiled_now(self, engine, loop, sampling, warpers) -> bool:
         """Whether this call of ``engine`` decodes compiled: a saved step passes its guards, or no child can
         help (no compile cache, or one ran for a call of this kind and its step did not pass: the call then
         compiles, as without background). Else a child compiles it while the call decodes eagerly."""
-        step, kind, say = engine._precompiled, (setting, loop.rows == 1), engine.ctx.is_main
+        step, kind = engine._precompiled, (engine._graph_key(0, sampling, True), loop.rows == 1)
         if self.child is not None and self.child.poll() is not None:  # done: what it saved is loaded
             last = ([line for line in open(self.log.name, errors="replace").read().splitlines() if line] or [""])[-1]
             step.load()
             engine._compile_s += step.load_s
             done = f"compiled in the background, loaded in {step.load_s:.1f} s ({self.eager_calls} eager calls before)"
             failed = f"compiling in the background failed ({last[:200]}); the step compiles when called"
-            print(f"rollout.compile: {failed if self.child.returncode else done}", flush=True) if say else None
+            if engine.ctx.is_main:
+                print(f"rollout.compile: {failed if self.child.returncode else done}", flush=True)
             self.child = None
         args = (engine.model, loop, sampling, warpers, engine._is_end, engine.pad_id)
         ready = step.fallback or any(v.guard_check(*args) for v in step.variants)
@@ -42,12 +43,12 @@ class Background:
         return False
 
     def start(self, engine, loop, sampling) -> None:
-        ctx, (prompt, tokens) = engine.ctx, loop.lengths
+        ctx, (prompt, tokens), cls = engine.ctx, loop.lengths, type(engine)
         child = {"compile": "on", "compile_after": 1, "graph_tokens": 0, "batch_size": 0}  # none change the step
         spec = {
             "model": ctx.model_path, "device": str(ctx.device), "dtype": str(ctx.dtype).split(".")[-1],
             "trust_remote_code": ctx.trust_remote_code, "rows": min(loop.rows, 2), "prompt": prompt, "tokens": tokens,
-            "options": engine.options.model_dump(mode="json") | child,
+            "options": engine.options.model_dump(mode="json") | child, "engine": [cls.__module__, cls.__name__],
             "sampling": {k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "ignore_eos")},
         }  # fmt: skip
         self.log = tempfile.NamedTemporaryFile()  # its output, for the line that says why it failed
@@ -68,7 +69,6 @@ def main(spec: dict) -> None:
 
     os.nice(19)  # the run's own processes first: it compiles on what they leave idle
 
-    from hybridrl.builtin.rollout_hf import HFEngine
     from hybridrl.components import RunContext, SamplingParams
     from hybridrl.models import load_tokenizer
 
@@ -76,7 +76,8 @@ def main(spec: dict) -> None:
     device, dtype, trust = torch.device(spec["device"]), getattr(torch, spec["dtype"]), spec["trust_remote_code"]
     ctx = RunContext(spec["model"], tokenizer, device, dtype, 0, tempfile.mkdtemp(), trust_remote_code=trust)
     ctx.join(prompt_tokens=spec["prompt"])
-    engine = HFEngine(HFEngine.Options(**spec["options"]), ctx)
+    engine_class = getattr(__import__(spec["engine"][0], fromlist=["_"]), spec["engine"][1])  # no import cycle
+    engine = engine_class(engine_class.Options(**spec["options"]), ctx)
     prompts = [[engine.pad_id or 0] * spec["prompt"]] * spec["rows"]  # their shape alone matters
     engine.generate(prompts, SamplingParams(n=1, max_tokens=spec["tokens"], seed=0, **spec["sampling"]))
 

@@ -203,8 +203,7 @@ class HFEngine(RolloutEngine):
         self._uses[setting] = self._uses.get(setting, 0) + 1
         own = setting == self._run_setting  # the run's own setting: captured at once, every loop warmed up
         compiled = self.compile and (own or self._uses[setting] >= self.options.compile_after)
-        if compiled and self._background:  # compile: background: eager until a process of its own compiled the step
-            compiled = self._background.compiled_now(self, loop, sampling, warpers, setting)
+        compiled = compiled and (not self._background or self._background.compiled_now(self, loop, sampling, warpers))
         every = self.graph_tokens or FINISHED_CHECK_EVERY
         ends, recorded = not sampling.ignore_eos or bool(sampling.stop), 1
         first, moves = loop, []  # (the loop moved from, the rows of it moved) of each compaction
