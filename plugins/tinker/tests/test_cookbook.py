@@ -53,7 +53,7 @@ def hub(tinker_server, smollm2, tmp_path_factory):
     home = tmp_path_factory.mktemp("hf-home")
     stand_ins.tokenizer(home / "hub", tinker_server.alias, smollm2)
     rows = no_robots_rows(512)  # sl_loop: 64 batches of 8, its linear decay leaves most of its rate to 10 steps
-    test = no_robots_rows(128)  # sl_basic's evaluation: one batch of its 128
+    test = no_robots_rows(32)  # sl_basic's evaluation: two batches of 16
     stand_ins.dataset(home / "datasets", "HuggingFaceH4/no_robots", "default", {"train": rows, "test": test})
     return home
 
@@ -116,9 +116,15 @@ def test_the_cookbooks_rl_loop_runs_its_loop(tinker_server, gsm8k, tmp_path):
 def test_the_cookbooks_sl_basic_learns_and_evaluates(tinker_server, hub, tmp_path):
     """sl_basic: the cookbook's supervised trainer (a session closed at its end, its held-out NLL
     scored through a sampling client's compute_logprobs every few steps)."""
-    # its data's batch size (128) is fixed in the recipe: 2 steps of the stand-in's chats
+    # the recipe fixes its data's batch size (128) in a builder that chz only replaces whole: the same
+    # builder class, named on the command line with batches of 16, 2 steps of the stand-in's chats
+    common = {"model_name_for_tokenizer": tinker_server.alias, "renderer_name": "qwen3_instruct",
+              "max_length": 32768, "batch_size": 16, "train_on_what": "all_assistant_messages"}  # fmt: skip
+    builder = {"dataset_builder": "tinker_cookbook.recipes.chat_sl.chat_datasets:NoRobotsBuilder"} | {
+        f"dataset_builder.common_config.{k}": v for k, v in common.items()
+    }
     metrics = run_recipe("sl_basic", hub, tinker_server, tmp_path / "slb", lora_rank=8, max_steps=2, eval_every=1,
-                         save_every=0)  # fmt: skip
+                         save_every=0, **builder)  # fmt: skip
     nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
     assert len(nll) == 2 and nll[1] < nll[0], nll
     held_out = [m["test/nll"] for m in metrics if "test/nll" in m]  # before each step, through compute_logprobs
