@@ -17,11 +17,12 @@ evaluated greedily before the first step and after the last.
 Sides, each in its own process, back to back: ``hf`` (the built-in engine with its defaults: on a
 GPU the static cache, and compiled decoding when the run plans two million response tokens),
 ``hf-compiled`` (``rollout.compile: on``), ``hf-compiled-update`` (``sharding.compile: on``) and
-``hf-eager`` (``rollout.compile: off``: it never compiles), ``hf-agent`` (the task through an unmodified
-agent with a tool, a loop around OpenAI's client, against the agent gateway: a multi-turn tool-using
-task, its held-out score measured through the same agent); a side named twice runs twice, the
-second finding torch.compile's caches on disk warm, as a second run on the same machine does;
-``vllm`` when the vllm plugin and vLLM are importable; ``sglang`` (its defaults: SGLang runs the
+``hf-eager`` (``rollout.compile: off``: it never compiles), ``hf-background`` (``rollout.compile:
+background``: eager until a process of its own has compiled the decoding step), ``hf-agent`` (the
+task through an unmodified agent with a tool, a loop around OpenAI's client, against the agent
+gateway: a multi-turn tool-using task, its held-out score measured through the same agent); a side
+named twice runs twice, the second finding torch.compile's caches on disk warm, as a second run on
+the same machine does; ``vllm`` when the vllm plugin and vLLM are importable; ``sglang`` (its defaults: SGLang runs the
 float32 checkpoint in float16), ``sglang-triton`` (the same with SGLang's triton attention),
 ``sglang-bf16`` (the engine's weights in bfloat16) and ``sglang-unfrozen`` (the defaults, with
 neither the trainer nor SGLang freezing the garbage collector's heap: the A/B of that freeze) when
@@ -63,7 +64,7 @@ UNFROZEN = (
     "Engine.freeze_gc = lambda self: None; "
 )
 TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-STAGE_KEYS = ("timing/", "hf/graph_", "vllm/", "rollout/logprob_diff", "agent/")
+STAGE_KEYS = ("timing/", "hf/graph_", "hf/eager_calls", "hf/compile_s", "vllm/", "rollout/logprob_diff", "agent/")
 SYSTEM = "Solve the problem. Reply with the final answer only, as a number."
 # the hf-agent side: the same task through an unmodified agent (a loop around OpenAI's client with an
 # `add` tool it runs itself, examples/agents/sum_agent.py) against the agent gateway, asked once to
@@ -96,6 +97,7 @@ def config(args, side: str, run_dir: Path) -> dict:
         "hf": {"engine": "hf"},
         "hf-compiled": {"engine": "hf", "compile": "on"},
         "hf-eager": {"engine": "hf", "compile": "off"},
+        "hf-background": {"engine": "hf", "compile": "background"},
         "hf-agent": {"engine": "hf", "agent": AGENT},
         "hf-compiled-update": {"engine": "hf"},
         "vllm": {"engine": "vllm"},
