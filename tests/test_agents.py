@@ -304,7 +304,7 @@ def test_a_driving_environment_may_answer_a_training_call_with_held_groups(tiny_
 def test_agent_config_errors_name_the_choices(tiny_model, tmp_path, register_plugin):
     register_plugin(SevensPlugin(), name="sevens")
     with pytest.raises(
-        ConfigError, match=r"Unknown environment 'gym' \(rollout.agent.environment\). Available: .*retry"
+        ConfigError, match=r"Unknown environment 'gym' \(rollout.agent.environment\). Available: .*tools"
     ):
         load_config(data=run_config(tiny_model, tmp_path, {"environment": "gym"}))
     with pytest.raises(

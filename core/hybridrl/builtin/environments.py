@@ -1,5 +1,5 @@
-"""Built-in environments (``tools``: tool calls; ``retry``: feedback and another try) and the
-built-in tool-call parser (``hermes``: the ``<tool_call>`` JSON blocks of Qwen and Hermes templates)."""
+"""The built-in environment (``tools``: tool calls; ``retry``, feedback and another try, is hybridrl-agents') and
+the built-in tool-call parser (``hermes``: the ``<tool_call>`` JSON blocks of Qwen and Hermes templates)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import re
 
 from pydantic import Field
 
-from hybridrl import plugins
-from hybridrl.batch import Batch
 from hybridrl.components import Environment, Observation, Options, ToolCall, ToolParser
 from hybridrl.hookspecs import hookimpl
 
@@ -78,42 +76,9 @@ class ToolEnvironment(Environment):
             return f"error: {type(e).__name__}: {e}", True
 
 
-class RetryEnvironment(Environment):
-    """Checks each answer with a reward function and, while it is wrong, says so and lets the model
-    try again (up to ``rollout.agent.max_turns`` answers); a right answer ends the trajectory."""
-
-    class Options(Options):
-        check: str = Field("reasoning_gym", description="Reward function that scores an answer (1 = right).")
-        check_options: dict = Field(default_factory=dict, description="Options of that reward function.")
-        threshold: float = Field(1.0, description="A score at least this is a right answer.")
-        feedback: str = Field("That is not right. Try again.", description="The user's reply to a wrong answer.")
-
-    def __init__(self, options, ctx):
-        super().__init__(options, ctx)
-        cls = plugins.lookup("reward function", options.check)
-        self.checker = cls(cls.Options.model_validate(options.check_options), ctx)
-
-    def reset(self, row: dict, messages: list[dict]) -> dict:
-        return {"row": row, "messages": messages}
-
-    def step(self, state, turn: str) -> Observation:
-        row = state["row"]
-        batch = Batch()
-        batch["prompt_text"] = [""]
-        batch["response_text"] = [turn]
-        batch["answer"] = [row.get("answer")]
-        batch["metadata"] = [row.get("metadata")]
-        batch["messages"] = [state["messages"]]
-        score = float(list(self.checker.score(batch))[0])
-        if score >= self.options.threshold:
-            return Observation(done=True, info={"right": 1})
-        return Observation([{"role": "user", "content": self.options.feedback}], info={"retries": 1})
-
-
 @hookimpl
 def register_environments(register):
     register("tools", ToolEnvironment)
-    register("retry", RetryEnvironment)
 
 
 @hookimpl

@@ -5,7 +5,8 @@
   gateway (:mod:`hybridrl_agents.gateway`), an OpenAI-compatible endpoint over the run's engine
   that records every call's exact ids, logprobs and policy version into token-exact episodes
   (:mod:`hybridrl_agents.episodes`), kept crash-safe (:mod:`hybridrl_agents.store`);
-- the ``posted`` reward: the reward a harness posted for its episode.
+- the ``posted`` reward: the reward a harness posted for its episode;
+- the ``retry`` environment (:mod:`hybridrl_agents.retry`): feedback on a wrong answer and another try.
 
 docs/agents_you_have.md has the whole story.
 """
@@ -32,8 +33,10 @@ class PostedReward(RewardFunction):
 @hookimpl
 def register_environments(register):
     from hybridrl_agents.harness import HarnessEnvironment
+    from hybridrl_agents.retry import RetryEnvironment
 
     register("harness", HarnessEnvironment)
+    register("retry", RetryEnvironment)
 
 
 @hookimpl
