@@ -444,6 +444,26 @@ def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the
     assert "compiled in the background, loaded in" in capsys.readouterr().out
 
 
+def test_background_compiling_without_room_for_the_child_on_the_gpu_stays_eager(monkeypatch, capsys):
+    """A GPU without room for the compiling process (the engine's weights again, and a GiB for its cache and
+    context) starts none: every call decodes eagerly, none compiles in the run's process, and it says so."""
+    from types import SimpleNamespace
+
+    from hybridrl.builtin.hf_background import Background
+
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 + 2**21, 80 * 2**30))  # 1 GiB + 2 MiB free
+    step = SimpleNamespace(fallback=None, variants=[], folder="cache")
+    ctx = SimpleNamespace(device=torch.device("cuda", 1), is_main=True)
+    engine = SimpleNamespace(ctx=ctx, model=model, _precompiled=step, _graph_key=lambda *a: "k", _is_end=None, pad_id=0)
+    loop = SimpleNamespace(rows=8, lengths=(16, 32))
+    background = Background()
+    assert [background.compiled_now(engine, loop, None, None) for _ in range(3)] == [False] * 3
+    assert background.child is None and background.eager_calls == 3 and not background.room
+    said = capsys.readouterr().out
+    assert "cuda:1 has 1.0 GiB free, under the 1.0 GiB" in said and "decoding stays eager" in said
+
+
 def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):
     """compile_after (3): a setting used once or twice (an evaluation's greedy decoding before and after
     training) decodes eagerly and compiles nothing; the training's compiles at its third call. The

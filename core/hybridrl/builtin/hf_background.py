@@ -11,12 +11,15 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 
 class Background:
     """The engine's compiling child and the calls decoded eagerly meanwhile (``eager_calls``)."""
 
     def __init__(self):
         self.child, self.log, self.tried, self.eager_calls = None, None, set(), 0  # tried: kinds of call a child ran
+        self.room = True  # False: the device has no room for the child, and decoding stays eager
 
     def compiled_now(self, engine, loop, sampling, warpers) -> bool:
         """Whether this call of ``engine`` decodes compiled: a saved step passes its guards, or no child can
@@ -24,19 +27,22 @@ class Background:
         compiles, as without background). Else a child compiles it while the call decodes eagerly."""
         step, kind = engine._precompiled, (engine._graph_key(0, sampling, True), loop.rows == 1)
         if self.child is not None and self.child.poll() is not None:  # done: what it saved is loaded
-            last = ([line for line in open(self.log.name, errors="replace").read().splitlines() if line] or [""])[-1]
             step.load()
             engine._compile_s += step.load_s
-            done = f"compiled in the background, loaded in {step.load_s:.1f} s ({self.eager_calls} eager calls before)"
-            failed = f"compiling in the background failed ({last[:200]}); the step compiles when called"
+            said = f"compiled in the background, loaded in {step.load_s:.1f} s ({self.eager_calls} eager calls before)"
+            if self.child.returncode:  # its last line says why
+                self.log.seek(0)
+                last = ([line for line in self.log.read().decode(errors="replace").splitlines() if line] or [""])[-1]
+                said = f"compiling in the background failed ({last[:200]}); the step compiles when called"
             if engine.ctx.is_main:
-                print(f"rollout.compile: {failed if self.child.returncode else done}", flush=True)
-            self.child = None
+                print(f"rollout.compile: {said}", flush=True)
+            self.log.close()
+            self.child = self.log = None
         args = (engine.model, loop, sampling, warpers, engine._is_end, engine.pad_id)
         ready = step.fallback or any(v.guard_check(*args) for v in step.variants)
-        if ready or (self.child is None and (kind in self.tried or not step.folder)):  # else the call compiles
+        if ready or (self.child is None and self.room and (kind in self.tried or not step.folder)):  # it compiles
             return True
-        if self.child is None:
+        if self.child is None and self.room:
             self.tried.add(kind)
             self.start(engine, loop, sampling)
         self.eager_calls += 1
@@ -44,6 +50,15 @@ class Background:
 
     def start(self, engine, loop, sampling) -> None:
         ctx, (prompt, tokens), cls = engine.ctx, loop.lengths, type(engine)
+        need = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + 2**30  # weights, cache, context
+        free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else need
+        if free < need:  # a second copy of the weights would not fit beside the run's
+            self.room = False
+            if ctx.is_main:
+                print(f"rollout.compile: background: {ctx.device} has {free / 2**30:.1f} GiB free, under the "
+                      f"{need / 2**30:.1f} GiB of a process that compiles the step (the engine's weights again): "
+                      "decoding stays eager; rollout.compile: on compiles it in this process", flush=True)  # fmt: skip
+            return
         child = {"compile": "on", "compile_after": 1, "graph_tokens": 0, "batch_size": 0}  # none change the step
         spec = {
             "model": ctx.model_path, "device": str(ctx.device), "dtype": str(ctx.dtype).split(".")[-1],
@@ -65,8 +80,6 @@ class Background:
 
 
 def main(spec: dict) -> None:
-    import torch
-
     os.nice(19)  # the run's own processes first: it compiles on what they leave idle
 
     from hybridrl.components import RunContext, SamplingParams
