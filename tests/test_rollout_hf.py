@@ -414,7 +414,8 @@ def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the
 ):
     """compile: background. The first call decodes eagerly while a process of its own compiles the step
     into the compile cache; the calls after it is done load it and decode compiled, the loops of fewer
-    rows too, with nothing compiled in this process. Every call samples the eager engine's tokens."""
+    rows too, with nothing compiled in this process. Every call samples the eager engine's tokens. Closed
+    while it compiles, the engine leaves it to finish."""
     from torch._dynamo.utils import counters
 
     from hybridrl import compile
@@ -431,6 +432,8 @@ def test_compiling_in_the_background_decodes_eagerly_until_ready_and_samples_the
     assert_same_rollout(background.generate(p[:32], sampled(0)), eager.generate(p[:32], sampled(0)))
     child = background._background.child
     assert child is not None and "compiling the decoding step in the background" in capsys.readouterr().out
+    background._background.close()  # the engine's close: a child still compiling goes on, for the next run
+    assert child.poll() is None and f"(process {child.pid}) goes on after the run" in capsys.readouterr().out
     assert child.wait(timeout=600) == 0 and not background._precompiled.variants
     calls = []
     assert_same_rollout(background.generate(p[32:], sampled(1)), eager.generate(p[32:], sampled(1)))
@@ -462,6 +465,10 @@ def test_background_compiling_without_room_for_the_child_on_the_gpu_stays_eager(
     assert background.child is None and background.eager_calls == 3 and not background.room
     said = capsys.readouterr().out
     assert "cuda:1 has 1.0 GiB free, under the 1.0 GiB" in said and "decoding stays eager" in said
+    # adapters synced unmerged: the child's model has none, so its step would not fit; the call compiles, no child
+    engine.model, background = torch.nn.ModuleDict({"q": torch.nn.Module()}), Background()
+    engine.model.q.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 2)})  # q.lora_A.default.weight
+    assert background.compiled_now(engine, loop, None, None) and background.child is None and background.room
 
 
 def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 
 import torch
+
+from hybridrl.lora import has_adapter
 
 
 class Background:
@@ -19,12 +22,12 @@ class Background:
 
     def __init__(self):
         self.child, self.log, self.tried, self.eager_calls = None, None, set(), 0  # tried: kinds of call a child ran
-        self.room = True  # False: the device has no room for the child, and decoding stays eager
+        self.room, self.main = True, False  # room: False where the device has none for a child (decoding stays eager)
 
     def compiled_now(self, engine, loop, sampling, warpers) -> bool:
-        """Whether this call of ``engine`` decodes compiled: a saved step passes its guards, or no child can
-        help (no compile cache, or one ran for a call of this kind and its step did not pass: the call then
-        compiles, as without background). Else a child compiles it while the call decodes eagerly."""
+        """Whether this call of ``engine`` decodes compiled: a saved step passes its guards, or no child can help
+        (no compile cache, adapters synced unmerged, or one ran for a call of this kind and its step did not pass:
+        the call then compiles, as without background). Else a child compiles it while the call decodes eagerly."""
         step, kind = engine._precompiled, (engine._graph_key(0, sampling, True), loop.rows == 1)
         if self.child is not None and self.child.poll() is not None:  # done: what it saved is loaded
             step.load()
@@ -40,7 +43,8 @@ class Background:
             self.child = self.log = None
         args = (engine.model, loop, sampling, warpers, engine._is_end, engine.pad_id)
         ready = step.fallback or any(v.guard_check(*args) for v in step.variants)
-        if ready or (self.child is None and self.room and (kind in self.tried or not step.folder)):  # it compiles
+        helps = step.folder and not has_adapter(engine.model)  # unmerged adapters: the child's model has none
+        if ready or (self.child is None and self.room and (kind in self.tried or not helps)):  # the call compiles
             return True
         if self.child is None and self.room:
             self.tried.add(kind)
@@ -50,6 +54,7 @@ class Background:
 
     def start(self, engine, loop, sampling) -> None:
         ctx, (prompt, tokens), cls = engine.ctx, loop.lengths, type(engine)
+        self.main = ctx.is_main
         need = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + 2**30  # weights, cache, context
         free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else need
         if free < need:  # a second copy of the weights would not fit beside the run's
@@ -74,13 +79,15 @@ class Background:
                   "eagerly until it is ready", flush=True)  # fmt: skip
 
     def close(self) -> None:
-        if self.child is not None and self.child.poll() is None:
-            self.child.kill()
-            self.child.wait()
+        """A child still compiling goes on: it saves the step for the next run of this model, then exits (``main``)."""
+        if self.child is not None and self.child.poll() is None and self.main:
+            print(f"rollout.compile: the background compile (process {self.child.pid}) goes on after the run: it saves "
+                  "the step for the next run of this model, then exits", flush=True)  # fmt: skip
 
 
 def main(spec: dict) -> None:
     os.nice(19)  # the run's own processes first: it compiles on what they leave idle
+    signal.alarm(900)  # and within 15 minutes, or not at all
 
     from hybridrl.components import RunContext, SamplingParams
     from hybridrl.models import load_tokenizer

@@ -419,7 +419,7 @@ class HFEngine(RolloutEngine):
         lora.load_adapter(self.model, adapter)
 
     def close(self):
-        self._background and self._background.close()  # a compiling child is stopped
+        self._background and self._background.close()  # a compiling child goes on, for the next run
         self.__dict__.pop("model", None)  # a second close is a no-op
 
 
