@@ -49,6 +49,16 @@ def test_installed_plugin_is_found_through_its_entry_point():
     assert out.returncode == 0 and out.stdout.startswith("serve (hybridrl-serve "), out.stdout + out.stderr
 
 
+def test_each_first_party_name_an_error_points_to_is_registered_by_that_distribution(monkeypatch):
+    """A name a first-party plugin registers, where that plugin is not installed, says which to install
+    (plugins.FIRST_PARTY): each such name is registered by the distribution it names (make test installs all)."""
+    registered = {(name, entry.package) for table in plugins.registry().values() for name, entry in table.items()}
+    assert {(name, home) for name, home in plugins.FIRST_PARTY.items()} <= registered
+    monkeypatch.delitem(plugins.registry()["environment"], "retry")  # as where hybridrl-agents is not installed
+    with pytest.raises(plugins.PluginError, match="'retry' comes with hybridrl-agents: pip install -e plugins/agents"):
+        plugins.lookup("environment", "retry")
+
+
 def test_plugins_text_output_names_versions():
     out = run_cli("plugins")
     assert re.search(r"^grpo \(hybridrl-algo-grpo \d+\.\d+\.\d+\) - algorithm: grpo$", out.stdout, re.M), out.stdout

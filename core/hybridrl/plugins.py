@@ -80,6 +80,7 @@ FIRST_PARTY = {
     "user_rating": "hybridrl-serve",
     "harness": "hybridrl-agents",
     "posted": "hybridrl-agents",
+    "retry": "hybridrl-agents",
     "openenv": "hybridrl-env-openenv",
     "verifiers": "hybridrl-env-verifiers",
     "wandb": "hybridrl-trackers",
