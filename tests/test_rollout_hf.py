@@ -1,6 +1,9 @@
 """The built-in hf rollout engine: grouping, logprobs that match the trainer's, weight sync, and
 its fast path (static KV cache, compiled decoding) against the plain dynamic-cache path."""
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -469,6 +472,27 @@ def test_background_compiling_without_room_for_the_child_on_the_gpu_stays_eager(
     engine.model, background = torch.nn.ModuleDict({"q": torch.nn.Module()}), Background()
     engine.model.q.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 2)})  # q.lora_A.default.weight
     assert background.compiled_now(engine, loop, None, None) and background.child is None and background.room
+
+
+def test_the_compiling_child_finds_hybridrl_where_the_run_found_it(monkeypatch, tmp_path):
+    """The child imports hybridrl from this process's sys.path (a checkout put on it by a script, as the
+    benchmarks do), not only from what the interpreter's own path has: on a GPU machine it failed with
+    'No module named hybridrl' and the run fell back to compiling in the call."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from hybridrl.builtin.hf_background import Background
+
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, env, **out: started.append(env) or SimpleNamespace())
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "checkout")])
+    ctx = SimpleNamespace(device=torch.device("cpu"), is_main=False, model_path="m", dtype=torch.float32,
+                          trust_remote_code=False)  # fmt: skip
+    options = SimpleNamespace(model_dump=lambda mode: {})
+    engine = SimpleNamespace(ctx=ctx, model=torch.nn.Linear(2, 2), options=options)
+    sampling = SamplingParams(n=1, max_tokens=4)
+    Background().start(engine, SimpleNamespace(rows=4, lengths=(8, 4)), sampling)
+    assert started[0]["PYTHONPATH"].split(os.pathsep)[-1] == str(tmp_path / "checkout")
 
 
 def test_a_sampling_setting_compiles_at_its_third_call(untied_model, tmp_path):

@@ -73,7 +73,9 @@ class Background:
         }  # fmt: skip
         self.log = tempfile.NamedTemporaryFile()  # its output, for the line that says why it failed
         command = [sys.executable, "-m", "hybridrl.builtin.hf_background", json.dumps(spec)]
-        self.child = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # hybridrl as this process has it
+        out = {"stdout": self.log, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+        self.child = subprocess.Popen(command, env=env, **out)
         if ctx.is_main:
             print("rollout.compile: compiling the decoding step in the background (a process of its own); decoding "
                   "eagerly until it is ready", flush=True)  # fmt: skip
