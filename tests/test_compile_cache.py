@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
+
+from torch._inductor.runtime import cache_dir_utils
 
 from hybridrl.compile import use_cache
 
@@ -39,7 +42,9 @@ DECODE = textwrap.dedent(
 PROBE = textwrap.dedent(
     """
     import sys, torch
-    from hybridrl.compile import use_cache
+    from torch._inductor.runtime import cache_dir_utils
+
+from hybridrl.compile import use_cache
     use_cache(sys.argv[1])
 
     def graph(dtype, cols):
@@ -71,6 +76,10 @@ def test_auto_takes_hybridrls_cache_folder_unless_torchs_variable_names_one(tmp_
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "hybridrl" / "torch-compile" / "triton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_cache("auto") == tmp_path / "mine"  # the user's variable stays
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    torchs_own = cache_dir_utils.cache_dir()  # torch's default (a folder of /tmp), which it sets at its first use
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == torchs_own  # as it did on a GPU machine before the run started
+    assert use_cache("auto") == tmp_path / "hybridrl" / "torch-compile"  # not a variable the user set: ours
     assert use_cache(str(tmp_path / "set")) == tmp_path / "set"  # a folder given in the config wins
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "set")
 
@@ -158,3 +167,24 @@ def test_the_precompiled_steps_folder_changes_with_whatever_its_guards_do_not_ch
     assert folder() == first
     (model / "config.json").write_text(config.replace("{", '{"rope_theta": 12.5, ', 1))
     assert folder() != first
+
+
+def _double(x):
+    return x * 2
+
+
+def test_a_torch_without_aot_precompile_compiles_in_each_run_and_keeps_no_folder(tmp_path, monkeypatch):
+    """torch 2.11's compiled functions have no aot_compile: the step then compiles as torch.compile does, in each
+    run, with no precompiled folder (so compile: background starts no child whose step could never load)."""
+    import torch
+
+    from hybridrl.compile import Precompiled
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: compile_(fn, **kw)(*a))  # as 2.11's
+    ctx = SimpleNamespace(model_path=str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    step = Precompiled(_double, ctx, lambda *a: None)
+    assert step.folder is None and step.fallback is not None and not step.variants
+    monkeypatch.setattr(torch, "compile", compile_)  # where torch has it: a folder in the compile cache
+    assert Precompiled(_double, ctx, lambda *a: None).folder.is_relative_to(tmp_path / "hybridrl-precompiled")

@@ -98,10 +98,19 @@ def use_cache(choice: str | None) -> Path | None:
     if choice is None:
         return None
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if choice == "auto" else None
+    given = None if given == _torchs_default() else given  # torch sets its own default at its first use
     folder = Path(given or (cache_dir() / "torch-compile" if choice == "auto" else choice)).expanduser()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
     return folder
+
+
+def _torchs_default() -> str | None:
+    with contextlib.suppress(ImportError):
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(default_cache_dir())
+    return None
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
@@ -166,6 +175,7 @@ class Precompiled:
 
         files = {Path(inspect.getsourcefile(fn)), *Path(__file__).parent.rglob("*.py")}  # fn's and hybridrl's code
         source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(files))).hexdigest()
+        aot = aot and hasattr(torch.compile(fn), "aot_compile")  # torch 2.13 has it, 2.11 not
         self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source) if aot else None
         self.fn, self.mark, self.variants, self.files = fn, mark, [], set()
         self.fallback = None if aot else torch.compile(fn)
