@@ -42,9 +42,7 @@ DECODE = textwrap.dedent(
 PROBE = textwrap.dedent(
     """
     import sys, torch
-    from torch._inductor.runtime import cache_dir_utils
-
-from hybridrl.compile import use_cache
+    from hybridrl.compile import use_cache
     use_cache(sys.argv[1])
 
     def graph(dtype, cols):
