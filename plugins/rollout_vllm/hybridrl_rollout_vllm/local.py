@@ -132,7 +132,7 @@ class LocalEngine:
                 torch.set_num_threads = _set_num_threads
         self.load_seconds = time.perf_counter() - start
         self.context = self.llm.model_config.max_model_len
-        self.adapters = Adapters(self.llm) if kw.get("enable_lora") else None
+        self.adapters = Adapters(self.llm, self.multiprocess) if kw.get("enable_lora") else None
         try:
             self.weight_sync = self._choose_weight_sync()
         except Exception:

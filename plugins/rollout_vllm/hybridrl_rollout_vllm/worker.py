@@ -59,6 +59,13 @@ class WeightReceiver:
             raise ValueError(f"Unknown weight load method '{method}'. Available: {', '.join(METHODS)}.")
         return len(bucket)
 
+    def hybridrl_add_adapter(self, request, tensors, config: dict) -> bool:
+        """Add the LoRA adapter of ``request`` from ``tensors`` (the trainer's, or safetensors bytes) and peft's
+        ``config``, without a folder: :func:`hybridrl_rollout_vllm.adapters.add_from_tensors`."""
+        from hybridrl_rollout_vllm.adapters import add_from_tensors
+
+        return add_from_tensors(self.model_runner.lora_manager, request, tensors, config)
+
     def hybridrl_load_weights_blockers(self) -> list[str]:
         """Why ``load_weights`` would not be exact on this worker; an empty list when it is.
 

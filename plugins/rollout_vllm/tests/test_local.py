@@ -451,6 +451,64 @@ def test_adapters_on_a_gpu_need_a_16_bit_engine_and_setup_says_so(model_dir, tmp
         assert why is None and kwargs["enable_lora"] and kwargs["max_lora_rank"] == 16, (dtype, on_gpu)
 
 
+def test_an_adapter_reaches_vllm_as_tensors_and_the_engine_keeps_a_copy_of_its_own(model_dir, tmp_path):
+    """An adapter sync hands vLLM's workers the trainer's tensors, no folder: the engine's greedy output is
+    the adapted model's; the trainer's tensors changing after the sync change nothing until the next one
+    (the engine cast or copied them); bytes, as workers in other processes get them, load the same; and
+    factors for a module vLLM's model has no LoRA for are refused with one line that names it."""
+    peft = pytest.importorskip("peft")
+    from hybridrl.config_sections import LoraOptions
+    from hybridrl.lora import Adapter, adapted_layer_of, adapter_config, saved_name
+
+    ctx = RunContext(
+        model_dir,
+        load_tokenizer(model_dir),
+        torch.device("cpu"),
+        torch.float32,
+        0,
+        tmp_path,
+        lora=LoraOptions(r=4, sync="adapter"),
+    )
+    cls = plugins.lookup("rollout engine", "vllm")
+    engine = cls(cls.Options(max_model_len=256), ctx)
+    model = peft.get_peft_model(
+        load_causal_lm(model_dir, torch.float32, torch.device("cpu")), peft.LoraConfig(r=4, target_modules="all-linear")
+    )
+    torch.manual_seed(0)
+    factors = {saved_name(n): p for n, p in model.named_parameters() if adapted_layer_of(n)}
+    with torch.no_grad():
+        for name, p in factors.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+
+    def sync(version):
+        engine.backend.update_adapter(Adapter(adapter_config(model), list(factors.items()), version))
+        return vllm_greedy(engine, prompts, 8)
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    try:
+        base = vllm_greedy(engine, prompts, 8)
+        with torch.no_grad():
+            adapted = hf_greedy(model, prompts, 8)
+        assert adapted != base  # the adapter changes the answers: the comparison below can fail
+        assert sync(1) == adapted
+        assert engine.backend.adapters.request.lora_path.startswith("hybridrl-tensors:")
+        with torch.no_grad():
+            for name, p in factors.items():
+                if "lora_B" in name:
+                    p.zero_()  # the trainer's tensors change in place after the sync
+        assert vllm_greedy(engine, prompts, 8) == adapted  # the engine serves what it was sent
+        engine.backend.adapters.multiprocess = True  # safetensors bytes, as for workers in other processes
+        assert sync(2) == base  # zero lora_B: the base again
+        engine.backend.adapters.multiprocess = False
+        factors["base_model.model.model.layers.0.mlp.router.lora_A.weight"] = torch.zeros(4, 128)
+        with pytest.raises(RuntimeError, match=r"vLLM did not load version 3.*factors for model.layers.0.mlp.router"):
+            sync(3)
+        assert vllm_greedy(engine, prompts, 8) == base  # the version before stays served
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_lora_policy_syncs_its_adapter_or_merged_weights_into_vllm(sync, model_dir, tmp_path, register_plugin):
     """model.lora with the vLLM engine: the engine follows the adapters, loaded as a new vLLM adapter
