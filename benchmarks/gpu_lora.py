@@ -134,7 +134,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 
 KEEP = ("reward/mean", "timing/rollout", "timing/logprobs", "timing/update", "timing/sync", "timing/step")
-KEEP += ("rollout/logprob_diff_mean", "rollout/logprob_diff_max")
+KEEP += ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "vllm/wake_weights_s")
 COLUMNS = [
     ("step", "step", "{:>4}"),
     ("reward", "reward/mean", "{:>7.4f}"),
@@ -201,6 +201,7 @@ def main(args) -> None:
         "steps": len(R["steps"]),
         **{k.split("/")[-1] + "_s": common.median(later, k) for k in KEEP[1:6]},
         "logprob_diff_mean": common.median(later, "rollout/logprob_diff_mean"),
+        "wake_weights_s": common.median(later, "vllm/wake_weights_s"),  # vLLM, sleep level 1: part of sync_s
         "logprob_diff_max": max((s.get("rollout/logprob_diff_max", 0.0) for s in R["steps"]), default=None),
         "peak_gib": max((s["peak_gib"] for s in R["steps"] if "peak_gib" in s), default=None),
         "reward_first": R["steps"][0]["reward/mean"] if R["steps"] else None,

@@ -132,7 +132,10 @@ def add_from_tensors(manager, request, tensors, config: dict) -> bool:
         tensors = list(load(tensors).items())
     models = manager._adapter_manager
     mapper = getattr(models.model, "hf_to_vllm_mapper", None)
-    mapper = mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper
+    for keeps_constituents in ("get_rename_mapper", "get_unstacked_mapper"):  # vLLM 0.32; 0.26: q_proj stays q_proj
+        if hasattr(mapper, keeps_constituents):
+            mapper = getattr(mapper, keeps_constituents)()
+            break
     expected = {
         m for module in models.supported_lora_modules for m in models.packed_modules_mapping.get(module, [module])
     }

@@ -278,7 +278,10 @@ class LocalEngine:
         # vLLM 0.32 returns whether the engine is fully awake, 0.26 returns None; the scheduler
         # resumes in both once every tag is awake, so the tags are tracked here.
         _return_cached_blocks()  # memory cached by training goes back before vLLM maps its own
+        start = time.perf_counter()
         self.llm.wake_up(tags=tags)
+        if tags == ["weights"]:  # a sync's: level 1 copies the weights back from the CPU, part of the sync's time
+            self.stats["vllm/wake_weights_s"] = time.perf_counter() - start
         self.asleep -= set(tags)
 
     def close(self) -> None:

@@ -613,7 +613,7 @@ def test_an_adapter_sync_while_vllm_sleeps_maps_the_weights_memory_first():
     """Contract of vLLM's sleep mode on a GPU (none on the CPU): sleep_level 1 unmaps the weights' memory,
     where vLLM keeps its LoRA slots too; an adapter loaded into them before the weights woke failed with
     'CUDA error: invalid argument' in set_lora (a 7B shape, one H200, vLLM 0.26). The weights wake first,
-    the KV cache at the next generate, as for a full sync."""
+    the KV cache at the next generate, as for a full sync; the wake's seconds are logged."""
     import contextlib
     from types import SimpleNamespace
 
@@ -627,5 +627,6 @@ def test_an_adapter_sync_while_vllm_sleeps_maps_the_weights_memory_first():
     engine.threads = contextlib.nullcontext
     engine.update_adapter("adapter v1")
     assert calls == [("wake_up", ["weights"]), ("load", "adapter v1")] and engine.asleep == {"kv_cache"}
+    assert engine.stats["vllm/wake_weights_s"] >= 0  # part of the sync's time, logged apart
     engine.update_adapter("adapter v2")  # awake weights: loaded as they are
     assert calls[-1] == ("load", "adapter v2") and len(calls) == 3
