@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
-PLUGINS := $(foreach p,http agents algo_grpo algo_ppo reward_hf reward_python rollout_vllm rollout_sglang migrate dashboard serve trackers tinker tenants,-e plugins/$(p))
+PLUGINS := $(foreach p,http agents algo_grpo algo_ppo reward_hf reward_python rollout_vllm rollout_sglang migrate dashboard serve export trackers tinker tenants,-e plugins/$(p))
 
 .PHONY: demo test install install-test lint
 

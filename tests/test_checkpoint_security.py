@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import yaml
-from hybridrl_testing import small_model, torchrun
+from hybridrl_testing import checkpointed_run, small_model, torchrun
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed
@@ -30,24 +30,11 @@ class Payload:
         return (os.mkdir, (self.marker,))
 
 
-def config(model, run_dir, **trainer):
-    return {
-        "model": {"path": model},
-        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32},
-        "rollout": {"engine": "hf", "n": 2, "max_tokens": 4},
-        "rewards": [{"function": "format", "pattern": "7"}],
-        "algorithm": {"name": "grpo"},
-        "trainer": {"steps": 2, "save_every": 1, "keep_last": 3, "prompts_per_step": 2, "seed": 0, "threads": 1}
-        | {"run_dir": str(run_dir), **trainer},
-        "logging": {"loggers": ["jsonl"]},
-    }
-
-
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
     """A run with checkpoints step-000001 and step-000002, copied afresh by each test."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    Trainer(build_run(load_config(data=config(tiny_model, run)))).train()
+    Trainer(build_run(load_config(data=checkpointed_run(tiny_model, run)))).train()
     return run
 
 
@@ -61,7 +48,7 @@ def run(trained, tmp_path):
 
 def resume(tiny_model, run, steps=2) -> Trainer:
     trainer = Trainer(
-        build_run(load_config(data=config(tiny_model, run, steps=steps), overrides=["trainer.resume=true"]))
+        build_run(load_config(data=checkpointed_run(tiny_model, run, steps=steps), overrides=["trainer.resume=true"]))
     )
     trainer.train()
     return trainer
@@ -136,7 +123,7 @@ def test_fsdp_metadata_may_point_only_at_files_of_its_folder(fsdp, tmp_path):
 
 
 def test_state_files_run_no_code_even_with_meta_json_rewritten(tiny_model, run, tmp_path):
-    trainer = Trainer(build_run(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"])))
+    trainer = Trainer(build_run(load_config(data=checkpointed_run(tiny_model, run), overrides=["trainer.resume=true"])))
     path = ckpt.latest_checkpoint(run)
     marker = tmp_path / "ran"
     with open(path / "state.pt", "wb") as f:
@@ -165,27 +152,11 @@ def flip_last_byte(file):
     ids=["changed", "missing", "added", "unlisted"],
 )
 def test_a_checkpoint_changed_since_its_run_wrote_it_is_refused(tiny_model, run, damage, message):
-    trainer = Trainer(build_run(load_config(data=config(tiny_model, run), overrides=["trainer.resume=true"])))
+    trainer = Trainer(build_run(load_config(data=checkpointed_run(tiny_model, run), overrides=["trainer.resume=true"])))
     path = ckpt.latest_checkpoint(run)
     damage(path)
     with pytest.raises(ckpt.CheckpointError, match=message):
         ckpt.load_checkpoint(trainer.run, trainer.stateful_components(), path)
-
-
-def test_export_refuses_a_link_in_the_checkpoint(run, tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("not the model's")
-    path = ckpt.latest_checkpoint(run).resolve()
-    (path / "policy" / "notes.txt").symlink_to(secret)
-    out = subprocess.run(
-        [sys.executable, "-m", "hybridrl.cli", "export", str(path), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
-    assert f"error: {path / 'policy' / 'notes.txt'} is a symbolic link (to {secret})" in out.stderr
-    assert "Traceback" not in out.stderr and not (tmp_path / "hf" / "notes.txt").exists()
 
 
 # -- resume: the newest checkpoint that loads ----------------------------------------------------------
@@ -219,7 +190,7 @@ def test_no_checkpoint_that_loads_is_one_error_listing_each(tiny_model, run, tmp
     for step in (1, 2):
         (run / "checkpoints" / f"step-00000{step}" / "optimizer.pt").write_bytes(b"")
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(config(tiny_model, run, steps=3)))
+    cfg.write_text(yaml.safe_dump(checkpointed_run(tiny_model, run, steps=3)))
     out = subprocess.run(
         [sys.executable, "-m", "hybridrl.cli", "train", str(cfg), "--resume"],
         capture_output=True,
@@ -238,7 +209,7 @@ def test_two_torchrun_ranks_skip_the_same_damaged_fsdp_checkpoints(tiny_model, t
     rewritten to match (so the readers are what refuse them); step 2 lost the end of rank 1's shard.
     Both ranks skip all three, also where only rank 1 failed, resume from step 1, and no payload runs."""
     run, cfg = tmp_path / "run", tmp_path / "cfg.yaml"
-    data = config(tiny_model, run, steps=4, keep_last=4)
+    data = checkpointed_run(tiny_model, run, steps=4, keep_last=4)
     data["sharding"] = {"strategy": "fsdp"}
     cfg.write_text(yaml.safe_dump(data))
     proc = torchrun(["-m", "hybridrl.cli", "train", str(cfg)])
@@ -290,7 +261,7 @@ def test_rotation_counts_only_the_runs_own_checkpoints(tmp_path):
     assert ckpt.rotate(tmp_path, 2, newest) == []  # the damaged one is not counted: nothing else to drop
 
 
-# -- full-file digests; export and eval check the checkpoint as a resume does ---------------------------
+# -- full-file digests; eval checks the checkpoint as a resume does (export too: plugins/export/tests) ----
 
 
 def test_every_file_is_listed_with_its_full_sha256_and_a_same_size_change_of_a_large_one_is_refused(
@@ -302,7 +273,7 @@ def test_every_file_is_listed_with_its_full_sha256_and_a_same_size_change_of_a_l
     from hybridrl import checkpoint_files
 
     monkeypatch.setattr(checkpoint_files, "DIGEST_MAX_BYTES", 64)
-    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
+    trainer = Trainer(build_run(load_config(data=checkpointed_run(tiny_model, tmp_path / "run"))))
     path = ckpt.save_checkpoint(trainer.run, trainer.stateful_components(), 1)
     files = json.loads((path / "meta.json").read_text())["files"]
     assert {"optimizer.pt", "state.pt", "policy/model.safetensors"} <= files.keys()
@@ -327,99 +298,12 @@ def _verifies(path, **kwargs) -> bool:
     return True
 
 
-def export(*args) -> tuple[int, str]:
-    """``hybridrl export ARGS`` in this process: its exit status and what it wrote to stderr."""
-    import contextlib
-    import io
-
-    from hybridrl.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(["export", *map(str, args)])
-    return code, err.getvalue()
-
-
-def test_export_checks_the_policy_as_a_resume_does_and_copies_a_hard_link_as_a_new_file(run, tmp_path):
-    path = ckpt.latest_checkpoint(run)
-    weights, elsewhere = path / "policy" / "model.safetensors", tmp_path / "elsewhere.safetensors"
-    os.link(weights, elsewhere)  # the same file under a name outside the checkpoint
-    code, err = export(path, tmp_path / "hf")
-    assert code == 0, err
-    copied = tmp_path / "hf" / "model.safetensors"
-    assert copied.read_bytes() == weights.read_bytes() and copied.stat().st_nlink == 1
-    assert copied.stat().st_ino not in {weights.stat().st_ino, elsewhere.stat().st_ino}
-    flip_last_byte(elsewhere)  # changed through the other name: the checkpoint's file changed with it
-    code, err = export(path, tmp_path / "hf2")
-    assert (
-        code == 2
-        and err == f"error: {weights} differs from the file its run wrote (SHA-256 in {path / 'meta.json'}).\n"
-    )
-    assert not (tmp_path / "hf2").exists() and not list(tmp_path.glob(".hf2*"))
-
-
-def test_export_onto_a_file_is_one_error_line(run, tmp_path):
-    (tmp_path / "model.bin").write_text("not a folder")
-    code, err = export(ckpt.latest_checkpoint(run), tmp_path / "model.bin")
-    assert (
-        code == 2
-        and err
-        == f"error: {tmp_path / 'model.bin'} is a file; hybridrl export writes a folder. Give a new folder's path.\n"
-    )
-
-
-def test_export_on_a_full_disk_is_one_error_line_and_leaves_no_half_written_folder(run, tmp_path, monkeypatch):
-    import errno
-    import shutil
-
-    real_copyfile = shutil.copyfile
-    copied = []
-
-    def copyfile(src, dst, **kwargs):  # the first file fits, the second fills the disk
-        if copied:
-            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
-        copied.append(real_copyfile(src, dst, **kwargs))
-        return dst
-
-    monkeypatch.setattr(shutil, "copyfile", copyfile)
-    code, err = export(ckpt.latest_checkpoint(run), tmp_path / "out" / "hf")
-    assert code == 1 and copied and err.count("\n") == 1
-    assert err.startswith(f"error: hybridrl export: {tmp_path / 'out'} is full (") and " GiB free" in err
-    assert list((tmp_path / "out").iterdir()) == []  # neither the folder nor its temporary sibling
-
-
 def test_eval_checks_the_checkpoint_it_evaluates(tiny_model, run):
     from hybridrl import evaluation
 
     path = ckpt.latest_checkpoint(run)
-    cfg = load_config(data=config(tiny_model, run))
+    cfg = load_config(data=checkpointed_run(tiny_model, run))
     assert evaluation.model_to_evaluate(cfg, str(path), None) == (f"checkpoint {path}", 2)
     flip_last_byte(path / "policy" / "config.json")
     with pytest.raises(ckpt.CheckpointError, match=re.escape(f"{path / 'policy' / 'config.json'} differs from")):
-        evaluation.model_to_evaluate(load_config(data=config(tiny_model, run)), str(path), None)
-
-
-def test_merged_export_on_a_full_disk_is_one_error_line_too(tiny_model, tmp_path, monkeypatch):
-    """``export --merged`` writes through safetensors, whose error words a full disk its own way."""
-    import json
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import PreTrainedModel
-
-    from hybridrl.checkpoint_files import META, file_list
-    from hybridrl.models import load_causal_lm, load_tokenizer
-
-    step = ckpt.checkpoint_dir(tmp_path / "run") / "step-000001"
-    model = load_causal_lm(tiny_model, torch.float32, torch.device("cpu"))
-    get_peft_model(model, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(step / "policy")
-    load_tokenizer(tiny_model).save_pretrained(step / "policy")
-    (step / META).write_text(json.dumps({"step": 1, "files": file_list(step)}))
-
-    def full(self, *args, **kwargs):  # the message safetensors gives (its SafetensorError is no OSError)
-        raise RuntimeError('Error while serializing: IoError(Os { code: 28, message: "No space left on device" })')
-
-    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
-    code, err = export(step, tmp_path / "out" / "hf", "--merged")
-    last = err.replace("\r", "\n").splitlines()[-1]  # after transformers' loading bar
-    assert code == 1 and last.startswith(f"error: hybridrl export: {tmp_path / 'out'} is full (")
-    assert list((tmp_path / "out").iterdir()) == []
+        evaluation.model_to_evaluate(load_config(data=checkpointed_run(tiny_model, run)), str(path), None)

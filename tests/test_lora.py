@@ -1,6 +1,6 @@
 """LoRA (model.lora, through peft): adapters only in the optimizer, the reference is the base with the
 adapters off, engines follow the adapter alone or the merged weights (peft's own merge, on every layer
-type it adapts), checkpoints resume exactly, export (merged too)."""
+type it adapts), checkpoints resume exactly (export, merged too: plugins/export/tests)."""
 
 import json
 import warnings
@@ -317,24 +317,6 @@ def test_the_engine_follows_adapters_on_gpt2_conv1d_layers(sync, tiny_gpt2, tmp_
     assert len(moved) == 8 and min(moved) > 1e-3  # c_attn, c_proj, c_fc, mlp.c_proj of 2 layers trained
     assert check.got == check.want
     assert metrics_rows(tmp_path / "run")[-1]["rollout/logprob_diff_max"] < 1e-4  # sampled with the trained adapters
-
-
-def test_export_writes_the_adapter_and_with_merged_the_whole_model(tiny_model, tmp_path, register_plugin):
-    from transformers import AutoModelForCausalLM
-
-    from hybridrl.checkpoint import export
-
-    register_plugin(SevensPlugin(), name="sevens")
-    trainer = Trainer(build_run(load_config(data=config(tiny_model, tmp_path / "run"))))
-    trainer.train()
-    step = tmp_path / "run" / "checkpoints" / "step-000002"
-    adapter = export(step, tmp_path / "adapter")
-    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
-    full = export(step, tmp_path / "merged", merged=True)
-    model = AutoModelForCausalLM.from_pretrained(full).state_dict()
-    want = dict(trainer.policy_tensors())
-    for key, value in model.items():
-        torch.testing.assert_close(value, want[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
 def test_target_modules_that_match_nothing_list_the_layers(tiny_model, tmp_path, register_plugin):

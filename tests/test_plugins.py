@@ -37,6 +37,8 @@ def test_installed_plugin_is_found_through_its_entry_point():
     assert infos["dashboard"]["package"] == "hybridrl-dashboard"
     assert infos["dashboard"]["registered"] == {"command": ["dashboard"]}
     assert infos["migrate"]["registered"] == {"command": ["import"]}
+    assert infos["export"]["package"] == "hybridrl-export"
+    assert infos["export"]["registered"] == {"command": ["export"]}
     assert infos["reward_python"]["registered"] == {"reward function": ["python"], "tool": ["calculator", "python"]}
     assert infos["reward_hf"]["registered"]["command"] == ["serve-reward"]
     assert infos["serve"]["package"] == "hybridrl-serve"

@@ -1,4 +1,4 @@
-"""``hybridrl train | validate | eval | export | plugins``; plugins add theirs (serve, import, dashboard)."""
+"""``hybridrl train | validate | eval | plugins``; plugins add theirs (serve, import, dashboard, export)."""
 
 from __future__ import annotations
 
@@ -70,12 +70,6 @@ def add_commands(sub) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="The JSON report; default RUN_DIR/report.json.")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="Write a checkpoint's policy as a plain Hugging Face model folder.")
-    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step-N")
-    p.add_argument("out", help="New output directory.")
-    p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in.")
-    p.set_defaults(func=cmd_export)
-
     p = sub.add_parser("plugins", help="List installed plugins, what they register and which hooks they implement.")
     p.add_argument("--json", action="store_true", help="Machine-readable output.")
     p.add_argument("--hook", help="Only the plugins that implement this hook (e.g. on_step_end).")
@@ -121,20 +115,6 @@ def cmd_eval(args) -> int:
         print(f"{model}, step {step}:")
         print(evaluation.table(results))
         print(f"report: {out}; samples: {run.run_dir / evaluation.EVAL_DIR}")
-    return 0
-
-
-def cmd_export(args) -> int:
-    from hybridrl.checkpoint import export
-
-    try:
-        out = export(Path(args.checkpoint), Path(args.out), merged=args.merged)
-    except (FileNotFoundError, FileExistsError):
-        raise
-    except OSError as e:  # a full disk, a folder that cannot be written: one line (export removed what it wrote)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}: load it with transformers' from_pretrained or serve it with vLLM")
     return 0
 
 

@@ -64,8 +64,7 @@ class LocalEngine:
     """vllm.LLM in this process; see :class:`~hybridrl_rollout_vllm.VLLMEngine` for the contract."""
 
     def __init__(self, options, ctx):
-        self.options, self.ctx = options, ctx
-        o = options
+        self.options, self.ctx, o = options, ctx, options
         # under torchrun the engine's ranks are the training processes (vLLM's external launcher):
         # an engine per rank, or one over each group of tensor_parallel_size consecutive ranks
         self.torchrun = ctx.world_size > 1
@@ -84,9 +83,7 @@ class LocalEngine:
         self.sleep_level = 0 if self.on_cpu else o.sleep_level
         if self.sleep_level == "auto":
             self.sleep_level = auto_sleep_level(o.gpu_memory_utilization, ctx)
-        self.asleep: set[str] = set()
-        self.stats: dict[str, float] = {}
-        self._warned: set[str] = set()
+        self.asleep, self.stats, self._warned = set(), {}, set()  # tags asleep; this step's figures; warnings given
         kw = dict(
             model=ctx.model_path,
             dtype=DTYPE_NAMES.get(ctx.dtype, "auto") if o.dtype == "auto" else o.dtype,
