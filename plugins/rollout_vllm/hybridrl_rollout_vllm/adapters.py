@@ -153,10 +153,11 @@ def add_from_tensors(manager, request, tensors, config: dict) -> bool:
         )
     helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
-    dtype, device = manager.lora_config.lora_dtype, tensors[0][1].device if tensors else "cpu"
+    dtype = manager.lora_config.lora_dtype
     dtype = dtype if isinstance(dtype, torch.dtype) else None
-    # copies: vLLM keeps these tensors, and the trainer's go on changing
-    owned = {n: t.detach().to(device=device, dtype=dtype or t.dtype, copy=True) for n, t in tensors}
+    # vLLM's own copy, in (pinned) CPU memory as it keeps the adapters it reads from folders: the adapters of
+    # several versions or tenants take no GPU memory beside the engine's share; the trainer's go on changing
+    owned = {n: t.detach().to(device="cpu", dtype=dtype or t.dtype, copy=True) for n, t in tensors}
 
     def from_tensors(req):
         skip = getattr(models.model, "lora_skip_prefixes", None)
@@ -164,7 +165,7 @@ def add_from_tensors(manager, request, tensors, config: dict) -> bool:
             req.lora_int_id,
             owned,
             helper,
-            device=str(device),
+            device="cpu",
             dtype=dtype,
             model_vocab_size=manager.vocab_size,
             weights_mapper=mapper,
