@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 import yaml
-from hybridrl_testing import checkpointed_run, small_model, torchrun
+from hybridrl_testing import small_model, torchrun
+from hybridrl_testing.runs import checkpointed_run
 
 from hybridrl import checkpoint as ckpt
 from hybridrl import distributed

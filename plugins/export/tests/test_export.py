@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 from hybridrl_export.export import export
-from hybridrl_testing import SevensPlugin, checkpointed_run
+from hybridrl_testing import SevensPlugin
+from hybridrl_testing.runs import checkpointed_run
 
 from hybridrl import checkpoint as ckpt
 from hybridrl.cli import main

@@ -429,20 +429,6 @@ def raw_request(url: str, method: str, path: str, body: bytes | None = None, hea
     return response.status, reply, response.headers
 
 
-def checkpointed_run(model, run_dir, **trainer) -> dict:
-    """A two-step GRPO run of ``model`` on the hf engine that saves a checkpoint every step (``trainer``: overrides)."""
-    return {
-        "model": {"path": model},
-        "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32},
-        "rollout": {"engine": "hf", "n": 2, "max_tokens": 4},
-        "rewards": [{"function": "format", "pattern": "7"}],
-        "algorithm": {"name": "grpo"},
-        "trainer": {"steps": 2, "save_every": 1, "keep_last": 3, "prompts_per_step": 2, "seed": 0, "threads": 1}
-        | {"run_dir": str(run_dir), **trainer},
-        "logging": {"loggers": ["jsonl"]},
-    }
-
-
 def metrics_rows(run_dir) -> list[dict]:
     """A run's ``metrics.jsonl``, a dict a row (a logged step)."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
