@@ -3,9 +3,10 @@
 The engine starts with LoRA on (``enable_lora``, ``max_lora_rank`` the smallest rank vLLM allows
 at or above ``model.lora.r``) where the run will sync adapters and vLLM can serve them for the
 model. Each sync hands the adapter's tensors to the workers (by reference in this process, as
-safetensors bytes to workers in other processes), which cast them to vLLM's LoRA dtype and add them
-to their LoRA manager as a new adapter, with a new name and id: no folder is written or read (a
-folder made each sync cost 0.9 s at a 7B shape, rank 32, on an H100). vLLM caches adapters by id and
+safetensors bytes to workers in other processes), which copy them in vLLM's LoRA dtype to CPU memory,
+where vLLM keeps the adapters it reads from folders, and add them to their LoRA manager as a new
+adapter, with a new name and id: no folder is written or read (a folder made each sync cost 0.9 s at a
+7B shape, rank 32, on an H100). vLLM caches adapters by id and
 prompts by name, so a version never reuses another's. It is added before any generate asks for it,
 and the one before it of the same name is removed: in this process nothing is in flight during a
 sync. Adapters of several names (``hybridrl tenants``: ``model.lora.adapters`` of them) stay loaded
