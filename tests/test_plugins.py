@@ -61,6 +61,21 @@ def test_each_first_party_name_an_error_points_to_is_registered_by_that_distribu
         plugins.lookup("environment", "retry")
 
 
+def test_a_first_party_command_without_its_plugin_says_which_to_install():
+    """Each command of plugins.FIRST_PARTY_COMMANDS is registered by the distribution it names (make test installs
+    all); where that plugin is not loaded, the command says which to install, not argparse's 'invalid choice'."""
+    infos = json.loads(run_cli("plugins", "--json").stdout)
+    registered = {(c, i["package"]) for i in infos for c in i.get("registered", {}).get("command", [])}
+    assert set(plugins.FIRST_PARTY_COMMANDS.items()) <= registered
+    alone = {"HYBRIDRL_LOAD_PLUGINS": ""}  # no entry-point plugin loads: the core alone
+    out = run_cli("export", "step-000010", "out", env=alone)
+    assert out.returncode == 2 and "'export' comes with hybridrl-export: pip install -e plugins/export" in out.stderr
+    out = run_cli("serve-reward", "cfg.yaml", env=alone)
+    assert "pip install -e plugins/reward_hf" in out.stderr, out.stderr
+    out = run_cli("exprot", env=alone)  # no command of any plugin: argparse lists the choices
+    assert out.returncode == 2 and "invalid choice: 'exprot'" in out.stderr and "comes with" not in out.stderr
+
+
 def test_plugins_text_output_names_versions():
     out = run_cli("plugins")
     assert re.search(r"^grpo \(hybridrl-algo-grpo \d+\.\d+\.\d+\) - algorithm: grpo$", out.stdout, re.M), out.stdout

@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)
     plugins.get_plugin_manager().hook.register_commands(subparsers=sub)
+    asked = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    if asked in plugins.FIRST_PARTY_COMMANDS and asked not in sub.choices:  # its plugin is not installed
+        parser.exit(2, f"hybridrl: {plugins.install_hint(asked, plugins.FIRST_PARTY_COMMANDS[asked])}\n")
     args, extra = parser.parse_known_args(argv)
     # overrides may come after options (hybridrl train CFG --resume trainer.run_dir=DIR), which
     # argparse leaves over once the positionals are filled

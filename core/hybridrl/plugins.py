@@ -86,6 +86,20 @@ FIRST_PARTY = {
     "wandb": "hybridrl-trackers",
     "tensorboard": "hybridrl-trackers",
 }
+# the first-party plugins' commands: where one is missing, hybridrl COMMAND says which to install
+FIRST_PARTY_COMMANDS = {
+    "serve": "hybridrl-serve",
+    "import": "hybridrl-migrate",
+    "dashboard": "hybridrl-dashboard",
+    "export": "hybridrl-export",
+    "tinker": "hybridrl-tinker",
+    "tenants": "hybridrl-tenants",
+    "serve-reward": "hybridrl-reward-hf",
+}
+
+
+def install_hint(name: str, home: str) -> str:
+    return f"'{name}' comes with {home}: pip install -e plugins/{home[9:].replace('-', '_')}."
 
 
 class PluginError(Exception):
@@ -213,7 +227,7 @@ def lookup(kind: str, name: str) -> type:
         key = KINDS[kind].yaml_key
         choices = ", ".join(sorted(table)) or "(none installed)"
         home = FIRST_PARTY.get(name)
-        install = f" '{name}' comes with {home}: pip install -e plugins/{home[9:].replace('-', '_')}." if home else ""
+        install = f" {install_hint(name, home)}" if home else ""
         raise PluginError(
             f"Unknown {kind} '{name}' ({key}).{did_you_mean(name, table)} Available: {choices}.{install} "
             "Run 'hybridrl plugins' to see installed plugins."
