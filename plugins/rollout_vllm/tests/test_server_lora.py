@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hybridrl_http.client import post_json
 from hybridrl_rollout_vllm.testing import cpu_server
 from hybridrl_testing import SevensPlugin, metrics_rows
 
@@ -107,7 +108,10 @@ def test_adapters_load_beside_the_one_requests_in_flight_use_which_serves_them_t
 ):
     """Syncs of adapters while requests run: each request is served to its end by the adapter it started
     on (its tokens say so, and their logprobs are that adapter's), which stays loaded while they run
-    although two newer ones came, and goes once nothing uses it."""
+    although two newer ones came, and goes once nothing uses it. The server's scheduler is paused between
+    two decoding steps while the syncs land (vLLM's /pause?mode=keep, as syncs of full weights in flight
+    pause it), so that the requests are still running then however loaded the machine is: CI once
+    finished them during the two syncs."""
     engine = make_engine(model_dir, tmp_path, base_url=lora_server)
     single = SimpleNamespace(full_tensors=lambda m, keep: ((n, t) for n, t in m.state_dict().items() if keep(n)))
     policies = [lora_policy(model_dir, seed) for seed in (1, 2, 3)]
@@ -122,9 +126,14 @@ def test_adapters_load_beside_the_one_requests_in_flight_use_which_serves_them_t
     thread.start()
     while generated_tokens(lora_server) < before + 8 * 20 and thread.is_alive():
         time.sleep(0.005)
-    for version, policy in ((2, policies[1]), (3, policies[2])):  # two syncs while the requests run
-        engine.update_adapter(lora.adapter(single, policy, version))
-    loaded_meanwhile = served(lora_server)
+    assert thread.is_alive()  # 20 of each request's 160 tokens sampled
+    post_json(f"{lora_server}/pause?mode=keep", None, component="test")
+    try:
+        for version, policy in ((2, policies[1]), (3, policies[2])):  # two syncs while the requests run
+            engine.update_adapter(lora.adapter(single, policy, version))
+        loaded_meanwhile = served(lora_server)
+    finally:
+        post_json(f"{lora_server}/resume", None, component="test")
     thread.join()
     out = done["out"]
     assert [len(t) for t in out.token_ids] == [160] * 8  # none aborted or cut
