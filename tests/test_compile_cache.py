@@ -186,3 +186,49 @@ def test_a_torch_without_aot_precompile_compiles_in_each_run_and_keeps_no_folder
     assert step.folder is None and step.fallback is not None and not step.variants
     monkeypatch.setattr(torch, "compile", compile_)  # where torch has it: a folder in the compile cache
     assert Precompiled(_double, ctx, lambda *a: None).folder.is_relative_to(tmp_path / "hybridrl-precompiled")
+
+
+def test_compile_auto_compiles_a_run_of_any_length_once_an_earlier_run_saved_its_step_precompiled(
+    tiny_model, tmp_path, capsys, monkeypatch
+):
+    """A run whose first step saved the decoding step precompiled marks the compile cache so: a later run
+    of the model with the same engine options compiles under auto whatever its length (the step loads in
+    about a second, 1.0 s on an H100); a run that compiled without saving, or other engine options, or
+    an adapter on the model, keep the rule by planned tokens."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from hybridrl import compile as compile_module
+    from hybridrl.builtin.hf_fast_path import compile_pays
+    from hybridrl.components import RunContext
+    from hybridrl.config import LoraOptions
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_module, "_pending", {})
+    monkeypatch.setattr(compile_module, "_saved", set())
+    monkeypatch.setattr(compile_module, "compile_seconds", lambda: 40.0)  # each run's first step compiled
+    ctx = RunContext(tiny_model, None, torch.device("cuda"), torch.float32, 0, tmp_path)
+    short = dataclasses.replace(ctx, steps=10, responses_per_call=8, response_tokens=64)  # 5,120 tokens
+    assert not compile_pays("auto", short, "{}")
+    assert compile_pays("on", short, "{}")
+    compile_module.remember_compiled()  # its step compiled and was not saved
+    (marker,) = (tmp_path / "cache" / "hybridrl-compiled").iterdir()
+    assert json.loads(marker.read_text())["precompiled"] is False
+    assert not compile_pays("auto", short, "{}")  # inductor's cache alone: still the rule by tokens
+
+    assert compile_pays("on", short, "{}")  # the next run compiles and saves its step
+    cpu = dataclasses.replace(ctx, device=torch.device("cpu"))
+    step = compile_module.Precompiled(_double, cpu, lambda *a: None, ("rollout.compile", "{}"))
+    assert step(torch.arange(3.0)).tolist() == [0.0, 2.0, 4.0] and step.variants
+    compile_module.remember_compiled()
+    assert json.loads(marker.read_text())["precompiled"] is True
+    capsys.readouterr()
+    assert compile_pays("auto", short, "{}")
+    said = capsys.readouterr().out
+    assert "rollout.compile auto: on, as the run finds the step an earlier run of this model precompiled" in said
+    assert not compile_pays("auto", short, '{"fuse_projections": "off"}')
+    assert not compile_pays("auto", dataclasses.replace(short, lora=LoraOptions()), "{}")
+    assert not compile_pays("auto", dataclasses.replace(short, dtype=torch.bfloat16), "{}")
+    assert not compile_pays("auto", dataclasses.replace(short, device=torch.device("cpu")), "{}")  # CPU: eager

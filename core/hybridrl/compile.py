@@ -22,26 +22,31 @@ from hybridrl.models import find_blocks
 
 # A second run of a model shape loads what the first compiled from the compile cache: the hf engine's
 # decoding on the real task took 13.6 s at step 1 where the first run compiled for 47.8 s (2026-12-06, one
-# H100, trainer.compile_cache), so with the cache warm compiling pays back after about 0.3 of the tokens
+# H100, trainer.compile_cache), so with the cache warm compiling pays back after about 0.3 of the tokens.
+# A step saved precompiled (torch 2.13) loads instead: 1.0 s at step 1 against 42.4 s, and that step 1
+# took 1.45 s against eager's 3.8 s (2026-12-08, one H100), so auto then compiles for any run length.
 WARM_SHARE = 0.3
 SAVED_VARIANTS = 8  # files of a precompiled step kept for one key (a variant: a sampling setting, one row)
 _pending: dict[str, Path] = {}  # option -> the marker written once a step has compiled under it
+_saved: set[str] = set()  # the options whose step this run saved precompiled (Precompiled)
 
 
-def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int, counted: str) -> bool:
+def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int, counted: str, key=()) -> bool:
     """Whether a ``compile`` option (``option``, e.g. ``sharding.compile``) set to ``choice`` compiles:
     on and off say so; auto compiles on a CUDA device when the run's ``planned`` tokens (None: no
     planned end) reach ``threshold``, about what a first step's compiling costs in eager tokens, or
-    ``WARM_SHARE`` of it where the compile cache holds what an earlier run of this model shape
-    compiled (:func:`remember_compiled`); it says on the main rank what it chose and why
-    (``counted``: what the planned tokens are)."""
-    marker = _keyed("hybridrl-compiled", ctx, option) if ctx.device.type == "cuda" else None
+    ``WARM_SHARE`` of it where the compile cache holds what an earlier run of this model shape (and
+    ``key``, the option's own settings) compiled (:func:`remember_compiled`), and whatever the run's
+    length where that run saved its step precompiled (:class:`Precompiled`: it loads in about a second);
+    it says on the main rank what it chose and why (``counted``: what the planned tokens are)."""
+    marker = _keyed("hybridrl-compiled", ctx, option, *key, _code()) if ctx.device.type == "cuda" else None
     marker = marker and marker.with_suffix(".json")  # only predicts a short compile: torch keys each graph
     warm = marker is not None and marker.is_file()
+    loads = warm and _read(marker).get("precompiled") is True
     cache = (
         f" (the compile cache holds what an earlier run of this model compiled: {marker.parent.parent})" if warm else ""
     )
-    threshold = int(threshold * WARM_SHARE) if warm else threshold
+    threshold = 0 if loads else int(threshold * WARM_SHARE) if warm else threshold
     if choice != "auto":
         on = choice == "on"
     elif ctx.device.type != "cuda":
@@ -50,6 +55,7 @@ def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int
         on = True
         if ctx.is_main:
             why = "has no planned end" if planned is None else f"plans about {planned:,} {counted}"
+            why = "finds the step an earlier run of this model precompiled, which loads in seconds" if loads else why
             print(f"{option} auto: on, as the run {why}{cache}: the first step compiles; set {option}: off to stay "
                   "eager", flush=True)  # fmt: skip
     else:
@@ -60,9 +66,27 @@ def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int
                 f"back compiling{cache}; set {option}: on to compile anyway",
                 flush=True,
             )
-    if on and marker is not None and not warm:
+    if on and marker is not None and not loads:
         _pending[option] = marker
     return on
+
+
+def _read(marker: Path) -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(marker.read_text())
+    return {}
+
+
+@functools.cache
+def _hybridrl_code() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.rglob("*.py")))).hexdigest()
+
+
+def _code() -> str:
+    """hybridrl's code and transformers' version: in the key of whatever compiled code is kept for later runs."""
+    import transformers
+
+    return f"{_hybridrl_code()}-{transformers.__version__}"
 
 
 def _keyed(kind: str, ctx, *parts) -> Path | None:
@@ -84,8 +108,10 @@ def remember_compiled() -> None:
     if compile_seconds() > 0:
         for option, marker in _pending.items():
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"option": option, "torch": torch.__version__, "at": time.time()}) + "\n")
+            saved = {"option": option, "torch": torch.__version__, "at": time.time(), "precompiled": option in _saved}
+            marker.write_text(json.dumps(saved) + "\n")
     _pending.clear()
+    _saved.clear()
 
 
 def use_cache(choice: str | None) -> Path | None:
@@ -95,6 +121,7 @@ def use_cache(choice: str | None) -> Path | None:
     from hybridrl.models import cache_dir
 
     _pending.clear()  # a new run: what an earlier one was to mark is not this one's
+    _saved.clear()
     if choice is None:
         return None
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if choice == "auto" else None
@@ -161,22 +188,21 @@ def _rows_dynamic(compiled, eager):
 
 class Precompiled:
     """``fn`` compiled whole ahead of time (torch's AOT precompile), each variant saved in the compile
-    cache, keyed by the model (:func:`_keyed`), ``key``, ``fn``'s and hybridrl's code and transformers,
-    for the next run to load without tracing, which inductor's cache does not keep: a second run compiled the hf
-    engine's decoding for 14.0 s, 10.4 s of it tracing; loaded, 3.0 s (SmolLM2, 2 CPU cores). A call
-    runs the first variant whose guards (shapes, dtypes, constants read) pass, else compiles one,
-    ``mark(True, *args)`` marking dynamic dimensions for that alone. Where ``fn`` cannot be compiled
-    whole or saved (or not ``aot``), it compiles as torch.compile does, in each run."""
+    cache, keyed by the model (:func:`_keyed`), ``key`` (the option first: a run that saved a step marks
+    it so, for :func:`pays_back`), ``fn``'s and hybridrl's code and transformers, for the next run to load
+    without tracing, which inductor's cache does not keep: a second run compiled the hf engine's
+    decoding for 14.0 s, 10.4 s of it tracing; loaded, 3.0 s (SmolLM2, 2 CPU cores; 1.0 s on an H100).
+    A call runs the first variant whose guards (shapes, dtypes, constants read) pass, else compiles
+    one, ``mark(True, *args)`` marking dynamic dimensions for that alone. Where ``fn`` cannot be
+    compiled whole or saved (or not ``aot``), it compiles as torch.compile does, in each run."""
 
     def __init__(self, fn, ctx, mark, key: tuple = (), aot: bool = True):
         import inspect
 
-        import transformers
-
-        files = {Path(inspect.getsourcefile(fn)), *Path(__file__).parent.rglob("*.py")}  # fn's and hybridrl's code
-        source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(files))).hexdigest()
+        source = hashlib.sha256(Path(inspect.getsourcefile(fn)).read_bytes()).hexdigest()  # fn's code
         aot = aot and hasattr(torch.compile(fn), "aot_compile")  # torch 2.13 has it, 2.11 not
-        self.folder = _keyed("hybridrl-precompiled", ctx, *key, transformers.__version__, source) if aot else None
+        self.folder = _keyed("hybridrl-precompiled", ctx, *key, _code(), source) if aot else None
+        self.option = key[0] if key else None
         self.fn, self.mark, self.variants, self.files = fn, mark, [], set()
         self.fallback = None if aot else torch.compile(fn)
         self.load()
@@ -206,6 +232,7 @@ class Precompiled:
                     self.folder.mkdir(parents=True, exist_ok=True)  # again (Phi-3's) must not fill the disk
                     self.files.add(name := f"{os.getpid()}-{time.time_ns()}.aot")
                     variant.save_compiled_function(str(self.folder / name))
+                    _saved.add(self.option)
             except Exception as e:  # noqa: BLE001 - a graph break, a guard torch cannot save, an older torch
                 why = (str(e).strip().splitlines() or [""])[0][:160]
                 print(f"note: {self.fn.__name__} cannot be precompiled ({type(e).__name__}: {why}); it compiles "

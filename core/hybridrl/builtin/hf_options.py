@@ -28,8 +28,10 @@ class HFEngineOptions(Options):
         description="Compile each decoding step (mask, forward, sampling) with torch.compile, replayed as CUDA "
         "graphs on CUDA (graph_tokens); needs the static cache. 'auto': on with the static cache on CUDA when the run "
         "plans at least two million response tokens (trainer.steps x responses x max_tokens: what pays back about a "
-        "minute of compiling), off elsewhere. It compiles once (rows and prompt widths share the step), at step 1. "
-        "'background': a process of its own compiles it while calls decode eagerly (the same samples; hf/eager_calls).",
+        "minute of compiling), or whatever its length where an earlier run of the model with these options saved the "
+        "step precompiled (it loads in about a second), off elsewhere. It compiles once (rows and prompt widths share "
+        "the step), at step 1. 'background': a process of its own compiles it while calls decode eagerly (the same "
+        "samples; hf/eager_calls).",
     )
     compact_rows: bool = Field(
         True,

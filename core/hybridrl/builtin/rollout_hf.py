@@ -85,7 +85,7 @@ class HFEngine(RolloutEngine):
         # bitsandbytes' layers decode on the default path: the fast path's fused and captured steps take plain weights
         static = o.cache == "static" or (o.cache == "auto" and (cuda or o.compile in ("on", "background")))
         self.static = static and quantize == "none"
-        self.compile = self.static and compile_pays(o.compile.replace("background", "on"), ctx)
+        self.compile = self.static and compile_pays(o.compile.replace("background", "on"), ctx, self._key_options(o))
         self.pad_multiple = o.pad_prompts_to_multiple or (STATIC_PAD_MULTIPLE if self.static else 1)
         dtype = engine_dtype(o.dtype, ctx.dtype, ctx.device)
         dtype = ctx.dtype if quantize != "none" else dtype  # the policy's compute dtype over the same quantized base
@@ -246,10 +246,9 @@ class HFEngine(RolloutEngine):
             allow_recompiles()  # a graph for each prompt width and sampling setting
             own = type(self)._sample is HFEngine._sample  # a subclass's own sampling: compiled in each run
             mark = lambda on, model, loop, *_: loop.mark_dynamic(on)  # noqa: E731 - rows dynamic; graphs: _run_steps
-            options = self.options.model_dump_json(exclude={"compile", "compile_after", "graph_tokens", "batch_size"})
-            key = ("rollout.compile", options, lora.has_adapter(self.model))  # what the engine changed in the model
-            step = self._precompiled = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changes (fusions,
-            self._compile_s += step.load_s  # adapters) in the key; loaded from the compile cache: this run's compiling
+            key = ("rollout.compile", self._key_options(self.options), lora.has_adapter(self.model))  # what the engine
+            step = self._precompiled = Precompiled(decode_step, self.ctx, mark, key, aot=own)  # changed in the model
+            self._compile_s += step.load_s  # (fusions, adapters) in the key; loading it: this run's compiling
             extra = () if own else (self._sample,)
             self._compiled_step = lambda loop, s, w: step(self.model, loop, s, w, self._is_end, self.pad_id, *extra)
 
@@ -296,6 +295,11 @@ class HFEngine(RolloutEngine):
             first.smaller[rows] = DecodeState(self.model, rows, *first.lengths, self.pad_id, first.done.device)
             self._graphs.loops += 1
         return first.smaller[rows]
+
+    @staticmethod
+    def _key_options(options) -> str:
+        """The engine's options that change its compiled step, for the keys of the step kept for later runs."""
+        return options.model_dump_json(exclude={"compile", "compile_after", "graph_tokens", "batch_size"})
 
     @staticmethod
     def _graph_key(steps: int, sampling, compiled: bool) -> tuple:
