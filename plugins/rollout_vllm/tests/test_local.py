@@ -451,10 +451,22 @@ def test_adapters_on_a_gpu_need_a_16_bit_engine_and_setup_says_so(model_dir, tmp
         assert why is None and kwargs["enable_lora"] and kwargs["max_lora_rank"] == 16, (dtype, on_gpu)
 
 
+def _held_adapter_memory(worker) -> set[int]:
+    """Where the LoRA factors of the adapters a vLLM worker keeps (its LoRA manager's registry) are in memory."""
+    models = worker.model_runner.lora_manager._adapter_manager._registered_adapters.values()
+    factors = [t for m in models for w in m.loras.values() for f in (w.lora_a, w.lora_b) for t in _listed(f)]
+    return {t.untyped_storage().data_ptr() for t in factors if t is not None}
+
+
+def _listed(f) -> list:
+    return f if isinstance(f, list) else [f]
+
+
 def test_an_adapter_reaches_vllm_as_tensors_and_the_engine_keeps_a_copy_of_its_own(model_dir, tmp_path):
     """An adapter sync hands vLLM's workers the trainer's tensors, no folder: the engine's greedy output is
     the adapted model's; the trainer's tensors changing after the sync change nothing until the next one
-    (the engine cast or copied them); bytes, as workers in other processes get them, load the same; and
+    (the engine copied them: vLLM keeps them to activate the adapter again, and shares no memory with the
+    trainer's); bytes, as workers in other processes get them, load the same; and
     factors for a module vLLM's model has no LoRA for are refused with one line that names it."""
     peft = pytest.importorskip("peft")
     from hybridrl.config_sections import LoraOptions
@@ -493,6 +505,8 @@ def test_an_adapter_reaches_vllm_as_tensors_and_the_engine_keeps_a_copy_of_its_o
         assert adapted != base  # the adapter changes the answers: the comparison below can fail
         assert sync(1) == adapted
         assert engine.backend.adapters.request.lora_path.startswith("hybridrl-tensors:")
+        held = engine.backend.llm.collective_rpc(_held_adapter_memory)[0]  # what vLLM re-activates an adapter from
+        assert held and not held & {p.untyped_storage().data_ptr() for p in factors.values()}
         with torch.no_grad():
             for name, p in factors.items():
                 if "lora_B" in name:
