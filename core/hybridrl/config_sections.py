@@ -230,8 +230,8 @@ class TrainerConfig(Strict):
         "decoding step), kept across runs: a run of a model shape compiled before loads them (keyed by torch, "
         "shapes, dtypes and settings; the step also by the model, transformers and hybridrl's code). "
         "auto: TORCHINDUCTOR_CACHE_DIR where set, else <HYBRIDRL_CACHE or ~/.cache/hybridrl>/torch-compile; "
-        "null: torch's default, a folder of /tmp. With it warm for the model, compile: auto compiles shorter runs "
-        "(docs/performance.md).",
+        "null: torch's default, a folder of /tmp. With it warm for the model, compile: auto compiles shorter runs, "
+        "and rollout.compile: auto a run of any length where the decoding step was saved (docs/performance.md).",
     )
     cudnn_attention: bool = Field(
         False,
