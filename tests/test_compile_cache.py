@@ -228,6 +228,7 @@ def test_compile_auto_compiles_a_run_of_any_length_once_an_earlier_run_saved_its
     assert compile_pays("auto", short, "{}")
     said = capsys.readouterr().out
     assert "rollout.compile auto: on, as the run finds the step an earlier run of this model precompiled" in said
+    assert "the first step loads it" in said
     assert not compile_pays("auto", short, '{"fuse_projections": "off"}')
     assert not compile_pays("auto", dataclasses.replace(short, lora=LoraOptions()), "{}")
     assert not compile_pays("auto", dataclasses.replace(short, dtype=torch.bfloat16), "{}")

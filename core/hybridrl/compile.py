@@ -55,8 +55,9 @@ def pays_back(choice: str, option: str, ctx, planned: int | None, threshold: int
         on = True
         if ctx.is_main:
             why = "has no planned end" if planned is None else f"plans about {planned:,} {counted}"
-            why = "finds the step an earlier run of this model precompiled, which loads in seconds" if loads else why
-            print(f"{option} auto: on, as the run {why}{cache}: the first step compiles; set {option}: off to stay "
+            why = "finds the step an earlier run of this model precompiled" if loads else why
+            first = "loads it" if loads else "compiles"
+            print(f"{option} auto: on, as the run {why}{cache}: the first step {first}; set {option}: off to stay "
                   "eager", flush=True)  # fmt: skip
     else:
         on = False
