@@ -194,23 +194,25 @@ def test_compile_auto_compiles_a_run_of_any_length_once_an_earlier_run_saved_its
     """A run whose first step saved the decoding step precompiled marks the compile cache so: a later run
     of the model with the same engine options compiles under auto whatever its length (the step loads in
     about a second, 1.0 s on an H100); a run that compiled without saving, or other engine options, or
-    an adapter on the model, keep the rule by planned tokens."""
+    an adapter on the model, or other sampling settings (a variant each), keep the rule by planned tokens."""
     import dataclasses
     import json
 
     import torch
 
     from hybridrl import compile as compile_module
-    from hybridrl.builtin.hf_fast_path import compile_pays
+    from hybridrl.builtin.hf_fast_path import COMPILE_PAYS_TOKENS, compile_pays
     from hybridrl.components import RunContext
     from hybridrl.config import LoraOptions
+    from hybridrl.sampling import Sampling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compile_module, "_pending", {})
     monkeypatch.setattr(compile_module, "_saved", set())
     monkeypatch.setattr(compile_module, "compile_seconds", lambda: 40.0)  # each run's first step compiled
     ctx = RunContext(tiny_model, None, torch.device("cuda"), torch.float32, 0, tmp_path)
-    short = dataclasses.replace(ctx, steps=10, responses_per_call=8, response_tokens=64)  # 5,120 tokens
+    short = dataclasses.replace(ctx, steps=10, responses_per_call=8, response_tokens=64, sampling=Sampling())
+    assert 10 * 8 * 64 < compile_module.WARM_SHARE * COMPILE_PAYS_TOKENS  # a short run, even with the cache warm
     assert not compile_pays("auto", short, "{}")
     assert compile_pays("on", short, "{}")
     compile_module.remember_compiled()  # its step compiled and was not saved
@@ -232,4 +234,5 @@ def test_compile_auto_compiles_a_run_of_any_length_once_an_earlier_run_saved_its
     assert not compile_pays("auto", short, '{"fuse_projections": "off"}')
     assert not compile_pays("auto", dataclasses.replace(short, lora=LoraOptions()), "{}")
     assert not compile_pays("auto", dataclasses.replace(short, dtype=torch.bfloat16), "{}")
+    assert not compile_pays("auto", dataclasses.replace(short, sampling=Sampling(temperature=0.7)), "{}")
     assert not compile_pays("auto", dataclasses.replace(short, device=torch.device("cpu")), "{}")  # CPU: eager

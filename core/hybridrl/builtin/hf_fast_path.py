@@ -29,11 +29,13 @@ COMPILE_PAYS_TOKENS = 2_000_000
 def compile_pays(choice: str, ctx, options: str = "") -> bool:
     """Whether rollout.compile ``choice`` compiles decoding; auto: on CUDA when the run plans at least
     ``COMPILE_PAYS_TOKENS`` response tokens (steps x responses per call x max tokens), or has no
-    planned end (``ctx.steps`` None), or an earlier run of the model with these engine ``options`` saved
-    its step precompiled (a second run); said once where it does not."""
+    planned end (``ctx.steps`` None), or an earlier run of the model with these engine ``options`` and
+    sampling settings saved its step precompiled (a second run); said once where it does not."""
     planned = ctx.steps * (ctx.responses_per_call or 0) * (ctx.response_tokens or 0) if ctx.steps else None
     counted = "response tokens (trainer.steps x responses x rollout.max_tokens)"
-    return pays_back(choice, "rollout.compile", ctx, planned, COMPILE_PAYS_TOKENS, counted, (options, bool(ctx.lora)))
+    sampling = ctx.sampling and ctx.sampling.model_dump_json(exclude={"n", "stop"})  # a variant per setting
+    key = (options, bool(ctx.lora), sampling)
+    return pays_back(choice, "rollout.compile", ctx, planned, COMPILE_PAYS_TOKENS, counted, key)
 
 
 def keeps_prompt_width(compiled: bool, static: bool, cuda: bool, graph_tokens: int) -> bool:
